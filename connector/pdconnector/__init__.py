@@ -1,0 +1,1 @@
+"""pd-operator data plane: KV layout, transfer protocol, transports, vLLM connector, router and mock engine."""

@@ -1,0 +1,1 @@
+"""pd-operator control plane: API, rendering, reconciliation and the pdctl CLI."""

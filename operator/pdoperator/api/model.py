@@ -1,0 +1,437 @@
+"""The PDService spec and status: the one source of truth for the API.
+
+Everything else about the API is derived from these models: the CRD's OpenAPI
+schema (``pdoperator.api.schema``), defaulting, and the structural half of
+validation. Every field carries a description because ``kubectl explain`` shows
+it to users. Field names are camelCase on the wire (Kubernetes convention) and
+snake_case in Python.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "inference.pdoperator.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PDService"
+PLURAL = "pdservices"
+SINGULAR = "pdservice"
+SHORT_NAMES = ("pds",)
+
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_ROUTER_PORT = 8000
+DEFAULT_ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0"
+
+
+class ApiModel(BaseModel):
+    """Base for every API object: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=False,
+        validate_default=True,
+    )
+
+
+# ---------------------------------------------------------------- enums
+
+
+class Mode(str, Enum):
+    PUSH = "push"
+    PULL = "pull"
+
+
+class Architecture(str, Enum):
+    DENSE = "dense"
+    HYBRID_SSM = "hybrid-ssm"
+
+
+class SSMFamily(str, Enum):
+    MAMBA2 = "mamba2"
+    MAMBA1 = "mamba1"
+    GDN = "gdn"
+
+
+class ConvStateLayout(str, Enum):
+    DS = "DS"
+    SD = "SD"
+
+
+class DType(str, Enum):
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class Runtime(str, Enum):
+    VLLM = "vllm"
+    MOCK = "mock"
+
+
+class ConnectorImpl(str, Enum):
+    BUILTIN = "builtin"
+    VLLM = "vllm"
+
+
+class TransportBackend(str, Enum):
+    LIBFABRIC = "LIBFABRIC"
+    UCX = "UCX"
+    MOCK = "mock"
+
+
+class KVLoadFailurePolicy(str, Enum):
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+class RoutingPolicy(str, Enum):
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+
+class Phase(str, Enum):
+    PENDING = "Pending"
+    PROGRESSING = "Progressing"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    INVALID = "Invalid"
+
+
+class ConditionType(str, Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SPEC_VALID = "SpecValid"
+    KV_TRANSFER_VERIFIED = "KVTransferVerified"
+
+
+class ConditionStatus(str, Enum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+# ---------------------------------------------------------------- references
+
+# Names of Kubernetes objects (RFC 1123 subdomain) and env var names.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENV_VAR_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+class SecretKeyRef(ApiModel):
+    """A key inside a Secret in the PDService's namespace."""
+
+    name: Annotated[str, Field(description="Name of the Secret.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+    key: Annotated[str, Field(description="Key inside the Secret whose value is used.", min_length=1, max_length=253)]
+
+
+# ---------------------------------------------------------------- model
+
+
+class HuggingFaceSource(ApiModel):
+    """Download the model from the Hugging Face Hub at start-up."""
+
+    token_secret_ref: Annotated[
+        SecretKeyRef | None,
+        Field(description="Secret key holding a Hugging Face token (HF_TOKEN), for gated or private models."),
+    ] = None
+
+
+class PVCSource(ApiModel):
+    """Load the model from a PersistentVolumeClaim mounted read-only into every engine pod."""
+
+    claim_name: Annotated[
+        str, Field(description="Name of the PersistentVolumeClaim holding the weights.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    ]
+    path: Annotated[
+        str,
+        Field(
+            description="Directory of the model inside the volume, relative to its root.",
+            min_length=1,
+            max_length=1024,
+            pattern=r"^[^/].*$",
+        ),
+    ]
+
+
+class ModelSource(ApiModel):
+    """Where the weights come from: exactly one of huggingFace or pvc."""
+
+    hugging_face: Annotated[HuggingFaceSource | None, Field(description="Download from the Hugging Face Hub.")] = None
+    pvc: Annotated[PVCSource | None, Field(description="Load from a PersistentVolumeClaim.")] = None
+
+
+class ModelSpec(ApiModel):
+    """The model both roles serve."""
+
+    name: Annotated[
+        str,
+        Field(description="Hugging Face model id (org/name) or, with source.pvc, a display name.", min_length=1, max_length=256),
+    ]
+    served_name: Annotated[
+        str | None,
+        Field(description="Model name clients send in requests (defaults to name).", min_length=1, max_length=256),
+    ] = None
+    dtype: Annotated[DType, Field(description="Weight and activation dtype passed to vLLM --dtype.")] = DType.AUTO
+    max_model_len: Annotated[
+        int | None,
+        Field(description="Maximum context length in tokens (vLLM --max-model-len); unset uses the model's own.", ge=16, le=10_485_760),
+    ] = None
+    architecture: Annotated[
+        Architecture,
+        Field(description="dense: attention-only KV cache. hybrid-ssm: attention plus Mamba/GDN state layers (requires spec.ssm)."),
+    ] = Architecture.DENSE
+    source: Annotated[
+        ModelSource,
+        Field(description="Where the weights come from; defaults to downloading from the Hugging Face Hub."),
+    ] = Field(default_factory=ModelSource)
+
+
+class SSMSpec(ApiModel):
+    """State-space layers of a hybrid model and how their state crosses the wire."""
+
+    family: Annotated[
+        SSMFamily,
+        Field(description="Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state) or gdn (gated delta net, Q/K/V conv)."),
+    ]
+    conv_state_layout: Annotated[
+        ConvStateLayout,
+        Field(
+            description=(
+                "Memory layout of the convolution state (VLLM_SSM_CONV_STATE_LAYOUT). DS keeps each TP shard of x, B and C "
+                "contiguous so it moves as three descriptors; required when prefill and decode TP differ."
+            )
+        ),
+    ] = ConvStateLayout.DS
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration (core/v1 Toleration)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    key: Annotated[str | None, Field(description="Taint key the toleration applies to.")] = None
+    operator: Annotated[str | None, Field(description="Exists or Equal.", pattern=r"^(Exists|Equal)$")] = None
+    value: Annotated[str | None, Field(description="Taint value the toleration matches.")] = None
+    effect: Annotated[
+        str | None, Field(description="NoSchedule, PreferNoSchedule or NoExecute.", pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
+    ] = None
+    toleration_seconds: Annotated[int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)] = None
+
+
+class EnvVar(ApiModel):
+    """An environment variable with a literal value (core/v1 EnvVar without valueFrom)."""
+
+    name: Annotated[str, Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_VAR_NAME)]
+    value: Annotated[str, Field(description="Variable value.", max_length=32768)] = ""
+
+
+class RoleResources(ApiModel):
+    """Compute resources of one engine pod."""
+
+    gpus: Annotated[
+        int | None,
+        Field(description="nvidia.com/gpu per pod; defaults to the role's tensorParallelSize. 0 for CPU or mock engines.", ge=0, le=64),
+    ] = None
+    cpu: Annotated[str | None, Field(description="CPU request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
+    memory: Annotated[str | None, Field(description="Memory request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
+    shm_size: Annotated[
+        str, Field(description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the default 64Mi).", pattern=QUANTITY)
+    ] = "16Gi"
+
+
+class RoleSpec(ApiModel):
+    """One role of the disaggregated service: prefill or decode engines."""
+
+    replicas: Annotated[int, Field(description="Number of engine pods of this role.", ge=0, le=1024)] = 1
+    tensor_parallel_size: Annotated[
+        int, Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64)
+    ] = 1
+    resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(default_factory=RoleResources)
+    max_num_seqs: Annotated[int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)] = None
+    enable_prefix_caching: Annotated[
+        bool | None,
+        Field(description="Prefix caching on this role; unset lets the operator choose (off on decode for hybrid models)."),
+    ] = None
+    node_selector: Annotated[dict[str, str], Field(description="Node labels the pods must match.")] = Field(default_factory=dict)
+    tolerations: Annotated[list[Toleration], Field(description="Tolerations of the pods.", max_length=64)] = Field(default_factory=list)
+    affinity: Annotated[
+        dict[str, Any] | None,
+        Field(
+            description="Pod affinity (core/v1 Affinity); merged with the prefill/decode host anti-affinity the operator adds when EFA is on.",
+            json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        ),
+    ] = None
+    extra_args: Annotated[
+        list[Annotated[str, Field(max_length=4096)]],
+        Field(description="Extra command-line arguments appended to the engine's command line.", max_length=128),
+    ] = Field(default_factory=list)
+    env: Annotated[list[EnvVar], Field(description="Extra environment variables of the engine container.", max_length=128)] = Field(
+        default_factory=list
+    )
+    image: Annotated[str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)] = (
+        None
+    )
+
+
+class TransportSpec(ApiModel):
+    """How KV blocks move between prefill and decode."""
+
+    backend: Annotated[
+        TransportBackend,
+        Field(
+            description=(
+                "NIXL backend: LIBFABRIC (EFA RDMA; required with network.efa), UCX (TCP/RDMA NICs), or mock "
+                "(bytes over TCP, for clusters without GPUs; requires engine.runtime mock)."
+            )
+        ),
+    ] = TransportBackend.UCX
+
+
+class EngineSpec(ApiModel):
+    """The inference engine both roles run."""
+
+    runtime: Annotated[
+        Runtime,
+        Field(description="vllm: the vLLM OpenAI server. mock: the pd-mock-engine stand-in for GPU-free clusters."),
+    ] = Runtime.VLLM
+    image: Annotated[str, Field(description="Engine container image.", min_length=1, max_length=512)] = DEFAULT_ENGINE_IMAGE
+    connector: Annotated[
+        ConnectorImpl,
+        Field(description="builtin: pd-operator's KV connector. vllm: upstream vLLM's NixlConnector (pull) or NixlPushConnector (push)."),
+    ] = ConnectorImpl.BUILTIN
+    transport: Annotated[TransportSpec, Field(description="KV transfer transport.")] = Field(default_factory=TransportSpec)
+    side_channel_port: Annotated[
+        int, Field(description="Port of the connector's side channel (handshake and metadata exchange).", ge=1024, le=65535)
+    ] = DEFAULT_SIDE_CHANNEL_PORT
+    prefill_engine_id: Annotated[
+        str | None,
+        Field(
+            description=(
+                "Fixed engine id of the prefill engines. Required for push mode with the upstream connector, which cannot "
+                "learn per-pod ids; the builtin connector derives ids from pod names."
+            ),
+            min_length=1,
+            max_length=128,
+            pattern=r"^[A-Za-z0-9][-_.A-Za-z0-9]*$",
+        ),
+    ] = None
+    kv_load_failure_policy: Annotated[
+        KVLoadFailurePolicy,
+        Field(description="What decode does when KV cannot be received: fail the request, or recompute the prompt locally."),
+    ] = KVLoadFailurePolicy.FAIL
+    transfer_timeout_seconds: Annotated[
+        int, Field(description="Deadline for one KV transfer, after which both sides free the blocks and the request fails.", ge=1, le=3600)
+    ] = 60
+
+
+class EFASpec(ApiModel):
+    """AWS Elastic Fabric Adapter (RDMA) for KV transfer."""
+
+    enabled: Annotated[bool, Field(description="Request EFA devices and configure libfabric for RDMA.")] = False
+    prefill_devices: Annotated[int, Field(description="vpc.amazonaws.com/efa devices per prefill pod.", ge=0, le=64)] = 0
+    decode_devices: Annotated[int, Field(description="vpc.amazonaws.com/efa devices per decode pod.", ge=0, le=64)] = 0
+    hugepages: Annotated[str, Field(description="hugepages-2Mi per engine pod (libfabric buffers).", pattern=QUANTITY)] = "5Gi"
+    privileged: Annotated[
+        bool,
+        Field(description="Run engine containers privileged (some GPU-memory registrations need it); otherwise only IPC_LOCK is added."),
+    ] = False
+
+
+class NetworkSpec(ApiModel):
+    """Networking of the engine pods."""
+
+    efa: Annotated[EFASpec, Field(description="AWS EFA settings.")] = Field(default_factory=EFASpec)
+
+
+class RouterSpec(ApiModel):
+    """The OpenAI-compatible router in front of both roles."""
+
+    replicas: Annotated[int, Field(description="Router pods.", ge=0, le=64)] = 1
+    port: Annotated[int, Field(description="Port the router Service listens on.", ge=1, le=65535)] = DEFAULT_ROUTER_PORT
+    policy: Annotated[RoutingPolicy, Field(description="Backend selection within each role.")] = RoutingPolicy.LEAST_LOADED
+    api_key_secret_ref: Annotated[
+        SecretKeyRef | None, Field(description="Secret key holding the Bearer API key clients must send; unset disables auth.")
+    ] = None
+    image: Annotated[str | None, Field(description="Router image; defaults to the operator's configured router image.", min_length=1, max_length=512)] = (
+        None
+    )
+
+
+class PDServiceSpec(ApiModel):
+    """Desired state of a prefill/decode disaggregated vLLM service."""
+
+    mode: Annotated[
+        Mode,
+        Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
+    ] = Mode.PUSH
+    model: Annotated[ModelSpec, Field(description="The served model.")]
+    ssm: Annotated[SSMSpec | None, Field(description="State-space layers; required when model.architecture is hybrid-ssm.")] = None
+    prefill: Annotated[RoleSpec, Field(description="Prefill engines.")] = Field(default_factory=RoleSpec)
+    decode: Annotated[RoleSpec, Field(description="Decode engines.")] = Field(default_factory=RoleSpec)
+    engine: Annotated[EngineSpec, Field(description="Engine image, KV connector and transport.")] = Field(default_factory=EngineSpec)
+    network: Annotated[NetworkSpec, Field(description="Pod networking (EFA).")] = Field(default_factory=NetworkSpec)
+    router: Annotated[RouterSpec, Field(description="The router in front of both roles.")] = Field(default_factory=RouterSpec)
+
+
+# ---------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition (metav1.Condition)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    type: Annotated[ConditionType, Field(description="Ready, Progressing, Degraded, SpecValid or KVTransferVerified.")]
+    status: Annotated[ConditionStatus, Field(description="True, False or Unknown.")]
+    reason: Annotated[str, Field(description="CamelCase reason for the last transition.", max_length=1024)] = ""
+    message: Annotated[str, Field(description="Human-readable detail.", max_length=32768)] = ""
+    last_transition_time: Annotated[str | None, Field(description="When status last changed (RFC 3339).")] = None
+    observed_generation: Annotated[int | None, Field(description="Generation the condition was computed for.", ge=0)] = None
+
+
+class RoleStatus(ApiModel):
+    """Replica counts of one role."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    desired_replicas: Annotated[int, Field(description="Replicas the spec asks for.", ge=0)] = 0
+    ready_replicas: Annotated[int, Field(description="Replicas ready to serve.", ge=0)] = 0
+    summary: Annotated[str, Field(description="ready/desired, shown by kubectl get.")] = "0/0"
+
+
+class PDServiceStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    phase: Annotated[Phase, Field(description="Pending, Progressing, Ready, Degraded or Invalid.")] = Phase.PENDING
+    observed_generation: Annotated[int | None, Field(description="metadata.generation the status describes.", ge=0)] = None
+    prefill: Annotated[RoleStatus, Field(description="Prefill replicas.")] = Field(default_factory=RoleStatus)
+    decode: Annotated[RoleStatus, Field(description="Decode replicas.")] = Field(default_factory=RoleStatus)
+    router: Annotated[RoleStatus, Field(description="Router replicas.")] = Field(default_factory=RoleStatus)
+    router_endpoint: Annotated[str | None, Field(description="In-cluster URL of the router's OpenAI API.")] = None
+    conditions: Annotated[list[Condition], Field(description="Ready, Progressing, Degraded, SpecValid, KVTransferVerified.")] = Field(
+        default_factory=list
+    )
+
+
+class PDService(BaseModel):
+    """A parsed PDService object: the metadata the operator needs plus the typed spec."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    namespace: str
+    spec: PDServiceSpec
+    generation: int = 1
+    uid: str = ""
