@@ -150,7 +150,8 @@ class PVCSource(ApiModel):
     """Load the model from a PersistentVolumeClaim mounted read-only into every engine pod."""
 
     claim_name: Annotated[
-        str, Field(description="Name of the PersistentVolumeClaim holding the weights.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+        str,
+        Field(description="Name of the PersistentVolumeClaim holding the weights.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN),
     ]
     path: Annotated[
         str,
@@ -201,7 +202,9 @@ class SSMSpec(ApiModel):
 
     family: Annotated[
         SSMFamily,
-        Field(description="Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state) or gdn (gated delta net, Q/K/V conv)."),
+        Field(
+            description="Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state) or gdn (gated delta net, Q/K/V conv)."
+        ),
     ]
     conv_state_layout: Annotated[
         ConvStateLayout,
@@ -245,7 +248,8 @@ class RoleResources(ApiModel):
     cpu: Annotated[str | None, Field(description="CPU request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
     memory: Annotated[str | None, Field(description="Memory request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
     shm_size: Annotated[
-        str, Field(description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the default 64Mi).", pattern=QUANTITY)
+        str,
+        Field(description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the default 64Mi).", pattern=QUANTITY),
     ] = "16Gi"
 
 
@@ -257,7 +261,9 @@ class RoleSpec(ApiModel):
         int, Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64)
     ] = 1
     resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(default_factory=RoleResources)
-    max_num_seqs: Annotated[int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)] = None
+    max_num_seqs: Annotated[
+        int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)
+    ] = None
     enable_prefix_caching: Annotated[
         bool | None,
         Field(description="Prefix caching on this role; unset lets the operator choose (off on decode for hybrid models)."),
@@ -278,9 +284,9 @@ class RoleSpec(ApiModel):
     env: Annotated[list[EnvVar], Field(description="Extra environment variables of the engine container.", max_length=128)] = Field(
         default_factory=list
     )
-    image: Annotated[str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)] = (
-        None
-    )
+    image: Annotated[
+        str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)
+    ] = None
 
 
 class TransportSpec(ApiModel):
@@ -362,9 +368,9 @@ class RouterSpec(ApiModel):
     api_key_secret_ref: Annotated[
         SecretKeyRef | None, Field(description="Secret key holding the Bearer API key clients must send; unset disables auth.")
     ] = None
-    image: Annotated[str | None, Field(description="Router image; defaults to the operator's configured router image.", min_length=1, max_length=512)] = (
-        None
-    )
+    image: Annotated[
+        str | None, Field(description="Router image; defaults to the operator's configured router image.", min_length=1, max_length=512)
+    ] = None
 
 
 class PDServiceSpec(ApiModel):
@@ -372,7 +378,9 @@ class PDServiceSpec(ApiModel):
 
     mode: Annotated[
         Mode,
-        Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
+        Field(
+            description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."
+        ),
     ] = Mode.PUSH
     model: Annotated[ModelSpec, Field(description="The served model.")]
     ssm: Annotated[SSMSpec | None, Field(description="State-space layers; required when model.architecture is hybrid-ssm.")] = None
