@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 TRANSFER_ID_KEY = "transfer_id"
@@ -30,7 +30,7 @@ TRANSFER_MODE_KEY = "transfer_mode"
 RECEIVED_KEY = "pd_received"
 
 
-class TransferMode(str, Enum):
+class TransferMode(StrEnum):
     PUSH = "push"
     PULL = "pull"
 

@@ -9,7 +9,7 @@ snake_case in Python.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,61 +43,61 @@ class ApiModel(BaseModel):
 # ---------------------------------------------------------------- enums
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     PUSH = "push"
     PULL = "pull"
 
 
-class Architecture(str, Enum):
+class Architecture(StrEnum):
     DENSE = "dense"
     HYBRID_SSM = "hybrid-ssm"
 
 
-class SSMFamily(str, Enum):
+class SSMFamily(StrEnum):
     MAMBA2 = "mamba2"
     MAMBA1 = "mamba1"
     GDN = "gdn"
 
 
-class ConvStateLayout(str, Enum):
+class ConvStateLayout(StrEnum):
     DS = "DS"
     SD = "SD"
 
 
-class DType(str, Enum):
+class DType(StrEnum):
     AUTO = "auto"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     FLOAT32 = "float32"
 
 
-class Runtime(str, Enum):
+class Runtime(StrEnum):
     VLLM = "vllm"
     MOCK = "mock"
 
 
-class ConnectorImpl(str, Enum):
+class ConnectorImpl(StrEnum):
     BUILTIN = "builtin"
     VLLM = "vllm"
 
 
-class TransportBackend(str, Enum):
+class TransportBackend(StrEnum):
     LIBFABRIC = "LIBFABRIC"
     UCX = "UCX"
     MOCK = "mock"
 
 
-class KVLoadFailurePolicy(str, Enum):
+class KVLoadFailurePolicy(StrEnum):
     FAIL = "fail"
     RECOMPUTE = "recompute"
 
 
-class RoutingPolicy(str, Enum):
+class RoutingPolicy(StrEnum):
     LEAST_LOADED = "least-loaded"
     ROUND_ROBIN = "round-robin"
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     PENDING = "Pending"
     PROGRESSING = "Progressing"
     READY = "Ready"
@@ -105,7 +105,7 @@ class Phase(str, Enum):
     INVALID = "Invalid"
 
 
-class ConditionType(str, Enum):
+class ConditionType(StrEnum):
     READY = "Ready"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
@@ -113,7 +113,7 @@ class ConditionType(str, Enum):
     KV_TRANSFER_VERIFIED = "KVTransferVerified"
 
 
-class ConditionStatus(str, Enum):
+class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"
     UNKNOWN = "Unknown"
@@ -257,13 +257,9 @@ class RoleSpec(ApiModel):
     """One role of the disaggregated service: prefill or decode engines."""
 
     replicas: Annotated[int, Field(description="Number of engine pods of this role.", ge=0, le=1024)] = 1
-    tensor_parallel_size: Annotated[
-        int, Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64)
-    ] = 1
+    tensor_parallel_size: Annotated[int, Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64)] = 1
     resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(default_factory=RoleResources)
-    max_num_seqs: Annotated[
-        int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)
-    ] = None
+    max_num_seqs: Annotated[int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)] = None
     enable_prefix_caching: Annotated[
         bool | None,
         Field(description="Prefix caching on this role; unset lets the operator choose (off on decode for hybrid models)."),
@@ -284,9 +280,7 @@ class RoleSpec(ApiModel):
     env: Annotated[list[EnvVar], Field(description="Extra environment variables of the engine container.", max_length=128)] = Field(
         default_factory=list
     )
-    image: Annotated[
-        str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)
-    ] = None
+    image: Annotated[str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)] = None
 
 
 class TransportSpec(ApiModel):
@@ -378,9 +372,7 @@ class PDServiceSpec(ApiModel):
 
     mode: Annotated[
         Mode,
-        Field(
-            description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."
-        ),
+        Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
     ] = Mode.PUSH
     model: Annotated[ModelSpec, Field(description="The served model.")]
     ssm: Annotated[SSMSpec | None, Field(description="State-space layers; required when model.architecture is hybrid-ssm.")] = None
