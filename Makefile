@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+TOOLS  := .cache/k8s-tools/bin/helm
 
 .PHONY: demo test lint crd golden clean
 
@@ -15,10 +16,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# Real kubectl and helm binaries for the operator and chart tests.
+$(TOOLS): scripts/fetch-k8s-tools.sh
+	scripts/fetch-k8s-tools.sh
+
 demo: $(STAMP)
 	$(BIN)/pdctl demo
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
@@ -29,6 +34,7 @@ lint: $(STAMP)
 
 crd: $(STAMP)
 	$(BIN)/pdctl crd > crds/pdservices.inference.pdoperator.dev.yaml
+	cp crds/pdservices.inference.pdoperator.dev.yaml charts/pd-operator/crds/
 
 golden: $(STAMP)
 	PD_UPDATE_GOLDEN=1 $(BIN)/python -m pytest tests/pdoperator/render -q
