@@ -1,0 +1,61 @@
+"""KV/SSM memory model and descriptor planning, independent of vLLM and NIXL (numpy only).
+
+``model`` describes what a model stores, ``regions`` how one TP rank lays it out under
+vLLM's hybrid allocator, ``plan`` which byte runs a prefill rank writes into a decode rank,
+``accounting`` how many bytes that is compared with whole-page transfers.
+"""
+
+from pdconnector.layout.accounting import TransferVolume, format_volume_table, transfer_volume, transfer_volume_table
+from pdconnector.layout.model import (
+    AttentionLayout,
+    AttentionSpec,
+    ConvLayout,
+    ConvProjection,
+    LayerKind,
+    ModelSpec,
+    Segment,
+    SsmFamily,
+    SsmSpec,
+    hybrid_block_size,
+    model_from_hf_config,
+)
+from pdconnector.layout.plan import (
+    TransferPlan,
+    check_compatible,
+    expected_notifications,
+    plan_transfer,
+    shard_pieces,
+    targets_for,
+    writers_for,
+)
+from pdconnector.layout.regions import KVGroup, PageSchema, RankLayout, Region, group_layers
+
+__all__ = [
+    "AttentionLayout",
+    "AttentionSpec",
+    "ConvLayout",
+    "ConvProjection",
+    "KVGroup",
+    "LayerKind",
+    "ModelSpec",
+    "PageSchema",
+    "RankLayout",
+    "Region",
+    "Segment",
+    "SsmFamily",
+    "SsmSpec",
+    "TransferPlan",
+    "TransferVolume",
+    "check_compatible",
+    "expected_notifications",
+    "format_volume_table",
+    "group_layers",
+    "hybrid_block_size",
+    "model_from_hf_config",
+    "plan_transfer",
+    "shard_pieces",
+    "targets_for",
+    "transfer_volume",
+    "transfer_volume_table",
+    "writers_for",
+]

@@ -20,7 +20,9 @@ which the router counts for the operator's KVTransferVerified condition.
 
 from __future__ import annotations
 
+import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -28,6 +30,11 @@ from typing import Any
 TRANSFER_ID_KEY = "transfer_id"
 TRANSFER_MODE_KEY = "transfer_mode"
 RECEIVED_KEY = "pd_received"
+
+# Shared with the wire messages: ids travel in NIXL notifications and log lines, so keep them short and plain.
+TRANSFER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+ENGINE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$"
+HOST_PATTERN = r"^[A-Za-z0-9.:\[\]%_-]{1,255}$"
 
 
 class TransferMode(StrEnum):
@@ -80,3 +87,102 @@ def pull_decode_leg_params(prefill_response_params: dict[str, Any], transfer_id:
     params[TRANSFER_ID_KEY] = transfer_id
     params[TRANSFER_MODE_KEY] = TransferMode.PULL.value
     return params
+
+
+class EngineRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TransferParamsError(ValueError):
+    """``kv_transfer_params`` the router sent are unusable; ``key`` names the offending entry."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"kv_transfer_params[{key!r}]: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Typed view of one leg's ``kv_transfer_params``.
+
+    ``remote`` is set on decode legs (the prefill engine to register with or read from);
+    ``remote_block_ids`` (one tuple per KV group) only on pull decode legs.
+    """
+
+    mode: TransferMode
+    role: EngineRole
+    transfer_id: str
+    remote: PrefillCoordinates | None = None
+    remote_block_ids: tuple[tuple[int, ...], ...] | None = None
+
+
+def _flag(params: Mapping[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise TransferParamsError(key, f"expected a boolean, got {type(value).__name__}")
+    return value
+
+
+def _matching_str(params: Mapping[str, Any], key: str, pattern: str) -> str:
+    if key not in params:
+        raise TransferParamsError(key, "missing")
+    value = params[key]
+    if not isinstance(value, str):
+        raise TransferParamsError(key, f"expected a string, got {type(value).__name__}")
+    if not re.fullmatch(pattern, value):
+        raise TransferParamsError(key, f"{value[:64]!r} does not match {pattern}")
+    return value
+
+
+def _int_in(params: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    if key not in params:
+        raise TransferParamsError(key, "missing")
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TransferParamsError(key, f"expected an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise TransferParamsError(key, f"{value} outside [{low}, {high}]")
+    return value
+
+
+def _block_ids(params: Mapping[str, Any], key: str) -> tuple[tuple[int, ...], ...]:
+    """Per-group block ids; a flat list (older upstream format) is one group."""
+    if key not in params:
+        raise TransferParamsError(key, "missing")
+    value = params[key]
+    if not isinstance(value, list | tuple):
+        raise TransferParamsError(key, f"expected a list, got {type(value).__name__}")
+    groups = value if value and all(isinstance(group, list | tuple) for group in value) else [value]
+    for group in groups:
+        for block in group:
+            if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+                raise TransferParamsError(key, f"block ids must be non-negative integers, got {block!r}")
+    return tuple(tuple(group) for group in groups)
+
+
+def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
+    """Validate the router's ``kv_transfer_params`` for one leg; errors name the offending key."""
+    if not isinstance(params, Mapping):
+        raise TransferParamsError("kv_transfer_params", f"expected an object, got {type(params).__name__}")
+    remote_decode = _flag(params, "do_remote_decode")
+    remote_prefill = _flag(params, "do_remote_prefill")
+    if remote_decode == remote_prefill:
+        raise TransferParamsError("do_remote_prefill", "exactly one of do_remote_prefill and do_remote_decode must be true")
+    raw_mode = params.get(TRANSFER_MODE_KEY, TransferMode.PULL.value)
+    try:
+        mode = TransferMode(raw_mode)
+    except ValueError:
+        raise TransferParamsError(TRANSFER_MODE_KEY, f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}") from None
+    transfer_id = _matching_str(params, TRANSFER_ID_KEY, TRANSFER_ID_PATTERN)
+    if remote_decode:
+        return TransferRequest(mode=mode, role=EngineRole.PREFILL, transfer_id=transfer_id)
+    remote = PrefillCoordinates(
+        engine_id=_matching_str(params, "remote_engine_id", ENGINE_ID_PATTERN),
+        host=_matching_str(params, "remote_host", HOST_PATTERN),
+        side_channel_port=_int_in(params, "remote_port", 1, 65535),
+        tp_size=_int_in(params, "tp_size", 1, 1024),
+    )
+    block_ids = _block_ids(params, "remote_block_ids") if mode is TransferMode.PULL else None
+    return TransferRequest(mode=mode, role=EngineRole.DECODE, transfer_id=transfer_id, remote=remote, remote_block_ids=block_ids)
