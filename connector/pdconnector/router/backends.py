@@ -1,0 +1,110 @@
+"""The router's view of its engines: what each backend is, and its live state (health, outstanding requests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pdconnector.protocol.params import PrefillCoordinates
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One engine instance as configured or discovered: stable name plus where to reach it."""
+
+    name: str
+    role: Role
+    host: str
+    http_port: int
+    engine_id: str
+    compat_hash: str | None = None
+    side_channel_port: int | None = None
+    tp_size: int = 1
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.http_port}"
+
+    def prefill_coordinates(self) -> PrefillCoordinates:
+        if self.role is not Role.PREFILL or self.side_channel_port is None:
+            raise ValueError(f"backend {self.name} is not a prefill engine with a side-channel port")
+        return PrefillCoordinates(engine_id=self.engine_id, host=self.host, side_channel_port=self.side_channel_port, tp_size=self.tp_size)
+
+
+@dataclass
+class Backend:
+    """A backend's spec and the router's live knowledge of it."""
+
+    spec: BackendSpec
+    healthy: bool = True
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    served: int = 0
+    advertised_compat: str | None = None  # what the engine itself reports on /health, when it does
+
+    @property
+    def compat_hash(self) -> str | None:
+        return self.advertised_compat or self.spec.compat_hash
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def compatible_with(self, other: Backend) -> bool:
+        """Pair only engines whose compatibility hashes agree, when both advertise one."""
+        mine, theirs = self.compat_hash, other.compat_hash
+        return mine is None or theirs is None or mine == theirs
+
+    def status(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "role": self.spec.role.value,
+            "url": self.spec.base_url,
+            "engine_id": self.spec.engine_id,
+            "compat_hash": self.compat_hash,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "last_error": self.last_error,
+        }
+
+
+class BackendPool:
+    """All backends by role; replacing the spec set keeps the live state of backends that stay."""
+
+    def __init__(self) -> None:
+        self._backends: dict[str, Backend] = {}
+
+    def replace(self, specs: Iterable[BackendSpec]) -> None:
+        fresh: dict[str, Backend] = {}
+        for spec in specs:
+            key = f"{spec.role.value}/{spec.name}"
+            known = self._backends.get(key)
+            if known is not None and known.spec == spec:
+                fresh[key] = known
+            elif known is not None:
+                # Same instance, new address or coordinates: keep counters, health is re-checked on the next probe.
+                fresh[key] = Backend(spec=spec, healthy=known.healthy, outstanding=known.outstanding, served=known.served)
+            else:
+                fresh[key] = Backend(spec=spec)
+        self._backends = fresh
+
+    def all(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def by_role(self, role: Role) -> list[Backend]:
+        return [b for b in self._backends.values() if b.spec.role is role]
+
+    def healthy(self, role: Role) -> list[Backend]:
+        return [b for b in self.by_role(role) if b.healthy]
+
+    def is_ready(self) -> bool:
+        return bool(self.healthy(Role.PREFILL)) and bool(self.healthy(Role.DECODE))

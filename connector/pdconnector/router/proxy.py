@@ -1,0 +1,439 @@
+"""The request path: pick a prefill and a decode engine, run both legs, relay decode's answer to the client.
+
+Pull and push-sequential run the legs one after the other; push runs them concurrently so decode registers its
+blocks while prefill computes. Connect errors are retried on other backends as long as no byte reached the client;
+everything else becomes an OpenAI-style error (or, mid-stream, an SSE error event). A cancelled client request
+cancels both legs, which closes their connections so the engines abort and free their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdconnector.protocol.params import (
+    RECEIVED_KEY,
+    TRANSFER_FAILED_CODES,
+    TransferMode,
+    mint_transfer_id,
+    prefill_leg_params,
+    pull_decode_leg_params,
+    push_decode_leg_params,
+)
+from pdconnector.router import errors
+from pdconnector.router.backends import Backend, BackendPool, Role
+from pdconnector.router.health import eject_now
+from pdconnector.router.legs import EventStream, FailureKind, LegError, SseEvent, call_json, cancel_and_wait, open_stream
+from pdconnector.router.metrics import RouterMetrics
+from pdconnector.router.selection import Selector
+from pdconnector.router.status import TransferLedger
+from pdconnector.router.validation import ClientRequest
+
+log = logging.getLogger(__name__)
+
+
+class Dispatch(StrEnum):
+    PULL = "pull"
+    PUSH = "push"
+    PUSH_SEQUENTIAL = "push-sequential"  # only to show in benchmarks what concurrency buys
+
+
+@dataclass(frozen=True)
+class DispatchSettings:
+    dispatch: Dispatch = Dispatch.PUSH
+    prefill_timeout_s: float = 60.0
+    decode_first_byte_timeout_s: float = 120.0
+    total_timeout_s: float = 600.0
+    max_attempts: int = 3
+
+
+@dataclass
+class DecodeStarted:
+    """Decode's answer has begun: a whole JSON body, or a stream whose first event has arrived."""
+
+    backend: Backend
+    body: dict[str, Any] | None = None
+    raw: bytes = b""
+    stream: EventStream | None = None
+    events: AsyncIterator[SseEvent] | None = None
+    first_event: SseEvent | None = None
+
+
+@dataclass
+class Exchange:
+    """One client request in flight: chosen backends, transfer id, and everything to release at the end."""
+
+    request_id: str
+    started_at: float
+    prefill: Backend | None = None
+    decode: Backend | None = None
+    transfer_id: str = ""
+    failed: set[str] = field(default_factory=set)
+    pending_prefill: asyncio.Task[Any] | None = None
+
+    def headers(self) -> dict[str, str]:
+        headers = {"X-Request-Id": self.request_id}
+        if self.prefill is not None:
+            headers["x-pd-prefill"] = self.prefill.name
+        if self.decode is not None:
+            headers["x-pd-decode"] = self.decode.name
+        if self.transfer_id:
+            headers["x-pd-transfer-id"] = self.transfer_id
+        return headers
+
+
+def _prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    body = {k: v for k, v in client_body.items() if k not in ("stream", "stream_options", "min_tokens", "max_completion_tokens")}
+    body["max_tokens"] = 1
+    body["stream"] = False
+    body["kv_transfer_params"] = params
+    return body
+
+
+def _decode_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    return {**client_body, "kv_transfer_params": params}
+
+
+def _confirmed(payload: dict[str, Any] | None) -> bool:
+    params = payload.get("kv_transfer_params") if payload else None
+    return isinstance(params, dict) and bool(params.get(RECEIVED_KEY))
+
+
+def _stream_error(payload: dict[str, Any] | None) -> dict[str, Any] | None:
+    error = payload.get("error") if payload else None
+    return error if isinstance(error, dict) else None
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        pool: BackendPool,
+        selectors: dict[Role, Selector],
+        session: aiohttp.ClientSession,
+        settings: DispatchSettings,
+        metrics: RouterMetrics,
+        ledger: TransferLedger,
+    ) -> None:
+        self.pool = pool
+        self.selectors = selectors
+        self.session = session
+        self.settings = settings
+        self.metrics = metrics
+        self.ledger = ledger
+
+    # --- selection -------------------------------------------------------------------------------------------
+    def _candidates(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> list[Backend]:
+        found = [b for b in self.pool.healthy(role) if b.name not in exchange.failed]
+        return [b for b in found if partner is None or b.compatible_with(partner)]
+
+    def _pick(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> Backend:
+        candidates = self._candidates(role, exchange, partner)
+        if partner is None:
+            # Only engines that have a compatible partner can serve a whole request.
+            other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+            candidates = [b for b in candidates if self._candidates(other, exchange, b)]
+        chosen = self.selectors[role].pick(candidates)
+        if chosen is None:
+            raise errors.no_backend(role.value)
+        return chosen
+
+    def _enter(self, backend: Backend) -> None:
+        backend.outstanding += 1
+        self.metrics.in_flight.labels(backend.spec.role.value, backend.name).inc()
+
+    def _leave(self, backend: Backend) -> None:
+        backend.outstanding -= 1
+        self.metrics.in_flight.labels(backend.spec.role.value, backend.name).dec()
+
+    @contextlib.contextmanager
+    def _occupy(self, backend: Backend) -> Iterator[None]:
+        self._enter(backend)
+        try:
+            yield
+        finally:
+            self._leave(backend)
+
+    # --- legs --------------------------------------------------------------------------------------------------
+    async def _prefill_leg(self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange) -> dict[str, Any]:
+        body = _prefill_body(request.body, params)
+        with self._occupy(backend):
+            try:
+                async with asyncio.timeout(self.settings.prefill_timeout_s):
+                    answer, _ = await call_json(self.session, backend, request.endpoint.value, body, {"X-Request-Id": exchange.request_id})
+            except TimeoutError as exc:
+                raise LegError(backend, FailureKind.TIMEOUT, f"prefill gave no answer in {self.settings.prefill_timeout_s:g} s") from exc
+        backend.served += 1
+        return answer
+
+    async def _decode_leg(
+        self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange, deadline: float
+    ) -> DecodeStarted:
+        body = _decode_body(request.body, params)
+        headers = {"X-Request-Id": exchange.request_id}
+        loop = asyncio.get_running_loop()
+        if not request.stream:
+            try:
+                with self._occupy(backend):
+                    async with asyncio.timeout_at(deadline):
+                        answer, raw = await call_json(self.session, backend, request.endpoint.value, body, headers)
+            except TimeoutError as exc:
+                raise LegError(backend, FailureKind.TIMEOUT, "decode gave no answer in time") from exc
+            return DecodeStarted(backend=backend, body=answer, raw=raw)
+        first_byte_deadline = min(deadline, loop.time() + self.settings.decode_first_byte_timeout_s)
+        stream: EventStream | None = None
+        self._enter(backend)
+        try:
+            async with asyncio.timeout_at(first_byte_deadline):
+                stream = await open_stream(self.session, backend, request.endpoint.value, body, headers)
+                events = aiter(stream.events())
+                first = await anext(events, None)
+            if first is None:
+                raise LegError(backend, FailureKind.BROKEN, "decode closed the stream before the first event")
+        except BaseException as exc:
+            if stream is not None:
+                stream.close()
+            self._leave(backend)
+            if isinstance(exc, TimeoutError):
+                raise LegError(backend, FailureKind.TIMEOUT, "decode sent no first token in time") from exc
+            raise
+        return DecodeStarted(backend=backend, stream=stream, events=events, first_event=first)
+
+    def _finish_stream(self, started: DecodeStarted) -> None:
+        """Close decode's stream and stop counting it against its backend (once per started stream)."""
+        if started.stream is not None:
+            started.stream.close()
+            started.stream = None
+            self._leave(started.backend)
+
+    def _discard(self, task: asyncio.Task[DecodeStarted]) -> None:
+        """A decode leg finished but its answer will not be used: let go of its stream."""
+        if task.done() and not task.cancelled() and task.exception() is None:
+            self._finish_stream(task.result())
+
+    # --- orchestration -----------------------------------------------------------------------------------------
+    def _note_failure(self, error: LegError, role: Role) -> None:
+        self.metrics.leg_errors.labels(role.value, error.kind.value).inc()
+        if error.kind is FailureKind.CONNECT:
+            eject_now(error.backend, error.detail)
+
+    def _retryable(self, error: LegError, exchange: Exchange) -> bool:
+        """Connect errors (nothing reached the engine) are retried elsewhere; other failures end the request."""
+        if error.kind is not FailureKind.CONNECT:
+            return False
+        role = error.backend.spec.role
+        self._note_failure(error, role)
+        exchange.failed.add(error.backend.name)
+        self.metrics.retries.labels(role.value).inc()
+        log.warning("retrying on another backend", extra={"request_id": exchange.request_id, "backend": error.backend.name, "role": role.value})
+        return True
+
+    async def _with_retries(self, role: Role, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        for _ in range(self.settings.max_attempts):
+            try:
+                return await attempt()
+            except LegError as error:
+                if not self._retryable(error, exchange):
+                    raise
+        raise self._exhausted(role.value)
+
+    def _exhausted(self, what: str) -> errors.RouterError:
+        return errors.RouterError(
+            502, f"Could not connect to a {what} backend in {self.settings.max_attempts} attempts", "upstream_error", "connect_retries_exhausted"
+        )
+
+    async def _sequential(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
+        push = self.settings.dispatch is Dispatch.PUSH_SEQUENTIAL
+        exchange.transfer_id = mint_transfer_id()
+        mode = TransferMode.PUSH if push else TransferMode.PULL
+
+        async def run_prefill() -> dict[str, Any]:
+            if push:
+                exchange.decode = self._pick(Role.DECODE, exchange)
+                exchange.prefill = self._pick(Role.PREFILL, exchange, partner=exchange.decode)
+            else:
+                exchange.prefill = self._pick(Role.PREFILL, exchange)
+            return await self._prefill_leg(exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange)
+
+        answer = await self._with_retries(Role.PREFILL, exchange, run_prefill)
+        assert exchange.prefill is not None
+        if push:
+            decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
+        else:
+            returned = answer.get("kv_transfer_params")
+            if not isinstance(returned, dict):
+                self.metrics.transfer_failures.inc()
+                raise errors.transfer_failed(
+                    f"prefill engine {exchange.prefill.name} returned no kv_transfer_params (is its KV connector configured?)"
+                )
+            decode_params = pull_decode_leg_params(returned, exchange.transfer_id)
+
+        async def run_decode() -> DecodeStarted:
+            if exchange.decode is None or exchange.decode.name in exchange.failed:
+                exchange.decode = self._pick(Role.DECODE, exchange, partner=exchange.prefill)
+            return await self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
+
+        return await self._with_retries(Role.DECODE, exchange, run_decode)
+
+    async def _concurrent(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
+        for _ in range(self.settings.max_attempts):
+            exchange.decode = self._pick(Role.DECODE, exchange)
+            exchange.prefill = self._pick(Role.PREFILL, exchange, partner=exchange.decode)
+            exchange.transfer_id = mint_transfer_id()
+            coordinates = exchange.prefill.spec.prefill_coordinates()
+            prefill = asyncio.create_task(
+                self._prefill_leg(exchange.prefill, request, prefill_leg_params(TransferMode.PUSH, exchange.transfer_id), exchange)
+            )
+            decode = asyncio.create_task(
+                self._decode_leg(exchange.decode, request, push_decode_leg_params(exchange.transfer_id, coordinates), exchange, deadline)
+            )
+            try:
+                started = await self._first_decode_answer(prefill, decode)
+            except BaseException as exc:
+                # If one leg fails the other is aborted: decode would wait for KV in vain, prefill would hold blocks.
+                await cancel_and_wait(prefill, decode)
+                self._discard(decode)
+                if isinstance(exc, LegError) and self._retryable(exc, exchange):
+                    continue
+                raise
+            exchange.pending_prefill = None if prefill.done() else prefill
+            return started
+        raise self._exhausted("prefill/decode pair")
+
+    async def _first_decode_answer(self, prefill: asyncio.Task[Any], decode: asyncio.Task[DecodeStarted]) -> DecodeStarted:
+        """Wait for decode to start answering; a prefill failure in the meantime ends the request (decode would wait for KV in vain)."""
+        pending: set[asyncio.Task[Any]] = {prefill, decode}
+        while decode in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done and prefill.exception() is not None:
+                raise prefill.exception()  # type: ignore[misc]
+        return decode.result()
+
+    # --- the client-facing part --------------------------------------------------------------------------------
+    async def serve(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        exchange = Exchange(request_id=request_id, started_at=loop.time())
+        deadline = exchange.started_at + self.settings.total_timeout_s
+        dispatch = self.settings.dispatch.value
+        outcome = "cancelled"
+        started: DecodeStarted | None = None
+        try:
+            try:
+                if self.settings.dispatch is Dispatch.PUSH:
+                    started = await self._concurrent(request, exchange, deadline)
+                else:
+                    started = await self._sequential(request, exchange, deadline)
+            except LegError as error:
+                router_error = self._classify(error)
+                outcome = "client_error" if router_error.status < 500 else "upstream_error"
+                return self._error_response(router_error, exchange)
+            except errors.RouterError as router_error:
+                outcome = "unavailable" if router_error.status == 503 else "upstream_error"
+                return self._error_response(router_error, exchange)
+            if started.stream is None:
+                response, outcome = self._reply_whole(started, exchange)
+            else:
+                response, outcome = await self._relay_stream(http_request, started, exchange, deadline)
+            started.backend.served += 1
+            return response
+        finally:
+            if started is not None:
+                self._finish_stream(started)
+            await cancel_and_wait(exchange.pending_prefill)
+            self.metrics.requests.labels(dispatch, outcome).inc()
+            self.metrics.latency.labels(dispatch).observe(loop.time() - exchange.started_at)
+            log.info(
+                "request finished",
+                extra={
+                    "request_id": request_id,
+                    "outcome": outcome,
+                    "prefill": exchange.prefill.name if exchange.prefill else None,
+                    "decode": exchange.decode.name if exchange.decode else None,
+                    "transfer_id": exchange.transfer_id,
+                    "seconds": round(loop.time() - exchange.started_at, 4),
+                },
+            )
+
+    def _error_response(self, error: errors.RouterError, exchange: Exchange) -> web.Response:
+        response = error.response()
+        response.headers.update(exchange.headers())
+        return response
+
+    def _classify(self, error: LegError) -> errors.RouterError:
+        role = error.backend.spec.role
+        if error.kind is not FailureKind.CONNECT:  # connect failures were counted when they were retried
+            self._note_failure(error, role)
+        if error.kind is FailureKind.TIMEOUT:
+            phase = "the prefill leg" if role is Role.PREFILL else "decode's answer"
+            return errors.RouterError(
+                504, f"Timed out waiting for {phase} on {error.backend.name}: {error.detail}", "timeout", f"{role.value}_timeout"
+            )
+        engine_code = (error.body or {}).get("error", {}).get("code") if isinstance((error.body or {}).get("error"), dict) else None
+        if engine_code in TRANSFER_FAILED_CODES:
+            self.metrics.transfer_failures.inc()
+            return errors.transfer_failed(f"{role.value} engine {error.backend.name}: {error.detail}")
+        if error.kind is FailureKind.STATUS and error.status is not None and 400 <= error.status < 500 and error.status not in (401, 403, 404):
+            # The engine judged the request itself (e.g. prompt longer than the context): that is the client's to fix.
+            return errors.RouterError(
+                error.status, f"Rejected by the {role.value} engine: {error.detail}", "invalid_request_error", f"{role.value}_rejected"
+            )
+        return errors.upstream_failed(role.value, error.backend.name, error.detail)
+
+    def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, str]:
+        self.ledger.record(_confirmed(started.body))
+        self.metrics.transfers.labels("verified" if _confirmed(started.body) else "unverified").inc()
+        response = web.Response(body=started.raw, content_type="application/json", headers=exchange.headers())
+        return response, "ok"
+
+    async def _relay_stream(
+        self, http_request: web.Request, started: DecodeStarted, exchange: Exchange, deadline: float
+    ) -> tuple[web.StreamResponse, str]:
+        assert started.first_event is not None and started.events is not None
+        loop = asyncio.get_running_loop()
+        response = web.StreamResponse(status=200, headers={**exchange.headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http_request)
+        confirmed = False
+        finished = False
+        error_seen = False
+
+        async def forward(event: SseEvent) -> None:
+            nonlocal confirmed, finished, error_seen
+            confirmed = confirmed or _confirmed(event.data)
+            error_seen = error_seen or _stream_error(event.data) is not None
+            finished = finished or event.is_done
+            await response.write(event.raw + b"\n" if not event.raw.endswith(b"\n\n") else event.raw)
+
+        await forward(started.first_event)
+        self.metrics.ttft.labels(self.settings.dispatch.value).observe(loop.time() - exchange.started_at)
+        failure: errors.RouterError | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for event in started.events:
+                    await forward(event)
+        except TimeoutError:
+            failure = errors.timed_out("the decode stream to finish", self.settings.total_timeout_s)
+        except LegError as error:
+            failure = self._classify(error)
+        if failure is None and not finished and not error_seen:
+            failure = errors.upstream_failed("decode", started.backend.name, "the stream ended without [DONE]")
+        if failure is not None:
+            await response.write(_sse(failure.body()))
+        await response.write_eof()
+        if failure is not None or error_seen:
+            return response, "upstream_error"
+        self.ledger.record(confirmed)
+        self.metrics.transfers.labels("verified" if confirmed else "unverified").inc()
+        return response, "ok"

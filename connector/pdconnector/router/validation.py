@@ -1,0 +1,102 @@
+"""Checks on client request bodies: every malformed field becomes a 400 naming the field, never an upstream 5xx."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pdconnector.router.errors import bad_request, model_not_found
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]
+    stream: bool
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    return body
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(_is_int(t) and t >= 0 for t in value)
+
+
+def _check_prompt(body: dict[str, Any]) -> None:
+    if "prompt" not in body:
+        raise bad_request("Missing required field 'prompt'", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        return
+    if _is_token_list(prompt):
+        return
+    raise bad_request("'prompt' must be a non-empty string or a non-empty list of non-negative token ids (one prompt per request)", "prompt")
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    if "messages" not in body:
+        raise bad_request("Missing required field 'messages'", "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"'{where}' must be an object", where)
+        if not isinstance(message.get("role"), str):
+            raise bad_request(f"'{where}.role' must be a string", f"{where}.role")
+        content = message.get("content")
+        if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(part, dict) for part in content)):
+            raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
+
+
+def _check_optional_fields(body: dict[str, Any]) -> None:
+    for field in ("max_tokens", "max_completion_tokens"):
+        if field in body and body[field] is not None and not (_is_int(body[field]) and body[field] >= 1):
+            raise bad_request(f"'{field}' must be a positive integer", field)
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    if "n" in body and body["n"] not in (None, 1):
+        raise bad_request("'n' must be 1: each disaggregated request produces one choice", "n")
+    if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    for field in ("temperature", "top_p"):
+        if field in body and body[field] is not None and (isinstance(body[field], bool) or not isinstance(body[field], int | float)):
+            raise bad_request(f"'{field}' must be a number", field)
+    if "kv_transfer_params" in body:
+        raise bad_request("'kv_transfer_params' is set by the router and must not be sent by clients", "kv_transfer_params")
+
+
+def validate_request(endpoint: Endpoint, body: dict[str, Any], served_model: str) -> ClientRequest:
+    """Validate a client body against the endpoint's schema and the served model."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad_request("Missing or non-string field 'model'", "model")
+    if model != served_model:
+        raise model_not_found(model)
+    if endpoint is Endpoint.COMPLETIONS:
+        _check_prompt(body)
+    else:
+        _check_messages(body)
+    _check_optional_fields(body)
+    return ClientRequest(endpoint=endpoint, body=body, stream=bool(body.get("stream")))

@@ -1,0 +1,184 @@
+"""The mock engine's request logic for each role: local, prefill leg, decode leg (push or pull).
+
+Blocks are allocated per request and freed on every path: after a local or decode request, by the mover once a
+prefill's blocks were taken or their lease ended, and immediately whenever the request is cancelled (the client or
+router closed the connection) or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+from pdconnector.protocol.params import (
+    RECEIVED_KEY,
+    TRANSFER_ID_KEY,
+    TRANSFER_MODE_KEY,
+    EngineRole,
+    TransferMode,
+    TransferRequest,
+)
+from pdconnector.sim.metrics import EngineMetrics
+from pdconnector.sim.model import generate, prompt_kv
+from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
+from pdconnector.sim.pool import KVPool
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class RoleMismatch(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
+
+    async def prefill(self, num_tokens: int) -> None:
+        if self.prefill_s_per_token > 0:
+            await asyncio.sleep(self.prefill_s_per_token * num_tokens)
+
+    async def decode_step(self) -> None:
+        # A zero-latency model still yields, so streams interleave with other requests as on a real engine.
+        await asyncio.sleep(self.decode_s_per_token)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    role: Role
+    engine_id: str
+    latency: LatencyModel = LatencyModel()
+    transfer_timeout_s: float = 30.0
+    lease_s: float = 30.0
+
+
+@dataclass
+class Generation:
+    """Output of one request: token ids, produced one by one, plus what the transfer delivered (if any)."""
+
+    prompt_tokens: int
+    tokens: AsyncIterator[int]
+    receipt: Receipt | None
+    transfer_params: dict[str, Any] | None
+
+
+class MockEngine:
+    def __init__(self, settings: EngineSettings, pool: KVPool, mover: KVMover | None, metrics: EngineMetrics) -> None:
+        if settings.role is not Role.BOTH and mover is None:
+            raise ValueError(f"a {settings.role.value} engine needs a KV mover")
+        self.settings = settings
+        self.pool = pool
+        self.mover = mover
+        self.metrics = metrics
+
+    def _check_role(self, transfer: TransferRequest | None) -> None:
+        if transfer is None:
+            return
+        wanted = Role.PREFILL if transfer.role is EngineRole.PREFILL else Role.DECODE
+        if self.settings.role is not wanted:
+            raise RoleMismatch(f"this engine runs as {self.settings.role.value} and cannot serve a {wanted.value} leg (kv_transfer_params)")
+
+    async def run(self, prompt: list[int], max_tokens: int, transfer: TransferRequest | None) -> Generation:
+        """Start a request; the returned generation yields tokens lazily (cancel it to abort)."""
+        self._check_role(transfer)
+        blocks = self.pool.allocate(len(prompt))
+        try:
+            if transfer is not None and transfer.role is EngineRole.DECODE:
+                receipt = await self._import(transfer, blocks, len(prompt))
+                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), receipt, _received(receipt))
+            await self.settings.latency.prefill(len(prompt))
+            self.pool.write(blocks, prompt_kv(prompt, self.pool.bytes_per_token))
+            if transfer is None:
+                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), None, None)
+            first = generate(self.pool.read(blocks, len(prompt)), 1)
+            params = self._export(transfer, blocks, len(prompt))
+            blocks = []  # the mover owns them now
+            return Generation(len(prompt), _iterate(first), None, params)
+        except BaseException:
+            if blocks:
+                self.pool.free(blocks)
+            raise
+
+    async def _import(self, transfer: TransferRequest, blocks: list[int], num_tokens: int) -> Receipt:
+        assert self.mover is not None and transfer.remote is not None
+        try:
+            if transfer.mode is TransferMode.PUSH:
+                receipt = await self.mover.import_pushed(
+                    transfer.transfer_id, remote=transfer.remote, block_ids=blocks, num_tokens=num_tokens, deadline_s=self.settings.transfer_timeout_s
+                )
+            else:
+                assert transfer.remote_block_ids is not None
+                remote_blocks = [block for group in transfer.remote_block_ids for block in group]
+                receipt = await self.mover.import_pulled(
+                    transfer.transfer_id,
+                    remote=transfer.remote,
+                    remote_block_ids=remote_blocks,
+                    block_ids=blocks,
+                    num_tokens=num_tokens,
+                    deadline_s=self.settings.transfer_timeout_s,
+                )
+        except TransferFailed:
+            self.metrics.transfers.labels("import", "failed").inc()
+            raise
+        self.metrics.transfers.labels("import", "ok").inc()
+        self.metrics.transfer_bytes.labels("import").inc(receipt.bytes)
+        return receipt
+
+    def _export(self, transfer: TransferRequest, blocks: list[int], num_tokens: int) -> dict[str, Any] | None:
+        assert self.mover is not None
+        self.metrics.held_blocks.inc(len(blocks))
+
+        def release(outcome: ExportOutcome) -> None:
+            self.metrics.held_blocks.dec(len(blocks))
+            self.metrics.transfers.labels("export", outcome.value).inc()
+            if outcome is ExportOutcome.SENT:
+                self.metrics.transfer_bytes.labels("export").inc(num_tokens * self.pool.bytes_per_token)
+            self.pool.free(blocks)
+
+        self.mover.export_blocks(
+            transfer.transfer_id, mode=transfer.mode, block_ids=blocks, num_tokens=num_tokens, release=release, lease_s=self.settings.lease_s
+        )
+        if transfer.mode is TransferMode.PUSH:
+            return None
+        here = self.mover.side_channel()
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": here.engine_id,
+            "remote_host": here.host,
+            "remote_port": here.side_channel_port,
+            "tp_size": here.tp_size,
+            "remote_num_tokens": num_tokens,
+            TRANSFER_ID_KEY: transfer.transfer_id,
+            TRANSFER_MODE_KEY: TransferMode.PULL.value,
+        }
+
+    async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int, *, free_after: bool) -> AsyncIterator[int]:
+        try:
+            kv: np.ndarray = self.pool.read(blocks, num_tokens)
+            for token in generate(kv, max_tokens):
+                await self.settings.latency.decode_step()
+                yield token
+        finally:
+            if free_after:
+                self.pool.free(blocks)
+
+
+async def _iterate(tokens: list[int]) -> AsyncIterator[int]:
+    for token in tokens:
+        yield token
+
+
+def _received(receipt: Receipt) -> dict[str, Any]:
+    return {RECEIVED_KEY: {"transfer_id": receipt.transfer_id, "bytes": receipt.bytes, "blocks": receipt.blocks}}

@@ -1,0 +1,84 @@
+"""``pd-mock-engine``: a vLLM stand-in for GPU-free runs (OpenAI endpoints, kv_transfer_params, KV pools in host memory)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+
+from pdconnector.router.logs import configure_logging
+from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
+from pdconnector.sim.metrics import EngineMetrics
+from pdconnector.sim.mover import MoverUnavailable, create_mover
+from pdconnector.sim.pool import KVPool
+from pdconnector.sim.server import create_engine_app
+
+log = logging.getLogger("pdconnector.sim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-mock-engine", description=__doc__)
+    parser.add_argument("--role", choices=[r.value for r in Role], required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--side-channel-host", default="127.0.0.1", help="address peers use for KV transfers (the pod IP)")
+    parser.add_argument("--side-channel-port", type=int, default=5600)
+    parser.add_argument("--transport", choices=["mock", "nixl"], default="mock")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--compat-hash", default=None, help="advertised on /health so the router pairs only compatible engines")
+    parser.add_argument("--num-blocks", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-bytes-per-token", type=int, default=256)
+    parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0)
+    parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
+    parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV")
+    parser.add_argument("--lease", type=float, default=30.0, help="seconds a prefill holds exported blocks for a decode engine")
+    parser.add_argument("--log-format", choices=["json", "plain"], default="json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format)
+    role = Role(args.role)
+    pool = KVPool(args.num_blocks, args.block_size, args.kv_bytes_per_token)
+    mover = None
+    if role is not Role.BOTH:
+        try:
+            mover = create_mover(
+                args.transport,
+                pool=pool,
+                engine_id=args.engine_id,
+                host=args.side_channel_host,
+                side_channel_port=args.side_channel_port,
+                tp_size=args.tp_size,
+            )
+        except MoverUnavailable as error:
+            print(f"pd-mock-engine: {error}", file=sys.stderr)
+            return 2
+    settings = EngineSettings(
+        role=role,
+        engine_id=args.engine_id,
+        latency=LatencyModel(args.prefill_seconds_per_token, args.decode_seconds_per_token),
+        transfer_timeout_s=args.transfer_timeout,
+        lease_s=args.lease,
+    )
+    engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
+    log.info("pd-mock-engine starting", extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport})
+    web.run_app(
+        create_engine_app(engine, args.model, args.compat_hash),
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        print=None,
+        access_log=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

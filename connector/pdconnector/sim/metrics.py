@@ -1,0 +1,23 @@
+"""The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak) and transfer counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pdconnector.sim.pool import KVPool
+
+
+class EngineMetrics:
+    def __init__(self, pool: KVPool) -> None:
+        self.registry = CollectorRegistry()
+        total = Gauge("pd_mock_kv_blocks_total", "Blocks in the KV pool", registry=self.registry)
+        total.set(pool.num_blocks)
+        free = Gauge("pd_mock_kv_blocks_free", "Free blocks in the KV pool", registry=self.registry)
+        free.set_function(lambda: pool.free_blocks)
+        self.held_blocks = Gauge("pd_mock_kv_blocks_held_for_transfer", "Prefill blocks waiting for a decode engine", registry=self.registry)
+        self.transfers = Counter("pd_mock_transfers", "KV transfers by direction and outcome", ["direction", "outcome"], registry=self.registry)
+        self.transfer_bytes = Counter("pd_mock_transfer_bytes", "KV bytes moved", ["direction"], registry=self.registry)
+        self.requests = Counter("pd_mock_requests", "Requests by kind and outcome", ["kind", "outcome"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
