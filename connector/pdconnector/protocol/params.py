@@ -186,3 +186,15 @@ def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
     )
     block_ids = _block_ids(params, "remote_block_ids") if mode is TransferMode.PULL else None
     return TransferRequest(mode=mode, role=EngineRole.DECODE, transfer_id=transfer_id, remote=remote, remote_block_ids=block_ids)
+
+
+# --- Engine answers the router reads (router <-> engine) ---------------------------------------------------------
+# Verification, streaming: the engine puts ``kv_transfer_params`` (with RECEIVED_KEY) as a top-level field of the
+# final chunk, the one carrying ``finish_reason``; the router counts the request as verified if any chunk has it.
+# Non-streaming: the same field of the response body. The value of RECEIVED_KEY is a truthy object describing the
+# arrival (the mock engine sends ``{"transfer_id", "bytes", "blocks"}``).
+# Failure: an engine that gives up on a transfer answers an OpenAI error whose ``error.code`` is one of these, so the
+# router reports it as a transfer failure (502 ``kv_transfer_failed``) rather than a generic engine error.
+TRANSFER_FAILED_CODE = "kv_transfer_failed"
+TRANSFER_TIMEOUT_CODE = "kv_transfer_timeout"
+TRANSFER_FAILED_CODES = frozenset({TRANSFER_FAILED_CODE, TRANSFER_TIMEOUT_CODE})

@@ -1,0 +1,189 @@
+"""Wire messages of the push protocol, carried as NIXL notifications.
+
+Frame: ``MAGIC`` (4 bytes) + protocol version (1 byte) + a msgpack map tagged by
+``type``. The version sits outside the map so a peer speaking another version is
+told so plainly instead of failing on some field. ``decode`` refuses frames above
+``MAX_MESSAGE_BYTES`` before parsing, and every field has a type and a bound, so a
+malformed or hostile notification ends in a ``ProtocolError`` naming the field
+and never in a crash or an oversized allocation.
+
+Directions: decode sends ``RegistrationMessage`` and ``AbortMessage`` to prefill;
+prefill sends ``CompletionMessage`` (as the notification of its WRITE, so it lands
+after the data) and ``FailureMessage`` to decode.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Final
+
+import msgspec
+
+from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TRANSFER_ID_PATTERN
+
+MAGIC: Final = b"PDKV"
+PROTOCOL_VERSION: Final = 1
+MAX_MESSAGE_BYTES: Final = 1 << 20
+MAX_KV_GROUPS: Final = 64
+MAX_BLOCKS_PER_GROUP: Final = 1 << 18
+MAX_BLOCK_ID: Final = (1 << 31) - 1
+MAX_TP_SIZE: Final = 1024
+MAX_REGIONS: Final = 8192
+MAX_AGENT_METADATA_BYTES: Final = 256 << 10
+MAX_DETAIL_CHARS: Final = 1024
+
+_HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
+
+TransferId = Annotated[str, msgspec.Meta(pattern=TRANSFER_ID_PATTERN)]
+EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
+Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
+Attempt = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+BlockGroup = Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
+Address = Annotated[int, msgspec.Meta(ge=0)]  # msgpack caps ints at 64 bits
+Detail = Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)]
+
+
+class ProtocolError(ValueError):
+    """An unusable protocol message; ``field`` names where it went wrong (``payload`` for the frame as a whole)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class Side(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FailureReason(StrEnum):
+    LEASE_EXPIRED = "lease_expired"  # one side waited for the other past its lease
+    WRITE_FAILED = "write_failed"
+    WRITE_TIMEOUT = "write_timeout"
+    INVALID_REGISTRATION = "invalid_registration"
+    INCOMPATIBLE = "incompatible"  # TP sizes, KV groups or layout fingerprints do not fit together
+    CAPACITY = "capacity"  # the rendezvous table is full
+    CANCELLED = "cancelled"  # the prefill request was aborted
+    ALREADY_CLOSED = "already_closed"  # a registration arrived after the transfer ended
+    TIMEOUT = "timeout"  # decode's own deadline passed
+
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="type"):
+    transfer_id: TransferId
+    attempt: Attempt
+
+
+class RegistrationMessage(_Message, tag="register"):
+    """Decode rank -> prefill ranks: where to WRITE this transfer's KV.
+
+    Carries what prefill needs to post the WRITE without a round trip: the decode
+    agent's name and (optionally) its NIXL metadata, the base address of each
+    registered region in the layout's order, the pool size that bounds block ids,
+    and a layout fingerprint prefill compares with its own.
+    """
+
+    decode_engine_id: EngineId
+    decode_host: Host
+    decode_port: Port
+    decode_tp_rank: TpRank
+    decode_tp_size: TpSize
+    num_tokens: Count
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_ID + 1)]
+    block_ids: Annotated[tuple[BlockGroup, ...], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUPS)]
+    agent_name: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
+    region_base_addresses: Annotated[tuple[Address, ...], msgspec.Meta(max_length=MAX_REGIONS)] = ()
+    layout_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+    def __post_init__(self) -> None:
+        if self.decode_tp_rank >= self.decode_tp_size:
+            raise ProtocolError("decode_tp_rank", f"{self.decode_tp_rank} is not below decode_tp_size {self.decode_tp_size}")
+        for group_index, group in enumerate(self.block_ids):
+            if group and max(group) >= self.num_blocks:
+                position = next(i for i, block in enumerate(group) if block >= self.num_blocks)
+                raise ProtocolError(f"block_ids[{group_index}][{position}]", f"block {group[position]} is not below num_blocks {self.num_blocks}")
+
+
+class CompletionMessage(_Message, tag="complete"):
+    """Prefill rank -> decode rank, as the WRITE's notification: this rank's share has landed."""
+
+    prefill_rank: TpRank
+    prefill_tp_size: TpSize
+    bytes_written: Count
+
+    def __post_init__(self) -> None:
+        if self.prefill_rank >= self.prefill_tp_size:
+            raise ProtocolError("prefill_rank", f"{self.prefill_rank} is not below prefill_tp_size {self.prefill_tp_size}")
+
+
+class FailureMessage(_Message, tag="fail"):
+    """Either side -> the other: this transfer attempt will not complete; fail it now."""
+
+    side: Side
+    rank: TpRank
+    reason: FailureReason
+    detail: Detail = ""
+
+
+class AbortMessage(_Message, tag="abort"):
+    """Decode -> prefill: decode gave up on this attempt (cancelled, timed out); stop and free."""
+
+    decode_rank: TpRank
+    detail: Detail = ""
+
+
+Message = RegistrationMessage | CompletionMessage | FailureMessage | AbortMessage
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_NAMED_FIELD = re.compile(r"(?:missing required|unknown) field `([^`]*)`")
+
+
+def encode(message: Message) -> bytes:
+    """Frame a message for ``send_notif`` / a WRITE notification; refuses frames above the size limit."""
+    data = _HEADER + _encoder.encode(message)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("payload", f"{len(data)} bytes exceed the {MAX_MESSAGE_BYTES}-byte limit")
+    return data
+
+
+def _field_of(error: msgspec.ValidationError) -> str:
+    text = str(error)
+    path = _PATH.search(text)
+    named = _NAMED_FIELD.search(text)
+    if named:
+        prefix = path.group(1) + "." if path and path.group(1) else ""
+        return prefix + named.group(1)
+    if path and path.group(1):
+        return path.group(1)
+    return "payload"
+
+
+def decode(data: bytes) -> Message:
+    """Parse one frame; any problem raises ``ProtocolError`` naming the field."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError("payload", f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("payload", f"{len(data)} bytes exceed the {MAX_MESSAGE_BYTES}-byte limit")
+    view = memoryview(data)
+    if len(view) < len(_HEADER) or view[: len(MAGIC)] != MAGIC:
+        raise ProtocolError("magic", "not a pdconnector protocol frame")
+    version = view[len(MAGIC)]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+    try:
+        return _decoder.decode(view[len(_HEADER) :])
+    except msgspec.ValidationError as error:
+        if isinstance(error.__cause__, ProtocolError):
+            raise error.__cause__ from None
+        raise ProtocolError(_field_of(error), str(error)) from None
+    except msgspec.DecodeError as error:
+        raise ProtocolError("payload", str(error)) from None

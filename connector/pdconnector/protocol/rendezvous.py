@@ -1,0 +1,405 @@
+"""Prefill-side rendezvous: pair decode registrations with finished prefill blocks.
+
+One table per prefill TP rank. A transfer is keyed by the router-minted transfer
+id (never by request-id surgery). Its two halves arrive in either order: the
+prefill finishing (its blocks, held until the transfer ends) and one registration
+per decode rank this prefill rank writes (see ``ranks.decode_ranks_written_by``).
+Each registration pairs on its own, so writes start as soon as both halves of a
+(prefill, decode rank) pair are known.
+
+Attempts: decode re-registers with a higher attempt after a preemption or retry;
+that replaces the registrations of older attempts, and a write still in flight for
+an older attempt only releases its hold on the blocks when it ends: it never
+counts for the new attempt. Same-attempt duplicates and lower attempts are ignored.
+
+Leases: finished prefill blocks wait ``registration_lease_s`` for missing
+registrations, registrations wait ``prefill_lease_s`` for the prefill, each write
+gets ``write_timeout_s``. Whatever runs out ends the transfer and tells every known
+decode rank why, so decode fails promptly instead of waiting out its own timeout.
+
+The table does no I/O. Every call returns events, in the order the caller must act
+on them: ``StartWrite`` (post a WRITE), ``AbandonWrite`` (release a timed-out
+write's handle), ``NotifyDecode`` (send a failure notification), ``Closed`` (the
+transfer ended; free ``blocks`` if set). A transfer's blocks are released by
+exactly one ``Closed``, and only once no write reads them any more.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pdconnector.protocol.deadlines import DeadlineQueue
+from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
+from pdconnector.protocol.ranks import check_tp_sizes, decode_ranks_written_by
+
+
+@dataclass(frozen=True)
+class RendezvousLimits:
+    max_entries: int = 4096
+    registration_lease_s: float = 30.0  # finished prefill blocks wait this long for decode's registrations
+    prefill_lease_s: float = 300.0  # a registration waits this long for the prefill (queueing + compute)
+    write_timeout_s: float = 30.0
+    tombstone_ttl_s: float = 600.0  # how long an ended transfer's id is remembered, to answer late arrivals
+    max_tombstones: int = 16384
+
+
+@dataclass(frozen=True)
+class PrefillBlocks:
+    """This prefill rank's finished blocks for a transfer (one tuple of block ids per KV group)."""
+
+    transfer_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class WriteKey:
+    transfer_id: str
+    attempt: int
+    decode_rank: int
+
+
+class Outcome(StrEnum):
+    WRITTEN = "written"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class StartWrite:
+    """Post the WRITE of ``prefill`` into ``registration``'s blocks; report its end with ``write_done`` / ``write_failed``."""
+
+    key: WriteKey
+    registration: RegistrationMessage
+    prefill: PrefillBlocks
+    deadline: float
+
+
+@dataclass(frozen=True)
+class AbandonWrite:
+    """The write ran past its deadline: abort / release its transfer handle; its late result is ignored."""
+
+    key: WriteKey
+
+
+@dataclass(frozen=True)
+class NotifyDecode:
+    """Send ``message`` to the decode rank that sent ``destination``."""
+
+    destination: RegistrationMessage
+    message: FailureMessage
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The transfer ended; if ``blocks`` is set, this rank no longer needs them (report finished sending)."""
+
+    transfer_id: str
+    outcome: Outcome
+    detail: str
+    blocks: PrefillBlocks | None
+
+
+Event = StartWrite | AbandonWrite | NotifyDecode | Closed
+
+
+@dataclass(frozen=True)
+class _Tombstone:
+    outcome: Outcome
+    detail: str
+    attempt: int
+    had_prefill: bool
+    forget_at: float
+
+
+@dataclass
+class _Entry:
+    transfer_id: str
+    lease_deadline: float
+    prefill: PrefillBlocks | None = None
+    attempt: int = -1
+    decode_tp_size: int = 0
+    registrations: dict[int, RegistrationMessage] = field(default_factory=dict)
+    destinations: frozenset[int] = frozenset()
+    started: set[int] = field(default_factory=set)
+    written: set[int] = field(default_factory=set)
+    inflight: dict[WriteKey, float] = field(default_factory=dict)
+    ending: tuple[Outcome, str] | None = None  # decided, waiting for in-flight writes to drain
+
+    def waiting(self) -> bool:
+        return self.prefill is None or not self.destinations or set(self.registrations) != self.destinations
+
+
+class RendezvousTable:
+    def __init__(
+        self,
+        *,
+        prefill_rank: int,
+        prefill_tp_size: int,
+        limits: RendezvousLimits | None = None,
+        layout_fingerprint: str = "",
+    ) -> None:
+        if not 0 <= prefill_rank < prefill_tp_size:
+            raise ValueError(f"prefill rank {prefill_rank} outside TP size {prefill_tp_size}")
+        self.prefill_rank = prefill_rank
+        self.prefill_tp_size = prefill_tp_size
+        self.limits = limits or RendezvousLimits()
+        self.layout_fingerprint = layout_fingerprint
+        self._entries: dict[str, _Entry] = {}
+        self._tombstones: OrderedDict[str, _Tombstone] = OrderedDict()
+        self._deadlines: DeadlineQueue[str] = DeadlineQueue()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._entries
+
+    def next_deadline(self) -> float | None:
+        """When ``expire`` may next have work (possibly early, never late)."""
+        return self._deadlines.earliest()
+
+    # --- inputs -------------------------------------------------------------------------------
+
+    def prefill_finished(self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int, now: float) -> list[Event]:
+        """This rank's prefill of ``transfer_id`` finished; the table holds ``block_ids`` until a ``Closed`` releases them."""
+        blocks = PrefillBlocks(transfer_id, tuple(tuple(group) for group in block_ids), num_tokens)
+        tombstone = self._tombstone(transfer_id, now)
+        if tombstone is not None:
+            if tombstone.had_prefill:
+                raise ValueError(f"prefill of {transfer_id} reported finished twice")
+            self._bury(transfer_id, tombstone.outcome, tombstone.detail, attempt=tombstone.attempt, had_prefill=True, now=now)
+            return [Closed(transfer_id, tombstone.outcome, f"prefill finished after the transfer ended ({tombstone.detail})", blocks)]
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            if len(self._entries) >= self.limits.max_entries:
+                return [Closed(transfer_id, Outcome.REJECTED, f"rendezvous table full ({self.limits.max_entries} transfers)", blocks)]
+            entry = self._add(transfer_id, now + self.limits.registration_lease_s)
+        elif entry.prefill is not None:
+            raise ValueError(f"prefill of {transfer_id} reported finished twice")
+        else:
+            self._set_lease(entry, now + self.limits.registration_lease_s)
+        entry.prefill = blocks
+        return self._pair(entry, now)
+
+    def registration(self, message: RegistrationMessage, now: float) -> list[Event]:
+        """A decode rank's registration arrived (already decoded and schema-checked)."""
+        problem = self._incompatibility(message)
+        entry = self._entries.get(message.transfer_id)
+        if entry is None:
+            refusal = self._refuse_new(message, problem, now)
+            if refusal is not None:
+                return refusal
+            entry = self._add(message.transfer_id, now + self.limits.prefill_lease_s)
+        if message.attempt < entry.attempt or (message.attempt == entry.attempt and (entry.ending or message.decode_tp_rank in entry.registrations)):
+            return []  # stale attempt or duplicate
+        if entry.ending is not None:
+            return [self._notify(message, FailureReason.ALREADY_CLOSED, f"transfer is ending: {entry.ending[0]} ({entry.ending[1]})")]
+        if problem is None and message.attempt == entry.attempt and message.decode_tp_size != entry.decode_tp_size:
+            detail = f"decode TP size {message.decode_tp_size} differs from the other ranks' {entry.decode_tp_size}"
+            problem = FailureReason.INVALID_REGISTRATION, detail
+        if problem is not None:
+            return self._end(entry, Outcome.FAILED, *problem, now=now, also_notify=message)
+        if message.attempt > entry.attempt:
+            self._begin_attempt(entry, message, now)
+        entry.registrations[message.decode_tp_rank] = message
+        return self._pair(entry, now)
+
+    def write_done(self, key: WriteKey, now: float) -> list[Event]:
+        """The WRITE for ``key`` completed (its completion notification went with it)."""
+        entry = self._entries.get(key.transfer_id)
+        if entry is None or entry.inflight.pop(key, None) is None:
+            return []  # abandoned or unknown: already accounted for
+        if entry.ending is None and key.attempt == entry.attempt:
+            entry.written.add(key.decode_rank)
+        return self._settle(entry, now)
+
+    def write_failed(self, key: WriteKey, detail: str, now: float) -> list[Event]:
+        """The WRITE for ``key`` failed; a failure of the current attempt ends the transfer."""
+        entry = self._entries.get(key.transfer_id)
+        if entry is None or entry.inflight.pop(key, None) is None:
+            return []
+        if entry.ending is None and key.attempt == entry.attempt:
+            return self._end(entry, Outcome.FAILED, FailureReason.WRITE_FAILED, detail, now=now)
+        return self._settle(entry, now)
+
+    def abort(self, message: AbortMessage, now: float) -> list[Event]:
+        """Decode gave up on ``message.attempt``: stop and free (decode needs no answer)."""
+        entry = self._entries.get(message.transfer_id)
+        if entry is None:
+            # Remember it so a prefill finishing later is freed at once and a late registration is answered.
+            if self._tombstone(message.transfer_id, now) is None:
+                detail = f"decode aborted: {message.detail}"
+                self._bury(message.transfer_id, Outcome.CANCELLED, detail, attempt=message.attempt, had_prefill=False, now=now)
+            return []
+        if message.attempt < entry.attempt or entry.ending is not None:
+            return []
+        entry.ending = (Outcome.CANCELLED, f"decode aborted: {message.detail}")
+        return self._settle(entry, now)
+
+    def cancel(self, transfer_id: str, detail: str, now: float) -> list[Event]:
+        """This side gave up on the transfer (e.g. the prefill request was aborted); tells known decode ranks."""
+        entry = self._entries.get(transfer_id)
+        if entry is None:
+            if self._tombstone(transfer_id, now) is None:
+                self._bury(transfer_id, Outcome.CANCELLED, detail, attempt=-1, had_prefill=False, now=now)
+            return []
+        if entry.ending is not None:
+            return []
+        return self._end(entry, Outcome.CANCELLED, FailureReason.CANCELLED, detail, now=now)
+
+    def expire(self, now: float) -> list[Event]:
+        """Apply every deadline ``<= now``; call it whenever ``next_deadline()`` has passed."""
+        events: list[Event] = []
+        for transfer_id in self._deadlines.due(now):
+            entry = self._entries.get(transfer_id)
+            if entry is not None:
+                events += self._expire_entry(entry, now)
+        while self._tombstones:
+            transfer_id, tombstone = next(iter(self._tombstones.items()))
+            if tombstone.forget_at > now:
+                break
+            del self._tombstones[transfer_id]
+        self._deadlines.compact(self._entries.__contains__, len(self._entries))
+        return events
+
+    # --- transitions --------------------------------------------------------------------------
+
+    def _add(self, transfer_id: str, lease_deadline: float) -> _Entry:
+        entry = _Entry(transfer_id, lease_deadline)
+        self._entries[transfer_id] = entry
+        self._deadlines.push(lease_deadline, transfer_id)
+        return entry
+
+    def _set_lease(self, entry: _Entry, deadline: float) -> None:
+        entry.lease_deadline = deadline
+        self._deadlines.push(deadline, entry.transfer_id)
+
+    def _begin_attempt(self, entry: _Entry, message: RegistrationMessage, now: float) -> None:
+        entry.attempt = message.attempt
+        entry.decode_tp_size = message.decode_tp_size
+        entry.registrations = {}
+        entry.started = set()
+        entry.written = set()
+        entry.destinations = frozenset(decode_ranks_written_by(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
+        if entry.prefill is not None:
+            # Decode is alive and retrying: give the new attempt a full lease on the held blocks.
+            self._set_lease(entry, now + self.limits.registration_lease_s)
+
+    def _refuse_new(self, message: RegistrationMessage, problem: tuple[FailureReason, str] | None, now: float) -> list[Event] | None:
+        """The answer to a registration that would open a new entry, or None to open it."""
+        tombstone = self._tombstone(message.transfer_id, now)
+        if tombstone is not None:
+            if tombstone.outcome is Outcome.WRITTEN and message.attempt <= tombstone.attempt:
+                return []  # a resent registration of a transfer that succeeded: nothing to tell
+            return [self._notify(message, FailureReason.ALREADY_CLOSED, f"transfer ended: {tombstone.outcome} ({tombstone.detail})")]
+        if problem is not None:
+            return [self._notify(message, *problem)]
+        if len(self._entries) >= self.limits.max_entries:
+            return [self._notify(message, FailureReason.CAPACITY, f"rendezvous table full ({self.limits.max_entries} transfers)")]
+        return None
+
+    def _pair(self, entry: _Entry, now: float) -> list[Event]:
+        """Start the writes whose both halves are known, unless the halves do not fit together."""
+        if entry.prefill is None:
+            return []
+        groups = len(entry.prefill.block_ids)
+        for registration in entry.registrations.values():
+            if len(registration.block_ids) != groups:
+                detail = f"decode rank {registration.decode_tp_rank} registered {len(registration.block_ids)} KV groups, prefill has {groups}"
+                return self._end(entry, Outcome.FAILED, FailureReason.INCOMPATIBLE, detail, now=now)
+        events: list[Event] = []
+        deadline = now + self.limits.write_timeout_s
+        for rank, registration in sorted(entry.registrations.items()):
+            if rank in entry.started:
+                continue
+            key = WriteKey(entry.transfer_id, entry.attempt, rank)
+            entry.started.add(rank)
+            entry.inflight[key] = deadline
+            events.append(StartWrite(key, registration, entry.prefill, deadline))
+        if events:
+            self._deadlines.push(deadline, entry.transfer_id)
+        return events
+
+    def _expire_entry(self, entry: _Entry, now: float) -> list[Event]:
+        timed_out = [key for key, deadline in entry.inflight.items() if deadline <= now]
+        events: list[Event] = []
+        for key in timed_out:
+            del entry.inflight[key]
+            events.append(AbandonWrite(key))
+        if entry.ending is None:
+            if any(key.attempt == entry.attempt for key in timed_out):
+                detail = f"WRITE not done within {self.limits.write_timeout_s}s"
+                return events + self._end(entry, Outcome.FAILED, FailureReason.WRITE_TIMEOUT, detail, now=now)
+            if entry.waiting() and entry.lease_deadline <= now:
+                missing = "prefill did not finish" if entry.prefill is None else "decode did not register"
+                return events + self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, f"{missing} before the lease ran out", now=now)
+        return events + self._settle(entry, now)
+
+    def _end(
+        self,
+        entry: _Entry,
+        outcome: Outcome,
+        reason: FailureReason,
+        detail: str,
+        *,
+        now: float,
+        also_notify: RegistrationMessage | None = None,
+    ) -> list[Event]:
+        """Decide the transfer's outcome, tell decode, and close it once its writes have drained."""
+        entry.ending = (outcome, f"{reason}: {detail}")
+        destinations = [registration for _, registration in sorted(entry.registrations.items())]
+        if also_notify is not None:
+            destinations.append(also_notify)
+        events: list[Event] = [self._notify(registration, reason, detail) for registration in destinations]
+        return events + self._settle(entry, now)
+
+    def _settle(self, entry: _Entry, now: float) -> list[Event]:
+        if entry.ending is None and entry.destinations and entry.written >= entry.destinations:
+            entry.ending = (Outcome.WRITTEN, f"attempt {entry.attempt} written to decode ranks {sorted(entry.written)}")
+        if entry.ending is None or entry.inflight:
+            return []
+        del self._entries[entry.transfer_id]
+        outcome, detail = entry.ending
+        self._bury(entry.transfer_id, outcome, detail, attempt=entry.attempt, had_prefill=entry.prefill is not None, now=now)
+        return [Closed(entry.transfer_id, outcome, detail, entry.prefill)]
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _notify(self, destination: RegistrationMessage, reason: FailureReason, detail: str) -> NotifyDecode:
+        message = FailureMessage(
+            transfer_id=destination.transfer_id,
+            attempt=destination.attempt,
+            side=Side.PREFILL,
+            rank=self.prefill_rank,
+            reason=reason,
+            detail=detail[:1024],
+        )
+        return NotifyDecode(destination, message)
+
+    def _incompatibility(self, message: RegistrationMessage) -> tuple[FailureReason, str] | None:
+        try:
+            check_tp_sizes(self.prefill_tp_size, message.decode_tp_size)
+        except ValueError as error:
+            return FailureReason.INCOMPATIBLE, str(error)
+        if message.decode_tp_rank not in decode_ranks_written_by(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size):
+            return FailureReason.INVALID_REGISTRATION, f"decode rank {message.decode_tp_rank} is not written by prefill rank {self.prefill_rank}"
+        if self.layout_fingerprint and message.layout_fingerprint and message.layout_fingerprint != self.layout_fingerprint:
+            return FailureReason.INCOMPATIBLE, f"layout fingerprint {message.layout_fingerprint!r} differs from prefill's {self.layout_fingerprint!r}"
+        return None
+
+    def _tombstone(self, transfer_id: str, now: float) -> _Tombstone | None:
+        tombstone = self._tombstones.get(transfer_id)
+        if tombstone is None or tombstone.forget_at <= now:
+            return None
+        return tombstone
+
+    def _bury(self, transfer_id: str, outcome: Outcome, detail: str, *, attempt: int, had_prefill: bool, now: float) -> None:
+        self._tombstones.pop(transfer_id, None)
+        self._tombstones[transfer_id] = _Tombstone(outcome, detail, attempt, had_prefill, now + self.limits.tombstone_ttl_s)
+        while len(self._tombstones) > self.limits.max_tombstones:
+            self._tombstones.popitem(last=False)
