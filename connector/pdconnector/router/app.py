@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
 _POLICIES = {"least-loaded": Policy.LEAST_OUTSTANDING, "round-robin": Policy.ROUND_ROBIN}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -102,12 +103,15 @@ class Router:
             await asyncio.sleep(min(self.options.health.interval_s, self.options.refresh_interval_s))
 
 
+ROUTER_KEY = web.AppKey("router", Router)
+
+
 def _openai_error_middleware(router: Router) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         incoming = request.headers.get(REQUEST_ID_HEADER, "")
         request_id = incoming if _REQUEST_ID_PATTERN.match(incoming) else uuid.uuid4().hex
-        request["request_id"] = request_id
+        request[REQUEST_ID_KEY] = request_id
         try:
             if request.path.startswith("/v1/") and router.options.api_key is not None:
                 _check_api_key(request, router.options.api_key)
@@ -135,7 +139,7 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
     options = options or RouterOptions()
     router = Router(config, options)
     app = web.Application(middlewares=[_openai_error_middleware(router)], client_max_size=config.max_request_body_bytes)
-    app["router"] = router
+    app[ROUTER_KEY] = router
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=router.config.timeouts.connect_s)
@@ -166,7 +170,7 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
                 raise errors.body_too_large(router.config.max_request_body_bytes) from None
             client_request = validate_request(endpoint, parse_body(raw), router.config.served_model_name)
             assert router.dispatcher is not None
-            return await router.dispatcher.serve(request, client_request, request["request_id"])
+            return await router.dispatcher.serve(request, client_request, request[REQUEST_ID_KEY])
 
         return handle
 

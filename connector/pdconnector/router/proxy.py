@@ -142,10 +142,12 @@ class Dispatcher:
 
     def _pick(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> Backend:
         candidates = self._candidates(role, exchange, partner)
-        if partner is None:
+        if partner is None and candidates:
             # Only engines that have a compatible partner can serve a whole request.
             other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
             candidates = [b for b in candidates if self._candidates(other, exchange, b)]
+            if not candidates:
+                raise errors.no_backend(other.value)
         chosen = self.selectors[role].pick(candidates)
         if chosen is None:
             raise errors.no_backend(role.value)

@@ -1,0 +1,109 @@
+"""The router's whole view of one PDService: what the operator writes into ``<name>-router``.
+
+The operator renders this model into the ``router.yaml`` key of the router's ConfigMap;
+``pdctl up`` writes the same file for local runs. The router loads it at start-up and
+again whenever the file changes (ConfigMap updates arrive without a pod restart), so the
+model is the only contract between the two: no Kubernetes API access is needed.
+
+Engine identity: every engine pod runs with engine id ``<pod name>-<compat hash>`` (a
+fixed ``spec.engine.prefillEngineId`` replaces the prefill ids). The compatibility hash
+covers exactly the settings that must agree for a prefill and a decode engine to
+exchange KV blocks, so during a rollout a pod whose engine id differs from the one
+listed here still runs the old generation and must not be paired with the new one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ROUTER_CONFIG_FILENAME = "router.yaml"
+DEFAULT_API_KEY_ENV = "PD_ROUTER_API_KEY"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class _ConfigModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineBackend(_ConfigModel):
+    """One engine pod of a role."""
+
+    name: Annotated[str, Field(min_length=1, description="Pod name, e.g. tiny-prefill-0.")]
+    host: Annotated[str, Field(min_length=1, description="Stable DNS name of the pod (resolves while the pod is ready).")]
+    engine_id: Annotated[str, Field(min_length=1, description="The engine id the pod's KV connector runs with.")]
+
+
+class RoleBackends(_ConfigModel):
+    """The engines of one role (prefill or decode) and how to reach them."""
+
+    service: Annotated[str, Field(min_length=1, description="DNS name of the role's headless Service (A records of ready pods).")]
+    namespace: Annotated[str, Field(min_length=1)]
+    http_port: Port = 8000
+    side_channel_port: Port = 5600
+    tp_size: Annotated[int, Field(ge=1)] = 1
+    replicas: Annotated[int, Field(ge=0)] = 1
+    backends: list[EngineBackend] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_backend_per_replica(self) -> RoleBackends:
+        if len(self.backends) != self.replicas:
+            raise ValueError(f"replicas is {self.replicas} but {len(self.backends)} backends are listed")
+        return self
+
+
+class Timeouts(_ConfigModel):
+    """Per-phase deadlines of one request, in seconds; each phase starts when the previous one ends."""
+
+    connect_s: Annotated[float, Field(gt=0, description="TCP connect to a backend.")] = 5.0
+    prefill_s: Annotated[float, Field(gt=0, description="Prefill leg, from sending it to its response.")] = 120.0
+    transfer_s: Annotated[float, Field(gt=0, description="KV transfer (spec.engine.transferTimeoutSeconds), after prefill.")] = 60.0
+    decode_first_token_s: Annotated[float, Field(gt=0, description="Decode's first token, after the KV arrived.")] = 60.0
+
+
+class RouterConfig(_ConfigModel):
+    """Everything the router needs to serve one PDService."""
+
+    name: Annotated[str, Field(min_length=1, description="The PDService's name.")]
+    namespace: Annotated[str, Field(min_length=1)]
+    mode: Literal["push", "pull"]
+    served_model_name: Annotated[str, Field(min_length=1)]
+    policy: Literal["least-loaded", "round-robin"] = "least-loaded"
+    connector: Literal["builtin", "vllm"] = "builtin"
+    compat_hash: Annotated[str, Field(min_length=1, description="Suffix of every current engine id.")]
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    listen_port: Port = 8000
+    prefill: RoleBackends
+    decode: RoleBackends
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_request_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_REQUEST_BODY_BYTES
+    api_key_env: Annotated[
+        str | None,
+        Field(min_length=1, description="Environment variable holding the Bearer API key clients must send; null disables auth."),
+    ] = None
+
+
+def dump_router_config(config: RouterConfig) -> str:
+    """The YAML text of a config (stable key order, so equal configs give equal text)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def parse_router_config(text: str) -> RouterConfig:
+    """Parse YAML text; raises ``ValueError`` (pydantic's ``ValidationError`` or a YAML error) on bad input."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"router config is not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError("router config must be a YAML mapping")
+    return RouterConfig.model_validate(data)
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    """Read and validate the config file the operator (or ``pdctl up``) wrote."""
+    return parse_router_config(Path(path).read_text(encoding="utf-8"))

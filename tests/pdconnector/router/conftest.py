@@ -1,0 +1,190 @@
+"""Fake engines (small aiohttp apps bound to distinct loopback addresses) and a router wired to them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from pdconnector.protocol.params import RECEIVED_KEY
+from pdconnector.router.app import RouterOptions, create_app
+from pdconnector.router.config import RouterConfig, Timeouts
+from pdconnector.router.health import HealthSettings
+
+MODEL = "tiny"
+
+
+def free_port_on(hosts: list[str]) -> int:
+    """A port that is free on every one of ``hosts`` (each role's engines share one port, as in a cluster)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((hosts[0], 0))
+            port = probe.getsockname()[1]
+        try:
+            for host in hosts[1:]:
+                with socket.socket() as other:
+                    other.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no common free port")
+
+
+@dataclass
+class FakeEngine:
+    """An engine whose behaviour a test sets: answer normally, fail, hang, or stream chunks."""
+
+    name: str
+    role: str
+    host: str
+    behaviour: str = "ok"  # ok | error500 | hang | transfer_failed | reject400 | die_mid_stream
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # a hanging handler waits on this
+    wait_for: FakeEngine | None = None  # answer only after this engine got a request (proves concurrent dispatch)
+    health_status: int = 200
+    health_body: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response(self.health_body, status=self.health_status)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.arrived.set()
+        try:
+            if self.wait_for is not None:
+                await asyncio.wait_for(self.wait_for.arrived.wait(), 5)
+            if self.behaviour == "hang":
+                await self.release.wait()
+            if self.behaviour == "error500":
+                return web.json_response({"error": {"message": "engine exploded", "code": "boom"}}, status=500)
+            if self.behaviour == "reject400":
+                return web.json_response({"error": {"message": "prompt too long", "code": "bad"}}, status=400)
+            if self.behaviour == "transfer_failed":
+                return web.json_response({"error": {"message": "no KV within 1 s", "code": "kv_transfer_timeout"}}, status=504)
+            if self.role == "prefill":
+                return web.json_response(self.prefill_answer(body))
+            if body.get("stream"):
+                return await self.stream(request, body)
+            return web.json_response(self.decode_answer(body))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def prefill_answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        params = body["kv_transfer_params"]
+        returned = {
+            "do_remote_prefill": True,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": self.name,
+            "remote_host": self.host,
+            "remote_port": 5600,
+        }
+        return {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": returned if params.get("transfer_mode") == "pull" else None}
+
+    def decode_answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        tid = body["kv_transfer_params"]["transfer_id"]
+        return {"choices": [{"index": 0, "text": " t1 t2 t3", "finish_reason": "length"}], "kv_transfer_params": {RECEIVED_KEY: {"transfer_id": tid}}}
+
+    async def stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(3):
+            chunk: dict[str, Any] = {"choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}]}
+            if index == 2:
+                chunk["choices"][0]["finish_reason"] = "length"
+                chunk["kv_transfer_params"] = {RECEIVED_KEY: {"transfer_id": body["kv_transfer_params"]["transfer_id"]}}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.behaviour == "die_mid_stream" and index == 1:
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+def router_config(prefill_engines: list[FakeEngine], decode_engines: list[FakeEngine], ports: tuple[int, int], **overrides: Any) -> RouterConfig:
+    def role(engines: list[FakeEngine], service: str, port: int) -> dict[str, Any]:
+        backends = [{"name": e.name, "host": e.host, "engine_id": f"{e.name}-c0ffee"} for e in engines]
+        return {"service": service, "namespace": "default", "http_port": port, "replicas": len(engines), "backends": backends}
+
+    data: dict[str, Any] = {
+        "name": "tiny",
+        "namespace": "default",
+        "mode": "push",
+        "served_model_name": MODEL,
+        "compat_hash": "c0ffee",
+        "prefill": role(prefill_engines, "tiny-prefill", ports[0]),
+        "decode": role(decode_engines, "tiny-decode", ports[1]),
+        "timeouts": Timeouts(connect_s=1, prefill_s=2, decode_first_token_s=2, transfer_s=1).model_dump(),
+    }
+    data.update(overrides)
+    return RouterConfig.model_validate(data)
+
+
+@dataclass
+class Cluster:
+    prefill: list[FakeEngine]
+    decode: list[FakeEngine]
+    prefill_port: int
+    decode_port: int
+    servers: dict[str, TestServer]
+
+    def config(self, **overrides: Any) -> RouterConfig:
+        return router_config(self.prefill, self.decode, (self.prefill_port, self.decode_port), **overrides)
+
+    async def stop(self, engine: FakeEngine) -> None:
+        await self.servers[engine.name].close()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    prefill = [FakeEngine(f"p{i}", "prefill", f"127.0.0.{10 + i}") for i in range(2)]
+    decode = [FakeEngine(f"d{i}", "decode", f"127.0.0.{20 + i}") for i in range(2)]
+    prefill_port = free_port_on([e.host for e in prefill])
+    decode_port = free_port_on([e.host for e in decode])
+    servers = {}
+    for engines, port in ((prefill, prefill_port), (decode, decode_port)):
+        for engine in engines:
+            server = TestServer(engine.app(), host=engine.host, port=port)
+            await server.start_server()
+            servers[engine.name] = server
+    yield Cluster(prefill, decode, prefill_port, decode_port, servers)
+    for engine in prefill + decode:
+        engine.release.set()
+    for server in servers.values():
+        await server.close()
+
+
+RouterFactory = Callable[..., "asyncio.Future[TestClient]"]
+
+
+@pytest.fixture
+async def make_router(cluster: Cluster) -> AsyncIterator[Callable[..., Any]]:
+    clients: list[TestClient] = []
+
+    async def make(options: RouterOptions | None = None, **overrides: Any) -> TestClient:
+        options = options or RouterOptions(health=HealthSettings(interval_s=0.1, timeout_s=0.5, failures_to_eject=1), refresh_interval_s=0.1)
+        client = TestClient(TestServer(create_app(cluster.config(**overrides), options)))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()

@@ -1,0 +1,214 @@
+"""The request path through a real router app to fake engines: legs, headers, verification, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pdconnector.protocol.params import RECEIVED_KEY
+from pdconnector.router.app import RouterOptions
+from pdconnector.router.health import HealthSettings
+from pdconnector.router.proxy import Dispatch
+
+MODEL = "tiny"
+COMPLETION = {"model": MODEL, "prompt": "hello there", "max_tokens": 3}
+
+
+async def until(condition, timeout=3.0):
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def status_of(client):
+    return await (await client.get("/status")).json()
+
+
+async def test_pull_sends_prefill_leg_then_decode_leg_with_returned_params(cluster, make_router):
+    client = await make_router(mode="pull")
+    response = await client.post("/v1/completions", json={**COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 2})
+    assert response.status == 200
+    await response.read()
+    prefill = next(e for e in cluster.prefill if e.bodies)
+    decode = next(e for e in cluster.decode if e.bodies)
+    leg = prefill.bodies[0]
+    assert leg["max_tokens"] == 1 and leg["stream"] is False
+    assert "stream_options" not in leg and "min_tokens" not in leg
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True and leg["kv_transfer_params"]["transfer_mode"] == "pull"
+    decode_params = decode.bodies[0]["kv_transfer_params"]
+    assert decode_params["remote_block_ids"] == [[1, 2]] and decode_params["remote_engine_id"] == prefill.name
+    assert decode_params["transfer_id"] == leg["kv_transfer_params"]["transfer_id"]
+    assert response.headers["x-pd-prefill"] == prefill.name and response.headers["x-pd-decode"] == decode.name
+
+
+async def test_push_dispatches_both_legs_concurrently_with_prefill_coordinates(cluster, make_router):
+    # Each fake answers only once the other leg has arrived: a sequential router would time out here.
+    for p in cluster.prefill:
+        p.wait_for = cluster.decode[0]
+    cluster.decode[0].wait_for = cluster.prefill[0]
+    cluster.decode[1].wait_for = cluster.prefill[0]
+    client = await make_router(mode="push")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 200, await response.text()
+    decode = next(e for e in cluster.decode if e.bodies)
+    prefill = next(e for e in cluster.prefill if e.bodies)
+    params = decode.bodies[0]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
+    assert params["remote_engine_id"] == f"{prefill.name}-c0ffee" and params["remote_host"] == prefill.host and params["remote_port"] == 5600
+    assert params["transfer_id"] == prefill.bodies[0]["kv_transfer_params"]["transfer_id"]
+
+
+async def test_push_sequential_sends_decode_leg_only_after_prefill_answered(cluster, make_router):
+    client = await make_router(options=RouterOptions(dispatch=Dispatch.PUSH_SEQUENTIAL), mode="push")
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
+    for engine in cluster.prefill + cluster.decode:
+        engine.arrived = asyncio.Event()
+    for d in cluster.decode:
+        d.wait_for = cluster.prefill[0]
+    cluster.prefill[0].wait_for = cluster.decode[0]  # would need concurrency: sequential dispatch cannot satisfy it
+    cluster.prefill[1].wait_for = cluster.decode[0]
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 504
+    assert (await response.json())["error"]["code"] == "prefill_timeout"
+
+
+async def test_non_streaming_answer_is_passed_through_and_counted_verified(cluster, make_router):
+    client = await make_router()
+    response = await client.post("/v1/completions", json=COMPLETION)
+    body = await response.json()
+    assert body["choices"][0]["text"] == " t1 t2 t3"
+    assert RECEIVED_KEY in body["kv_transfer_params"]
+    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0}
+
+
+async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk(cluster, make_router):
+    client = await make_router()
+    response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in (await response.text()).split("\n\n") if line]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == [" t0", " t1", " t2"]
+    assert events[-1] == "data: [DONE]"
+    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0}
+
+
+async def test_answer_without_receipt_counts_as_unverified(cluster, make_router):
+    for d in cluster.decode:
+        d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}]}  # type: ignore[method-assign]
+    client = await make_router()
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 1}
+
+
+async def test_connect_error_is_retried_on_another_backend(cluster, make_router):
+    await cluster.stop(cluster.prefill[0])
+    await cluster.stop(cluster.decode[0])
+    slow_health = RouterOptions(health=HealthSettings(interval_s=60, failures_to_eject=1))
+    for mode in ("push", "pull"):
+        client = await make_router(options=slow_health, mode=mode)
+        for _ in range(3):
+            response = await client.post("/v1/completions", json=COMPLETION)
+            assert response.status == 200, await response.text()
+            assert response.headers["x-pd-prefill"] == "p1" and response.headers["x-pd-decode"] == "d1"
+        assert "pd_router_retries_total" in await (await client.get("/metrics")).text()
+
+
+async def test_all_backends_refusing_gives_503(cluster, make_router):
+    for engine in cluster.prefill:
+        await cluster.stop(engine)
+    client = await make_router(options=RouterOptions(health=HealthSettings(interval_s=60)))
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 503
+    assert (await response.json())["error"]["code"] == "no_prefill_backend"
+
+
+async def test_prefill_engine_error_gives_502_and_cancels_push_decode_leg(cluster, make_router):
+    for p in cluster.prefill:
+        p.behaviour = "error500"
+        p.wait_for = cluster.decode[0]
+    for d in cluster.decode:
+        d.behaviour = "hang"
+    client = await make_router(mode="push")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 502
+    error = (await response.json())["error"]
+    assert error["code"] == "prefill_failed" and "engine exploded" in error["message"]
+    await asyncio.sleep(0.1)
+    assert sum(d.cancelled for d in cluster.decode) == 1
+
+
+async def test_decode_failure_aborts_running_prefill_leg(cluster, make_router):
+    for p in cluster.prefill:
+        p.behaviour = "hang"
+    for d in cluster.decode:
+        d.behaviour = "error500"
+        d.wait_for = cluster.prefill[0]
+    cluster.prefill[1].behaviour = "hang"
+    client = await make_router(mode="push", policy="round-robin")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 502
+    await asyncio.sleep(0.1)
+    assert sum(p.cancelled for p in cluster.prefill) == 1
+
+
+async def test_transfer_failure_reported_by_decode_is_a_transfer_error(cluster, make_router):
+    for d in cluster.decode:
+        d.behaviour = "transfer_failed"
+    client = await make_router()
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 502
+    assert (await response.json())["error"]["code"] == "kv_transfer_failed"
+    assert "pd_router_transfer_failures_total 1.0" in await (await client.get("/metrics")).text()
+
+
+async def test_pull_prefill_without_returned_params_is_a_transfer_error(cluster, make_router):
+    for p in cluster.prefill:
+        p.prefill_answer = lambda body: {"choices": []}  # type: ignore[method-assign]
+    client = await make_router(mode="pull")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 502
+    assert "returned no kv_transfer_params" in (await response.json())["error"]["message"]
+
+
+async def test_engine_rejection_of_the_request_stays_a_client_error(cluster, make_router):
+    for p in cluster.prefill:
+        p.behaviour = "reject400"
+    client = await make_router(mode="pull")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 400
+    assert "prompt too long" in (await response.json())["error"]["message"]
+
+
+async def test_hanging_prefill_times_out_with_504(cluster, make_router):
+    for p in cluster.prefill:
+        p.behaviour = "hang"
+    client = await make_router(mode="pull")
+    response = await client.post("/v1/completions", json=COMPLETION)
+    assert response.status == 504
+    assert (await response.json())["error"]["type"] == "timeout"
+
+
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(cluster, make_router):
+    for d in cluster.decode:
+        d.behaviour = "die_mid_stream"
+    client = await make_router()
+    response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert response.status == 200
+    events = [e for e in (await response.text()).split("\n\n") if e]
+    assert json.loads(events[0][6:])["choices"][0]["text"] == " t0"
+    assert "error" in json.loads(events[-1][6:])
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0}
+
+
+async def test_client_disconnect_cancels_both_legs(cluster, make_router):
+    for engine in cluster.prefill + cluster.decode:
+        engine.behaviour = "hang"
+    client = await make_router(mode="push")
+    request = asyncio.ensure_future(client.post("/v1/completions", json=COMPLETION))
+    await until(lambda: sum(len(e.bodies) for e in cluster.prefill + cluster.decode) == 2)
+    request.cancel()
+    await until(lambda: sum(e.cancelled for e in cluster.prefill + cluster.decode) == 2)
+    assert sum(e.cancelled for e in cluster.prefill) == 1 and sum(e.cancelled for e in cluster.decode) == 1
+    status = await status_of(client)
+    assert all(b["outstanding"] == 0 for b in status["backends"])
