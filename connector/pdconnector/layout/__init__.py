@@ -2,7 +2,8 @@
 
 ``model`` describes what a model stores, ``regions`` how one TP rank lays it out under
 vLLM's hybrid allocator, ``plan`` which byte runs a prefill rank writes into a decode rank,
-``accounting`` how many bytes that is compared with whole-page transfers.
+``accounting`` how many bytes that is compared with whole-page transfers, ``synthetic``
+tagged pools for byte-exact transfer tests.
 """
 
 from pdconnector.layout.accounting import TransferVolume, format_volume_table, transfer_volume, transfer_volume_table
@@ -29,6 +30,7 @@ from pdconnector.layout.plan import (
     writers_for,
 )
 from pdconnector.layout.regions import KVGroup, PageSchema, RankLayout, Region, group_layers
+from pdconnector.layout.synthetic import allocate_pools, apply_plan, tagged_shard, write_tagged_blocks
 
 __all__ = [
     "AttentionLayout",
@@ -46,6 +48,8 @@ __all__ = [
     "SsmSpec",
     "TransferPlan",
     "TransferVolume",
+    "allocate_pools",
+    "apply_plan",
     "check_compatible",
     "expected_notifications",
     "format_volume_table",
@@ -54,8 +58,10 @@ __all__ = [
     "model_from_hf_config",
     "plan_transfer",
     "shard_pieces",
+    "tagged_shard",
     "targets_for",
     "transfer_volume",
     "transfer_volume_table",
+    "write_tagged_blocks",
     "writers_for",
 ]

@@ -1,0 +1,272 @@
+"""Descriptor planning: which bytes of a prefill rank go where in a decode rank.
+
+Two views over the same pages, attention first: attention groups move kernel (physical)
+blocks, ``logical * ratio + k``; SSM groups move logical blocks, each as one run per conv
+sub-projection plus one for the temporal state, sized to the real bytes so the HMA padding
+never crosses the wire.
+
+Heterogeneous TP falls out of the segment model: a segment is sharded over a TP-``t`` engine
+as ``t`` equal contiguous runs, so prefill rank ``p`` holds global bytes
+``[p * s_p, (p + 1) * s_p)`` of it and decode rank ``d`` holds ``[d * s_d, (d + 1) * s_d)``;
+their intersection is what ``p`` writes into ``d``. With ``D_TP > P_TP`` this is ``d``'s
+slice of ``p``'s block (offset ``(d % ratio) * s_d`` inside the segment); with
+``P_TP > D_TP`` it is chunk ``p % ratio`` of ``d``'s segment, filled by consecutive ranks.
+Everything is numpy broadcasting over (region, block, piece); no Python loop per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdconnector.layout.model import LayerKind, SsmFamily
+from pdconnector.layout.regions import PageSchema, RankLayout
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Byte runs ``src_rank`` writes into ``dst_rank`` for one request.
+
+    Offsets are relative to the start of each side's registered region (``RankLayout.regions``).
+    ``naive_nbytes`` is what a whole-page transfer of the same blocks would move for this
+    pair (HMA padding and unused token slots of the last logical block included).
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    naive_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    def merged(self) -> TransferPlan:
+        """Adjacent runs that are contiguous on both sides fused into one descriptor."""
+        if len(self) < 2:
+            return self
+        follows = (
+            (self.src_region[1:] == self.src_region[:-1])
+            & (self.dst_region[1:] == self.dst_region[:-1])
+            & (self.src_offset[1:] == self.src_offset[:-1] + self.length[:-1])
+            & (self.dst_offset[1:] == self.dst_offset[:-1] + self.length[:-1])
+        )
+        starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+        return TransferPlan(
+            self.src_rank,
+            self.dst_rank,
+            self.src_region[starts],
+            self.src_offset[starts],
+            self.dst_region[starts],
+            self.dst_offset[starts],
+            np.add.reduceat(self.length, starts),
+            self.naive_nbytes,
+        )
+
+    def to_descriptors(self, src_region_addrs: Sequence[int], dst_region_addrs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Two ``(N, 3)`` int64 arrays ``[addr, length, dev_id=0]`` for NIXL ``get_xfer_descs``."""
+        src = _descriptors(self.src_region, self.src_offset, self.length, src_region_addrs, "src_region_addrs")
+        dst = _descriptors(self.dst_region, self.dst_offset, self.length, dst_region_addrs, "dst_region_addrs")
+        return src, dst
+
+
+def _descriptors(region: np.ndarray, offset: np.ndarray, length: np.ndarray, addrs: Sequence[int], name: str) -> np.ndarray:
+    base = np.asarray(addrs, dtype=np.int64)
+    if region.size and int(region.max()) >= base.size:
+        raise ValueError(f"{name}: plan uses region {int(region.max())} but only {base.size} addresses were given")
+    out = np.zeros((length.size, 3), dtype=np.int64)
+    out[:, 0] = base[region] + offset
+    out[:, 1] = length
+    return out
+
+
+def targets_for(prefill_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
+    """Decode ranks that prefill rank ``prefill_rank`` writes into."""
+    _check_tp_pair(p_tp, d_tp)
+    if d_tp >= p_tp:
+        ratio = d_tp // p_tp
+        return tuple(range(prefill_rank * ratio, (prefill_rank + 1) * ratio))
+    return (prefill_rank // (p_tp // d_tp),)
+
+
+def writers_for(decode_rank: int, p_tp: int, d_tp: int) -> tuple[int, ...]:
+    """Prefill ranks that write into decode rank ``decode_rank``."""
+    _check_tp_pair(p_tp, d_tp)
+    if p_tp >= d_tp:
+        ratio = p_tp // d_tp
+        return tuple(range(decode_rank * ratio, (decode_rank + 1) * ratio))
+    return (decode_rank // (d_tp // p_tp),)
+
+
+def expected_notifications(p_tp: int, d_tp: int) -> int:
+    """Completion notifications one decode rank waits for (one per writing prefill rank)."""
+    _check_tp_pair(p_tp, d_tp)
+    return max(1, p_tp // d_tp)
+
+
+def _check_tp_pair(p_tp: int, d_tp: int) -> None:
+    if p_tp <= 0 or d_tp <= 0:
+        raise ValueError(f"TP sizes must be positive, got prefill {p_tp}, decode {d_tp}")
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        raise ValueError(f"unsupported TP pair: prefill TP {p_tp} and decode TP {d_tp} must divide one another")
+
+
+def check_compatible(src: RankLayout, dst: RankLayout) -> None:
+    """Raise ``ValueError`` unless ``src`` can write into ``dst`` (same model state, supported TP pair)."""
+    _check_tp_pair(src.tp_size, dst.tp_size)
+    a, b = src.model, dst.model
+    for name in ("layers", "attention", "ssm", "block_size", "kernel_block_size"):
+        if getattr(a, name) != getattr(b, name):
+            raise ValueError(f"prefill and decode models differ in {name}: {getattr(a, name)!r} != {getattr(b, name)!r}")
+    if a.ssm is not None and a.ssm.family is SsmFamily.MAMBA1 and src.tp_size != dst.tp_size and a.num_ssm_layers:
+        raise ValueError(f"mamba1 state transfer needs equal TP on both sides, got prefill TP {src.tp_size}, decode TP {dst.tp_size}")
+
+
+def plan_transfer(
+    src: RankLayout,
+    dst: RankLayout,
+    src_blocks: Sequence[Sequence[int]],
+    dst_blocks: Sequence[Sequence[int]],
+    *,
+    num_tokens: int | None = None,
+    merge: bool = True,
+) -> TransferPlan:
+    """Plan what prefill rank ``src`` writes into decode rank ``dst`` for one request.
+
+    ``src_blocks`` / ``dst_blocks`` hold the logical block ids per KV group (vLLM's order,
+    ``RankLayout.groups``); group ``g``'s ``i``-th source block goes to its ``i``-th
+    destination block. With ``num_tokens``, attention moves only the kernel blocks that
+    hold tokens, not the empty tail of the last logical block. A pair that shares no bytes
+    (see :func:`targets_for`) gets an empty plan.
+    """
+    check_compatible(src, dst)
+    src_ids, dst_ids = _validated_blocks(src, dst, src_blocks, dst_blocks)
+    ratio = src.model.physical_blocks_per_logical
+    parts: list[tuple[np.ndarray, ...]] = []
+    naive = 0
+    naive_page = min(src.page_bytes, dst.page_bytes)
+    for kind in (LayerKind.ATTENTION, LayerKind.SSM):
+        for group in (g for g in src.groups if g.kind is kind):
+            s_ids, d_ids = src_ids[group.index], dst_ids[group.index]
+            regions = np.asarray(group.regions, dtype=np.int32)
+            naive += s_ids.size * regions.size * naive_page
+            if kind is LayerKind.ATTENTION:
+                s_ids, d_ids = _physical(s_ids, ratio), _physical(d_ids, ratio)
+                if num_tokens is not None:
+                    s_ids, d_ids = _trim_to_tokens(s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index)
+                src_schema, dst_schema = src.attention_schema, dst.attention_schema
+                src_stride, dst_stride = src.physical_page_bytes, dst.physical_page_bytes
+            else:
+                src_schema, dst_schema = src.ssm_schema, dst.ssm_schema
+                src_stride, dst_stride = src.page_bytes, dst.page_bytes
+            pieces = shard_pieces(src_schema, src.tp_rank, dst_schema, dst.tp_rank)
+            parts.append(_broadcast(regions, (s_ids, d_ids), (src_stride, dst_stride), pieces))
+    plan = _concat(src.tp_rank, dst.tp_rank, parts, naive if _writes_into(src, dst) else 0)
+    return plan.merged() if merge else plan
+
+
+def shard_pieces(src: PageSchema, src_rank: int, dst: PageSchema, dst_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of one page that ``src_rank`` holds and ``dst_rank`` needs: (src offset, dst offset, length)."""
+    src_start = src_rank * src.sizes
+    dst_start = dst_rank * dst.sizes
+    lo = np.maximum(src_start, dst_start)
+    hi = np.minimum(src_start + src.sizes, dst_start + dst.sizes)
+    keep = hi > lo
+    return (
+        (src.offsets + lo - src_start)[keep],
+        (dst.offsets + lo - dst_start)[keep],
+        (hi - lo)[keep],
+    )
+
+
+def _writes_into(src: RankLayout, dst: RankLayout) -> bool:
+    return dst.tp_rank in targets_for(src.tp_rank, src.tp_size, dst.tp_size)
+
+
+def _physical(logical: np.ndarray, ratio: int) -> np.ndarray:
+    return (logical[:, None] * ratio + np.arange(ratio, dtype=np.int64)).ravel()
+
+
+def _trim_to_tokens(s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kernel_block_size: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    needed = -(-num_tokens // kernel_block_size)
+    if num_tokens < 0 or needed > s_ids.size:
+        raise ValueError(f"num_tokens {num_tokens} does not fit the {s_ids.size} kernel blocks given for KV group {group}")
+    return s_ids[:needed], d_ids[:needed]
+
+
+def _broadcast(
+    regions: np.ndarray,
+    ids: tuple[np.ndarray, np.ndarray],
+    strides: tuple[int, int],
+    pieces: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, ...]:
+    """Region-major, then block, then piece: the (R, B, Q) grid flattened."""
+    (s_ids, d_ids), (src_stride, dst_stride) = ids, strides
+    piece_src, piece_dst, piece_len = pieces
+    shape = (regions.size, s_ids.size, piece_len.size)
+    src_offset = s_ids[None, :, None] * src_stride + piece_src[None, None, :]
+    dst_offset = d_ids[None, :, None] * dst_stride + piece_dst[None, None, :]
+    region = np.broadcast_to(regions[:, None, None], shape).ravel()
+    return (
+        region,
+        np.broadcast_to(src_offset, shape).ravel(),
+        region,
+        np.broadcast_to(dst_offset, shape).ravel(),
+        np.broadcast_to(piece_len[None, None, :], shape).ravel(),
+    )
+
+
+def _concat(src_rank: int, dst_rank: int, parts: list[tuple[np.ndarray, ...]], naive: int) -> TransferPlan:
+    if not parts:
+        return TransferPlan(src_rank, dst_rank, _EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, naive)
+    cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+    return TransferPlan(
+        src_rank,
+        dst_rank,
+        cols[0].astype(np.int32, copy=False),
+        cols[1].astype(np.int64, copy=False),
+        cols[2].astype(np.int32, copy=False),
+        cols[3].astype(np.int64, copy=False),
+        cols[4].astype(np.int64, copy=False),
+        naive,
+    )
+
+
+def _validated_blocks(
+    src: RankLayout, dst: RankLayout, src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    num_groups = len(src.groups)
+    for side, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+        if len(blocks) != num_groups:
+            raise ValueError(f"{side}: expected block ids for {num_groups} KV groups, got {len(blocks)}")
+    src_ids = [_ids(b, src.num_blocks, f"src_blocks[{g}]") for g, b in enumerate(src_blocks)]
+    dst_ids = [_ids(b, dst.num_blocks, f"dst_blocks[{g}]") for g, b in enumerate(dst_blocks)]
+    for g, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        if s.size != d.size:
+            raise ValueError(f"KV group {g}: {s.size} source blocks but {d.size} destination blocks")
+    # Every region is shared by all groups, so a destination block id may appear only once overall.
+    all_dst = np.concatenate(dst_ids) if dst_ids else _EMPTY_I64
+    unique, counts = np.unique(all_dst, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"dst_blocks: block id {int(unique[counts > 1][0])} is requested more than once")
+    return src_ids, dst_ids
+
+
+def _ids(blocks: Sequence[int], num_blocks: int, name: str) -> np.ndarray:
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise ValueError(f"{name}: block id {bad} out of range [0, {num_blocks})")
+    return ids
