@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,3 +190,32 @@ async def make_router(cluster: Cluster) -> AsyncIterator[Callable[..., Any]]:
     yield make
     for client in clients:
         await client.close()
+
+
+@pytest.fixture(scope="module")
+def threaded_router() -> Iterator[str]:
+    """A router with healthy fake engines on its own event loop thread, for synchronous (hypothesis) tests: its base URL."""
+    loop = asyncio.new_event_loop()
+    ready: concurrent.futures.Future[str] = concurrent.futures.Future()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        prefill = [FakeEngine("p0", "prefill", "127.0.0.30")]
+        decode = [FakeEngine("d0", "decode", "127.0.0.31")]
+        ports = (free_port_on(["127.0.0.30"]), free_port_on(["127.0.0.31"]))
+        servers = [TestServer(prefill[0].app(), host="127.0.0.30", port=ports[0]), TestServer(decode[0].app(), host="127.0.0.31", port=ports[1])]
+        router = TestServer(create_app(router_config(prefill, decode, ports, max_request_body_bytes=4096), RouterOptions()), host="127.0.0.1")
+        for server in [*servers, router]:
+            await server.start_server()
+        ready.set_result(f"http://127.0.0.1:{router.port}")
+        await stop.wait()
+        for server in [router, *servers]:
+            await server.close()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        yield ready.result(timeout=10)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=10)
