@@ -1,0 +1,165 @@
+"""Random interleavings of everything that can reach a prefill rank's rendezvous table.
+
+The machine plays the caller: it hands prefill blocks to the table, delivers
+registrations and aborts (duplicated, stale, misrouted), completes or fails the
+writes it was told to start, and lets time pass. Whatever happens:
+every entry ends exactly once; blocks are released exactly once and never while a
+write still reads them; writes only start on held blocks; failures go only to
+decode ranks that registered; the table stays within its bound; and once every
+deadline has passed nothing is left held, open or in flight.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from pdconnector.protocol.messages import AbortMessage, RegistrationMessage
+from pdconnector.protocol.rendezvous import (
+    AbandonWrite,
+    Closed,
+    Event,
+    NotifyDecode,
+    PrefillBlocks,
+    RendezvousLimits,
+    RendezvousTable,
+    StartWrite,
+    WriteKey,
+)
+
+TRANSFER_IDS = [f"tx-{index}" for index in range(6)]
+LIMITS = RendezvousLimits(max_entries=4, registration_lease_s=3.0, prefill_lease_s=5.0, write_timeout_s=2.0, tombstone_ttl_s=4.0, max_tombstones=3)
+PREFILL_RANK, PREFILL_TP = 0, 2  # writes decode rank 0 of TP 1 or 2, ranks 0 and 1 of TP 4
+
+
+class RendezvousMachine(RuleBasedStateMachine):
+    build_registration = None  # set by the test from the fixture
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = RendezvousTable(prefill_rank=PREFILL_RANK, prefill_tp_size=PREFILL_TP, limits=LIMITS)
+        self.now = 0.0
+        self.prefill_reported: set[str] = set()
+        self.held: dict[str, PrefillBlocks] = {}
+        self.released: set[str] = set()
+        self.in_flight: dict[WriteKey, StartWrite] = {}
+        self.abandoned: set[WriteKey] = set()
+        self.sent: set[RegistrationMessage] = set()
+        self.open: set[str] = set()
+
+    # --- the caller's side of each event ------------------------------------------------------
+
+    def apply(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, StartWrite):
+                assert event.key not in self.in_flight and event.key not in self.abandoned, "a write started twice"
+                assert self.held.get(event.key.transfer_id) == event.prefill, "a write started on blocks the table does not hold"
+                assert event.registration in self.sent
+                assert event.registration.attempt == event.key.attempt and event.registration.decode_tp_rank == event.key.decode_rank
+                self.in_flight[event.key] = event
+            elif isinstance(event, AbandonWrite):
+                assert self.in_flight.pop(event.key, None) is not None, "abandoned a write that was not in flight"
+                self.abandoned.add(event.key)
+            elif isinstance(event, NotifyDecode):
+                assert event.destination in self.sent, "notified a decode rank that never registered"
+                assert event.message.transfer_id == event.destination.transfer_id
+                assert event.message.attempt == event.destination.attempt
+            else:
+                self.close(event)
+
+    def close(self, event: Closed) -> None:
+        transfer_id = event.transfer_id
+        if transfer_id in self.open:
+            self.open.remove(transfer_id)
+        else:
+            assert event.blocks is not None, "closed an entry that was not open and freed nothing"
+        if event.blocks is not None:
+            assert transfer_id not in self.released, "blocks released twice"
+            assert self.held.pop(transfer_id, None) == event.blocks, "released blocks the table did not hold"
+            self.released.add(transfer_id)
+            assert not any(key.transfer_id == transfer_id for key in self.in_flight), "blocks released while a write reads them"
+
+    def call(self, transfer_id: str, events: list[Event]) -> None:
+        was_open = transfer_id in self.open
+        self.apply(events)
+        if transfer_id in self.table and not was_open:
+            self.open.add(transfer_id)
+
+    # --- rules --------------------------------------------------------------------------------
+
+    @rule(transfer_id=st.sampled_from(TRANSFER_IDS), blocks=st.lists(st.integers(0, 99), min_size=1, max_size=3))
+    def prefill_finishes(self, transfer_id: str, blocks: list[int]) -> None:
+        if transfer_id in self.prefill_reported:
+            return  # transfer ids are minted once per request: a prefill never finishes twice
+        self.prefill_reported.add(transfer_id)
+        self.held[transfer_id] = PrefillBlocks(transfer_id, (tuple(blocks),), len(blocks) * 16)
+        self.call(transfer_id, self.table.prefill_finished(transfer_id, (tuple(blocks),), len(blocks) * 16, self.now))
+
+    @rule(
+        transfer_id=st.sampled_from(TRANSFER_IDS),
+        attempt=st.integers(0, 3),
+        layout=st.sampled_from([(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 3), (3, 0)]),
+        groups=st.integers(1, 2),
+    )
+    def decode_registers(self, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int) -> None:
+        decode_tp, decode_rank = layout
+        message = self.build_registration(transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=((5, 6),) * groups)
+        self.sent.add(message)
+        self.call(transfer_id, self.table.registration(message, self.now))
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), succeeded=st.booleans())
+    def a_write_ends(self, data: st.DataObject, succeeded: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(self.in_flight, key=repr)))
+        del self.in_flight[key]
+        events = self.table.write_done(key, self.now) if succeeded else self.table.write_failed(key, "transport error", self.now)
+        self.call(key.transfer_id, events)
+
+    @precondition(lambda self: self.abandoned)
+    @rule(data=st.data())
+    def an_abandoned_write_reports_late(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.abandoned, key=repr)))
+        assert self.table.write_done(key, self.now) == []
+        assert self.table.write_failed(key, "late", self.now) == []
+
+    @rule(transfer_id=st.sampled_from(TRANSFER_IDS), attempt=st.integers(0, 3))
+    def decode_aborts(self, transfer_id: str, attempt: int) -> None:
+        message = AbortMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=0)
+        self.call(transfer_id, self.table.abort(message, self.now))
+
+    @rule(transfer_id=st.sampled_from(TRANSFER_IDS))
+    def prefill_cancels(self, transfer_id: str) -> None:
+        self.call(transfer_id, self.table.cancel(transfer_id, "request aborted", self.now))
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 2.0, 3.0, 6.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+        self.apply(self.table.expire(self.now))
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def open_entries_are_exactly_the_tables(self) -> None:
+        assert {transfer_id for transfer_id in TRANSFER_IDS if transfer_id in self.table} == self.open
+        assert len(self.table) == len(self.open) <= LIMITS.max_entries
+
+    @invariant()
+    def held_blocks_and_writes_belong_to_open_entries(self) -> None:
+        assert set(self.held) <= self.open
+        assert {key.transfer_id for key in self.in_flight} <= set(self.held)
+
+    @invariant()
+    def next_deadline_is_never_late(self) -> None:
+        deadline = self.table.next_deadline()
+        if self.in_flight or self.open:
+            assert deadline is not None
+
+    def teardown(self) -> None:
+        self.now += LIMITS.prefill_lease_s + LIMITS.registration_lease_s + LIMITS.write_timeout_s + 1
+        self.apply(self.table.expire(self.now))
+        assert len(self.table) == 0 and not self.open, "entries outlived every deadline"
+        assert not self.held, "blocks leaked"
+        assert not self.in_flight, "writes outlived their deadline"
+
+
+def test_rendezvous_table_invariants_hold_under_any_interleaving(registration):
+    machine = type("BoundRendezvousMachine", (RendezvousMachine,), {"build_registration": staticmethod(registration)})
+    run_state_machine_as_test(machine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None))
