@@ -1,12 +1,14 @@
 """KV/SSM memory model and descriptor planning, independent of vLLM and NIXL (numpy only).
 
 ``model`` describes what a model stores, ``regions`` how one TP rank lays it out under
-vLLM's hybrid allocator, ``plan`` which byte runs a prefill rank writes into a decode rank,
+vLLM's hybrid allocator, ``plan`` which byte runs a prefill rank writes into a decode rank (``descriptors``: the same
+as prepared descriptor lists and ids),
 ``accounting`` how many bytes that is compared with whole-page transfers, ``synthetic``
 tagged pools for byte-exact transfer tests.
 """
 
 from pdconnector.layout.accounting import TransferVolume, format_volume_table, transfer_volume, transfer_volume_table
+from pdconnector.layout.descriptors import DescriptorTable, descriptor_ids, descriptor_tables
 from pdconnector.layout.model import (
     AttentionLayout,
     AttentionSpec,
@@ -21,9 +23,11 @@ from pdconnector.layout.model import (
     model_from_hf_config,
 )
 from pdconnector.layout.plan import (
+    GroupTransfer,
     TransferPlan,
     check_compatible,
     expected_notifications,
+    group_transfers,
     plan_transfer,
     shard_pieces,
     targets_for,
@@ -37,6 +41,8 @@ __all__ = [
     "AttentionSpec",
     "ConvLayout",
     "ConvProjection",
+    "DescriptorTable",
+    "GroupTransfer",
     "KVGroup",
     "LayerKind",
     "ModelSpec",
@@ -51,9 +57,12 @@ __all__ = [
     "allocate_pools",
     "apply_plan",
     "check_compatible",
+    "descriptor_ids",
+    "descriptor_tables",
     "expected_notifications",
     "format_volume_table",
     "group_layers",
+    "group_transfers",
     "hybrid_block_size",
     "model_from_hf_config",
     "plan_transfer",

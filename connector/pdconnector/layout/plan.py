@@ -134,6 +134,51 @@ def check_compatible(src: RankLayout, dst: RankLayout) -> None:
         raise ValueError(f"mamba1 state transfer needs equal TP on both sides, got prefill TP {src.tp_size}, decode TP {dst.tp_size}")
 
 
+@dataclass(frozen=True)
+class GroupTransfer:
+    """One KV group of a request in one view: which units move and which runs of each unit.
+
+    A unit is a kernel block (attention view) or a logical block (SSM view) of one region;
+    ``pieces`` are (src offset, dst offset, length) inside a unit, ``strides`` the unit sizes.
+    """
+
+    group: int
+    kind: LayerKind
+    regions: np.ndarray
+    src_units: np.ndarray
+    dst_units: np.ndarray
+    strides: tuple[int, int]
+    pieces: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def group_transfers(
+    src: RankLayout,
+    dst: RankLayout,
+    src_blocks: Sequence[Sequence[int]],
+    dst_blocks: Sequence[Sequence[int]],
+    *,
+    num_tokens: int | None = None,
+) -> list[GroupTransfer]:
+    """The request's groups in descriptor order (attention view first, then SSM), validated."""
+    check_compatible(src, dst)
+    src_ids, dst_ids = _validated_blocks(src, dst, src_blocks, dst_blocks)
+    ratio = src.model.physical_blocks_per_logical
+    out: list[GroupTransfer] = []
+    for kind in (LayerKind.ATTENTION, LayerKind.SSM):
+        for group in (g for g in src.groups if g.kind is kind):
+            s_ids, d_ids = src_ids[group.index], dst_ids[group.index]
+            if kind is LayerKind.ATTENTION:
+                s_ids, d_ids = _physical(s_ids, ratio), _physical(d_ids, ratio)
+                if num_tokens is not None:
+                    s_ids, d_ids = _trim_to_tokens(s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index)
+                schemas, strides = (src.attention_schema, dst.attention_schema), (src.physical_page_bytes, dst.physical_page_bytes)
+            else:
+                schemas, strides = (src.ssm_schema, dst.ssm_schema), (src.page_bytes, dst.page_bytes)
+            pieces = shard_pieces(schemas[0], src.tp_rank, schemas[1], dst.tp_rank)
+            out.append(GroupTransfer(group.index, kind, np.asarray(group.regions, dtype=np.int32), s_ids, d_ids, strides, pieces))
+    return out
+
+
 def plan_transfer(
     src: RankLayout,
     dst: RankLayout,
@@ -151,29 +196,12 @@ def plan_transfer(
     hold tokens, not the empty tail of the last logical block. A pair that shares no bytes
     (see :func:`targets_for`) gets an empty plan.
     """
-    check_compatible(src, dst)
-    src_ids, dst_ids = _validated_blocks(src, dst, src_blocks, dst_blocks)
-    ratio = src.model.physical_blocks_per_logical
-    parts: list[tuple[np.ndarray, ...]] = []
+    transfers = group_transfers(src, dst, src_blocks, dst_blocks, num_tokens=num_tokens)
     naive = 0
-    naive_page = min(src.page_bytes, dst.page_bytes)
-    for kind in (LayerKind.ATTENTION, LayerKind.SSM):
-        for group in (g for g in src.groups if g.kind is kind):
-            s_ids, d_ids = src_ids[group.index], dst_ids[group.index]
-            regions = np.asarray(group.regions, dtype=np.int32)
-            naive += s_ids.size * regions.size * naive_page
-            if kind is LayerKind.ATTENTION:
-                s_ids, d_ids = _physical(s_ids, ratio), _physical(d_ids, ratio)
-                if num_tokens is not None:
-                    s_ids, d_ids = _trim_to_tokens(s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index)
-                src_schema, dst_schema = src.attention_schema, dst.attention_schema
-                src_stride, dst_stride = src.physical_page_bytes, dst.physical_page_bytes
-            else:
-                src_schema, dst_schema = src.ssm_schema, dst.ssm_schema
-                src_stride, dst_stride = src.page_bytes, dst.page_bytes
-            pieces = shard_pieces(src_schema, src.tp_rank, dst_schema, dst.tp_rank)
-            parts.append(_broadcast(regions, (s_ids, d_ids), (src_stride, dst_stride), pieces))
-    plan = _concat(src.tp_rank, dst.tp_rank, parts, naive if _writes_into(src, dst) else 0)
+    if _writes_into(src, dst):
+        naive_page = min(src.page_bytes, dst.page_bytes)
+        naive = sum(len(src_blocks[t.group]) * t.regions.size * naive_page for t in transfers)
+    plan = _concat(src.tp_rank, dst.tp_rank, [_broadcast(t) for t in transfers], naive)
     return plan.merged() if merge else plan
 
 
@@ -206,15 +234,10 @@ def _trim_to_tokens(s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kerne
     return s_ids[:needed], d_ids[:needed]
 
 
-def _broadcast(
-    regions: np.ndarray,
-    ids: tuple[np.ndarray, np.ndarray],
-    strides: tuple[int, int],
-    pieces: tuple[np.ndarray, np.ndarray, np.ndarray],
-) -> tuple[np.ndarray, ...]:
+def _broadcast(t: GroupTransfer) -> tuple[np.ndarray, ...]:
     """Region-major, then block, then piece: the (R, B, Q) grid flattened."""
-    (s_ids, d_ids), (src_stride, dst_stride) = ids, strides
-    piece_src, piece_dst, piece_len = pieces
+    (src_stride, dst_stride), (piece_src, piece_dst, piece_len) = t.strides, t.pieces
+    s_ids, d_ids, regions = t.src_units, t.dst_units, t.regions
     shape = (regions.size, s_ids.size, piece_len.size)
     src_offset = s_ids[None, :, None] * src_stride + piece_src[None, None, :]
     dst_offset = d_ids[None, :, None] * dst_stride + piece_dst[None, None, :]

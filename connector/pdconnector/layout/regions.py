@@ -64,7 +64,7 @@ class PageSchema:
         units = np.array([s.units for s in segments], dtype=np.int64)
         unit_bytes = np.array([s.unit_bytes for s in segments], dtype=np.int64)
         sizes = units // tp_size * unit_bytes
-        offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        offsets = np.cumsum(sizes) - sizes
         return cls(offsets, sizes, units * unit_bytes)
 
     @property
