@@ -141,8 +141,18 @@ class AbortMessage(_Message, tag="abort"):
 
 Message = RegistrationMessage | CompletionMessage | FailureMessage | AbortMessage
 
+
+class _Identity(msgspec.Struct):
+    """The two fields needed to answer a message, read leniently (other fields are not looked at)."""
+
+    type: str
+    transfer_id: TransferId
+    attempt: Attempt
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_identity_decoder = msgspec.msgpack.Decoder(_Identity)
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _NAMED_FIELD = re.compile(r"(?:missing required|unknown) field `([^`]*)`")
 
@@ -187,3 +197,28 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(_field_of(error), str(error)) from None
     except msgspec.DecodeError as error:
         raise ProtocolError("payload", str(error)) from None
+
+
+def rejection_notice(data: bytes, error: ProtocolError, *, rank: int) -> FailureMessage | None:
+    """The failure to send back for a registration ``decode`` refused, so its sender fails now instead of at its deadline.
+
+    NIXL tells the receiver which agent a notification came from; this reads the transfer id
+    and attempt the refused frame claims. None when the frame is not a registration of this
+    protocol version or those two fields are themselves unreadable.
+    """
+    if len(data) > MAX_MESSAGE_BYTES or bytes(data[: len(_HEADER)]) != _HEADER:
+        return None
+    try:
+        identity = _identity_decoder.decode(memoryview(data)[len(_HEADER) :])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if identity.type != RegistrationMessage.__struct_config__.tag:
+        return None
+    return FailureMessage(
+        transfer_id=identity.transfer_id,
+        attempt=identity.attempt,
+        side=Side.PREFILL,
+        rank=rank,
+        reason=FailureReason.INVALID_REGISTRATION,
+        detail=str(error)[:MAX_DETAIL_CHARS],
+    )

@@ -186,7 +186,7 @@ class RendezvousTable:
         entry.prefill = blocks
         return self._pair(entry, now)
 
-    def registration(self, message: RegistrationMessage, now: float) -> list[Event]:
+    def registration_received(self, message: RegistrationMessage, now: float) -> list[Event]:
         """A decode rank's registration arrived (already decoded and schema-checked)."""
         problem = self._incompatibility(message)
         entry = self._entries.get(message.transfer_id)
@@ -227,7 +227,7 @@ class RendezvousTable:
             return self._end(entry, Outcome.FAILED, FailureReason.WRITE_FAILED, detail, now=now)
         return self._settle(entry, now)
 
-    def abort(self, message: AbortMessage, now: float) -> list[Event]:
+    def abort_received(self, message: AbortMessage, now: float) -> list[Event]:
         """Decode gave up on ``message.attempt``: stop and free (decode needs no answer)."""
         entry = self._entries.get(message.transfer_id)
         if entry is None:

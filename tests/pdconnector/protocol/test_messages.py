@@ -17,6 +17,7 @@ from pdconnector.protocol.messages import (
     Side,
     decode,
     encode,
+    rejection_notice,
 )
 
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
@@ -134,6 +135,8 @@ def assert_decodes_or_protocol_error(data: bytes) -> None:
         message = decode(data)
     except ProtocolError as error:
         assert error.field
+        notice = rejection_notice(data, error, rank=0)
+        assert notice is None or decode(encode(notice)) == notice
         return
     assert decode(encode(message)) == message
 
@@ -273,3 +276,34 @@ def test_constructing_an_inconsistent_message_fails_at_once_naming_the_field(reg
     with pytest.raises(ProtocolError) as caught:
         registration(block_ids=((1,), (5, 2000)), num_blocks=1024)
     assert caught.value.field == "block_ids[1][1]"
+
+
+# --- answering refused registrations ----------------------------------------------------------
+
+
+def refusal_of(data: bytes) -> FailureMessage | None:
+    with pytest.raises(ProtocolError) as caught:
+        decode(data)
+    return rejection_notice(data, caught.value, rank=3)
+
+
+def test_a_refused_registration_with_a_readable_id_gets_a_failure_notice_naming_the_field():
+    notice = refusal_of(frame(raw_registration(transfer_id="tx-7", attempt=2, block_ids=[[1, 500]])))
+    assert notice is not None
+    assert (notice.transfer_id, notice.attempt, notice.rank) == ("tx-7", 2, 3)
+    assert (notice.side, notice.reason) == (Side.PREFILL, FailureReason.INVALID_REGISTRATION)
+    assert notice.detail.startswith("block_ids[0][1]: ")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"garbage",
+        HEADER + b"\xc1",
+        frame(raw_registration(transfer_id="bad id", block_ids=[[-1]])),  # nobody to address
+        frame({"type": "complete", "transfer_id": "tx-1", "attempt": 0, "prefill_rank": 9, "prefill_tp_size": 2, "bytes_written": 0}),
+        MAGIC + bytes([PROTOCOL_VERSION + 1]) + msgspec.msgpack.encode(raw_registration(block_ids=[[-1]])),  # the sender would not read our answer
+    ],
+)
+def test_frames_that_are_not_answerable_registrations_get_no_notice(data):
+    assert refusal_of(data) is None

@@ -43,7 +43,7 @@ def abort(transfer_id: str = "tx-1", attempt: int = 0) -> AbortMessage:
 
 def test_registration_then_prefill_starts_the_write_when_prefill_finishes(registration):
     rendezvous = table()
-    assert rendezvous.registration(registration(), now=0.0) == []
+    assert rendezvous.registration_received(registration(), now=0.0) == []
     start = only(rendezvous.prefill_finished("tx-1", BLOCKS, num_tokens=48, now=1.0), StartWrite)
     assert start.key == WriteKey("tx-1", 0, 0)
     assert start.registration == registration()
@@ -54,7 +54,7 @@ def test_registration_then_prefill_starts_the_write_when_prefill_finishes(regist
 def test_prefill_then_registration_starts_the_write_when_the_registration_arrives(registration):
     rendezvous = table()
     assert rendezvous.prefill_finished("tx-1", BLOCKS, num_tokens=48, now=0.0) == []
-    start = only(rendezvous.registration(registration(), now=2.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=2.0), StartWrite)
     assert start.key == WriteKey("tx-1", 0, 0)
     assert start.deadline == 2.0 + LIMITS.write_timeout_s
 
@@ -62,7 +62,7 @@ def test_prefill_then_registration_starts_the_write_when_the_registration_arrive
 def test_a_completed_write_closes_the_transfer_and_releases_the_blocks_once(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     closed = only(rendezvous.write_done(start.key, now=1.0), Closed)
     assert (closed.outcome, closed.blocks) == (Outcome.WRITTEN, start.prefill)
     assert "tx-1" not in rendezvous
@@ -74,8 +74,8 @@ def test_a_completed_write_closes_the_transfer_and_releases_the_blocks_once(regi
 def test_transfers_are_paired_by_transfer_id_only(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-a", BLOCKS, 48, now=0.0)
-    assert rendezvous.registration(registration("tx-b"), now=0.0) == []
-    start = only(rendezvous.registration(registration("tx-a"), now=0.0), StartWrite)
+    assert rendezvous.registration_received(registration("tx-b"), now=0.0) == []
+    start = only(rendezvous.registration_received(registration("tx-a"), now=0.0), StartWrite)
     assert start.prefill.transfer_id == "tx-a"
     assert len(rendezvous) == 2
 
@@ -85,16 +85,16 @@ def test_transfers_are_paired_by_transfer_id_only(registration):
 
 def test_a_duplicate_registration_is_ignored_before_and_after_pairing(registration):
     rendezvous = table()
-    assert rendezvous.registration(registration(), now=0.0) == []
-    assert rendezvous.registration(registration(), now=0.5) == []
+    assert rendezvous.registration_received(registration(), now=0.0) == []
+    assert rendezvous.registration_received(registration(), now=0.5) == []
     only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=1.0), StartWrite)
-    assert rendezvous.registration(registration(), now=1.5) == []
+    assert rendezvous.registration_received(registration(), now=1.5) == []
 
 
 def test_a_higher_attempt_before_pairing_replaces_the_old_registration(registration):
     rendezvous = table()
-    rendezvous.registration(registration(attempt=1, block_ids=((7, 8),)), now=0.0)
-    rendezvous.registration(registration(attempt=2, block_ids=((20, 21),)), now=1.0)
+    rendezvous.registration_received(registration(attempt=1, block_ids=((7, 8),)), now=0.0)
+    rendezvous.registration_received(registration(attempt=2, block_ids=((20, 21),)), now=1.0)
     start = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=2.0), StartWrite)
     assert start.key.attempt == 2
     assert start.registration.block_ids == ((20, 21),)
@@ -102,8 +102,8 @@ def test_a_higher_attempt_before_pairing_replaces_the_old_registration(registrat
 
 def test_a_lower_attempt_is_ignored(registration):
     rendezvous = table()
-    rendezvous.registration(registration(attempt=3), now=0.0)
-    assert rendezvous.registration(registration(attempt=2, block_ids=((99,),)), now=0.0) == []
+    rendezvous.registration_received(registration(attempt=3), now=0.0)
+    assert rendezvous.registration_received(registration(attempt=2, block_ids=((99,),)), now=0.0) == []
     start = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0), StartWrite)
     assert start.key.attempt == 3
 
@@ -111,9 +111,9 @@ def test_a_lower_attempt_is_ignored(registration):
 def test_reregistration_after_preemption_rewrites_and_the_stale_write_never_completes_the_new_attempt(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    first = only(rendezvous.registration(registration(attempt=0), now=0.0), StartWrite)
+    first = only(rendezvous.registration_received(registration(attempt=0), now=0.0), StartWrite)
     # Decode was preempted while the first WRITE was in flight and registered fresh blocks.
-    second = only(rendezvous.registration(registration(attempt=1, block_ids=((40, 41, 42),)), now=1.0), StartWrite)
+    second = only(rendezvous.registration_received(registration(attempt=1, block_ids=((40, 41, 42),)), now=1.0), StartWrite)
     assert second.key == WriteKey("tx-1", 1, 0)
     assert rendezvous.write_done(first.key, now=2.0) == []  # the stale write completing does not finish attempt 1
     assert "tx-1" in rendezvous
@@ -125,8 +125,8 @@ def test_reregistration_after_preemption_rewrites_and_the_stale_write_never_comp
 def test_after_a_stale_write_completes_the_new_attempt_can_still_fail(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    first = only(rendezvous.registration(registration(attempt=0), now=0.0), StartWrite)
-    second = only(rendezvous.registration(registration(attempt=1), now=1.0), StartWrite)
+    first = only(rendezvous.registration_received(registration(attempt=0), now=0.0), StartWrite)
+    second = only(rendezvous.registration_received(registration(attempt=1), now=1.0), StartWrite)
     rendezvous.write_done(first.key, now=2.0)
     events = rendezvous.write_failed(second.key, "remote disconnect", now=3.0)
     assert kinds(events) == [NotifyDecode, Closed]
@@ -137,8 +137,8 @@ def test_after_a_stale_write_completes_the_new_attempt_can_still_fail(registrati
 def test_blocks_stay_held_until_a_stale_write_still_reading_them_ends(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    first = only(rendezvous.registration(registration(attempt=0), now=0.0), StartWrite)
-    second = only(rendezvous.registration(registration(attempt=1), now=1.0), StartWrite)
+    first = only(rendezvous.registration_received(registration(attempt=0), now=0.0), StartWrite)
+    second = only(rendezvous.registration_received(registration(attempt=1), now=1.0), StartWrite)
     assert rendezvous.write_done(second.key, now=2.0) == []  # attempt 1 written, but attempt 0's WRITE still reads the blocks
     closed = only(rendezvous.write_failed(first.key, "peer reset", now=3.0), Closed)  # a stale failure does not fail the transfer
     assert closed.outcome is Outcome.WRITTEN
@@ -147,17 +147,17 @@ def test_blocks_stay_held_until_a_stale_write_still_reading_them_ends(registrati
 def test_a_resent_registration_after_success_is_silently_ignored(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     rendezvous.write_done(start.key, now=1.0)
-    assert rendezvous.registration(registration(), now=2.0) == []
+    assert rendezvous.registration_received(registration(), now=2.0) == []
 
 
 def test_a_new_attempt_after_the_transfer_ended_is_told_at_once(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     rendezvous.write_done(start.key, now=1.0)
-    notify = only(rendezvous.registration(registration(attempt=1), now=2.0), NotifyDecode)
+    notify = only(rendezvous.registration_received(registration(attempt=1), now=2.0), NotifyDecode)
     assert (notify.message.reason, notify.message.attempt) == (FailureReason.ALREADY_CLOSED, 1)
 
 
@@ -180,7 +180,7 @@ def test_a_registration_arriving_after_expiry_is_failed_at_once(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     rendezvous.expire(now=100.0)
-    notify = only(rendezvous.registration(registration(), now=101.0), NotifyDecode)
+    notify = only(rendezvous.registration_received(registration(), now=101.0), NotifyDecode)
     assert notify.message.reason is FailureReason.ALREADY_CLOSED
     assert "expired" in notify.message.detail
     assert len(rendezvous) == 0
@@ -188,7 +188,7 @@ def test_a_registration_arriving_after_expiry_is_failed_at_once(registration):
 
 def test_a_lost_prefill_expires_the_registration_and_tells_decode(registration):
     rendezvous = table()
-    rendezvous.registration(registration(), now=0.0)
+    rendezvous.registration_received(registration(), now=0.0)
     assert rendezvous.expire(now=LIMITS.prefill_lease_s - 1) == []
     events = rendezvous.expire(now=LIMITS.prefill_lease_s)
     assert kinds(events) == [NotifyDecode, Closed]
@@ -201,7 +201,7 @@ def test_a_lost_prefill_expires_the_registration_and_tells_decode(registration):
 
 def test_a_prefill_finishing_after_its_registration_expired_is_freed_at_once(registration):
     rendezvous = table()
-    rendezvous.registration(registration(), now=0.0)
+    rendezvous.registration_received(registration(), now=0.0)
     rendezvous.expire(now=LIMITS.prefill_lease_s)
     closed = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=LIMITS.prefill_lease_s + 1), Closed)
     assert (closed.outcome, closed.blocks) == (Outcome.EXPIRED, PrefillBlocks("tx-1", BLOCKS, 48))
@@ -212,8 +212,8 @@ def test_a_new_attempt_renews_the_lease_on_held_blocks(registration):
     rendezvous = table(prefill_tp=1)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     # Decode TP 2: rank 0 registers attempt 0, then both ranks are preempted; rank 0 registers attempt 1 at t=8.
-    rendezvous.registration(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0)
-    rendezvous.registration(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0)
+    rendezvous.registration_received(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0)
+    rendezvous.registration_received(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0)
     assert not any(isinstance(event, Closed) for event in rendezvous.expire(now=12.0))  # the old lease (t=10) no longer applies
     events = rendezvous.expire(now=18.0)
     assert isinstance(events[-1], Closed)
@@ -222,7 +222,7 @@ def test_a_new_attempt_renews_the_lease_on_held_blocks(registration):
 def test_a_write_past_its_deadline_is_abandoned_then_decode_told_then_blocks_freed(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     assert rendezvous.expire(now=start.deadline - 0.01) == []
     events = rendezvous.expire(now=start.deadline)
     assert kinds(events) == [AbandonWrite, NotifyDecode, Closed]
@@ -236,7 +236,7 @@ def test_a_write_past_its_deadline_is_abandoned_then_decode_told_then_blocks_fre
 def test_next_deadline_is_never_later_than_the_next_thing_to_expire(registration):
     rendezvous = table()
     assert rendezvous.next_deadline() is None
-    rendezvous.registration(registration("tx-a"), now=0.0)
+    rendezvous.registration_received(registration("tx-a"), now=0.0)
     rendezvous.prefill_finished("tx-b", BLOCKS, 48, now=5.0)
     assert rendezvous.next_deadline() == 5.0 + LIMITS.registration_lease_s
     rendezvous.expire(now=rendezvous.next_deadline())
@@ -249,7 +249,7 @@ def test_next_deadline_is_never_later_than_the_next_thing_to_expire(registration
 def test_a_failed_write_tells_decode_and_frees_the_blocks(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     events = rendezvous.write_failed(start.key, "NIXL_ERR_REMOTE_DISCONNECT", now=1.0)
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.WRITE_FAILED
@@ -260,8 +260,8 @@ def test_a_failed_write_tells_decode_and_frees_the_blocks(registration):
 def test_after_one_destination_fails_the_blocks_wait_for_the_other_write_in_flight(registration):
     rendezvous = table(prefill_tp=1)  # decode TP 2: this prefill rank writes decode ranks 0 and 1
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    to_0 = only(rendezvous.registration(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
-    to_1 = only(rendezvous.registration(registration(decode_rank=1, decode_tp=2), now=0.0), StartWrite)
+    to_0 = only(rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
+    to_1 = only(rendezvous.registration_received(registration(decode_rank=1, decode_tp=2), now=0.0), StartWrite)
     events = rendezvous.write_failed(to_0.key, "boom", now=1.0)
     assert kinds(events) == [NotifyDecode, NotifyDecode]
     assert {event.destination.decode_tp_rank for event in events} == {0, 1}
@@ -271,7 +271,7 @@ def test_after_one_destination_fails_the_blocks_wait_for_the_other_write_in_flig
 
 def test_a_local_cancel_tells_every_registered_decode_rank(registration):
     rendezvous = table()
-    rendezvous.registration(registration(), now=0.0)
+    rendezvous.registration_received(registration(), now=0.0)
     events = rendezvous.cancel("tx-1", "prefill request aborted", now=1.0)
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.CANCELLED
@@ -280,7 +280,7 @@ def test_a_local_cancel_tells_every_registered_decode_rank(registration):
 
 def test_a_decode_abort_before_prefill_finishes_frees_the_blocks_when_it_does(registration):
     rendezvous = table()
-    assert rendezvous.abort(abort(), now=0.0) == []
+    assert rendezvous.abort_received(abort(), now=0.0) == []
     closed = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=5.0), Closed)
     assert (closed.outcome, closed.blocks) == (Outcome.CANCELLED, PrefillBlocks("tx-1", BLOCKS, 48))
     assert len(rendezvous) == 0
@@ -289,16 +289,16 @@ def test_a_decode_abort_before_prefill_finishes_frees_the_blocks_when_it_does(re
 def test_a_decode_abort_during_a_write_frees_the_blocks_once_the_write_ends_without_notifying_decode(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(), now=0.0), StartWrite)
-    assert rendezvous.abort(abort(), now=1.0) == []
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
+    assert rendezvous.abort_received(abort(), now=1.0) == []
     closed = only(rendezvous.write_done(start.key, now=2.0), Closed)
     assert closed.outcome is Outcome.CANCELLED
 
 
 def test_an_abort_of_a_superseded_attempt_is_ignored(registration):
     rendezvous = table()
-    rendezvous.registration(registration(attempt=2), now=0.0)
-    assert rendezvous.abort(abort(attempt=1), now=0.0) == []
+    rendezvous.registration_received(registration(attempt=2), now=0.0)
+    assert rendezvous.abort_received(abort(attempt=1), now=0.0) == []
     only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=1.0), StartWrite)
 
 
@@ -316,7 +316,7 @@ def test_an_abort_of_a_superseded_attempt_is_ignored(registration):
 def test_a_registration_this_rank_cannot_serve_is_refused_without_opening_an_entry(registration, prefill, decode, reason):
     (prefill_rank, prefill_tp), (decode_rank, decode_tp) = prefill, decode
     rendezvous = table(prefill_rank=prefill_rank, prefill_tp=prefill_tp)
-    notify = only(rendezvous.registration(registration(decode_rank=decode_rank, decode_tp=decode_tp), now=0.0), NotifyDecode)
+    notify = only(rendezvous.registration_received(registration(decode_rank=decode_rank, decode_tp=decode_tp), now=0.0), NotifyDecode)
     assert notify.message.reason is reason
     assert notify.message.rank == prefill_rank
     assert len(rendezvous) == 0
@@ -325,7 +325,7 @@ def test_a_registration_this_rank_cannot_serve_is_refused_without_opening_an_ent
 def test_registrations_are_accepted_from_exactly_the_decode_ranks_this_rank_writes(registration):
     rendezvous = table(prefill_rank=1, prefill_tp=2)  # decode TP 4: prefill rank 1 writes decode ranks 2 and 3
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    starts = [only(rendezvous.registration(registration(decode_rank=rank, decode_tp=4), now=0.0), StartWrite) for rank in (2, 3)]
+    starts = [only(rendezvous.registration_received(registration(decode_rank=rank, decode_tp=4), now=0.0), StartWrite) for rank in (2, 3)]
     assert [start.key.decode_rank for start in starts] == [2, 3]
     assert rendezvous.write_done(starts[0].key, now=1.0) == []
     assert only(rendezvous.write_done(starts[1].key, now=1.0), Closed).outcome is Outcome.WRITTEN
@@ -335,14 +335,14 @@ def test_several_prefill_ranks_each_write_their_chunk_into_one_decode_rank(regis
     for prefill_rank in range(4):
         rendezvous = table(prefill_rank=prefill_rank, prefill_tp=4)
         rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-        start = only(rendezvous.registration(registration(decode_rank=prefill_rank // 2, decode_tp=2), now=0.0), StartWrite)
+        start = only(rendezvous.registration_received(registration(decode_rank=prefill_rank // 2, decode_tp=2), now=0.0), StartWrite)
         assert only(rendezvous.write_done(start.key, now=1.0), Closed).outcome is Outcome.WRITTEN
 
 
 def test_a_missing_decode_rank_expires_the_transfer_and_tells_the_ranks_that_registered(registration):
     rendezvous = table(prefill_tp=1)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
+    start = only(rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
     assert rendezvous.write_done(start.key, now=1.0) == []  # decode rank 1 never registers
     events = rendezvous.expire(now=LIMITS.registration_lease_s)
     assert kinds(events) == [NotifyDecode, Closed]
@@ -352,17 +352,17 @@ def test_a_missing_decode_rank_expires_the_transfer_and_tells_the_ranks_that_reg
 
 def test_a_layout_fingerprint_mismatch_is_refused(registration):
     rendezvous = table(layout_fingerprint="llama-2l-f32-bs16")
-    notify = only(rendezvous.registration(registration(layout_fingerprint="llama-2l-bf16-bs16"), now=0.0), NotifyDecode)
+    notify = only(rendezvous.registration_received(registration(layout_fingerprint="llama-2l-bf16-bs16"), now=0.0), NotifyDecode)
     assert notify.message.reason is FailureReason.INCOMPATIBLE
-    assert rendezvous.registration(registration("tx-2", layout_fingerprint="llama-2l-f32-bs16"), now=0.0) == []
-    assert rendezvous.registration(registration("tx-3", layout_fingerprint=""), now=0.0) == []  # unspecified: not compared
+    assert rendezvous.registration_received(registration("tx-2", layout_fingerprint="llama-2l-f32-bs16"), now=0.0) == []
+    assert rendezvous.registration_received(registration("tx-3", layout_fingerprint=""), now=0.0) == []  # unspecified: not compared
     assert len(rendezvous) == 2
 
 
 def test_a_kv_group_count_mismatch_fails_the_transfer_and_frees_the_blocks(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", ((1, 2), (3, 4)), 32, now=0.0)
-    events = rendezvous.registration(registration(block_ids=((5, 6),)), now=0.0)
+    events = rendezvous.registration_received(registration(block_ids=((5, 6),)), now=0.0)
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.INCOMPATIBLE
     assert events[1].blocks is not None
@@ -370,10 +370,10 @@ def test_a_kv_group_count_mismatch_fails_the_transfer_and_frees_the_blocks(regis
 
 def test_decode_ranks_disagreeing_on_the_tp_size_fail_the_transfer(registration):
     rendezvous = table(prefill_rank=0, prefill_tp=2)
-    rendezvous.registration(registration(decode_rank=0, decode_tp=4), now=0.0)
-    events = rendezvous.registration(registration(decode_rank=0, decode_tp=2), now=0.0)
+    rendezvous.registration_received(registration(decode_rank=0, decode_tp=4), now=0.0)
+    events = rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0)
     assert events == []  # same attempt, same rank: a duplicate, ignored whatever it says
-    events = rendezvous.registration(registration(decode_rank=1, decode_tp=2), now=0.0)
+    events = rendezvous.registration_received(registration(decode_rank=1, decode_tp=2), now=0.0)
     assert kinds(events) == [NotifyDecode, NotifyDecode, Closed]
     assert {event.message.reason for event in events[:2]} == {FailureReason.INVALID_REGISTRATION}
 
@@ -384,14 +384,14 @@ def test_decode_ranks_disagreeing_on_the_tp_size_fail_the_transfer(registration)
 def test_a_full_table_rejects_new_transfers_clearly_and_stays_bounded(registration):
     rendezvous = table(limits=RendezvousLimits(max_entries=2))
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    rendezvous.registration(registration("tx-2"), now=0.0)
+    rendezvous.registration_received(registration("tx-2"), now=0.0)
     closed = only(rendezvous.prefill_finished("tx-3", BLOCKS, 48, now=0.0), Closed)
     assert (closed.outcome, closed.blocks) == (Outcome.REJECTED, PrefillBlocks("tx-3", BLOCKS, 48))
     assert "full" in closed.detail
-    notify = only(rendezvous.registration(registration("tx-4"), now=0.0), NotifyDecode)
+    notify = only(rendezvous.registration_received(registration("tx-4"), now=0.0), NotifyDecode)
     assert notify.message.reason is FailureReason.CAPACITY
     assert len(rendezvous) == 2
-    assert only(rendezvous.registration(registration("tx-1"), now=0.0), StartWrite)  # existing transfers still pair
+    assert only(rendezvous.registration_received(registration("tx-1"), now=0.0), StartWrite)  # existing transfers still pair
 
 
 def test_reporting_a_prefill_finished_twice_is_a_caller_bug():
@@ -408,7 +408,7 @@ def test_the_table_refuses_a_rank_outside_its_tp_size():
 
 def test_failure_notifications_carry_the_destination_attempt_and_the_prefill_rank(registration):
     rendezvous = table(prefill_rank=1, prefill_tp=2)
-    rendezvous.registration(registration(attempt=4, decode_rank=0, decode_tp=1), now=0.0)
+    rendezvous.registration_received(registration(attempt=4, decode_rank=0, decode_tp=1), now=0.0)
     notify = rendezvous.cancel("tx-1", "shutdown", now=0.0)[0]
     assert isinstance(notify, NotifyDecode)
     assert isinstance(notify.destination, RegistrationMessage)

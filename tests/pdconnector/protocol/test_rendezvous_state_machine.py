@@ -103,7 +103,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         decode_tp, decode_rank = layout
         message = self.build_registration(transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=((5, 6),) * groups)
         self.sent.add(message)
-        self.call(transfer_id, self.table.registration(message, self.now))
+        self.call(transfer_id, self.table.registration_received(message, self.now))
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), succeeded=st.booleans())
@@ -123,7 +123,7 @@ class RendezvousMachine(RuleBasedStateMachine):
     @rule(transfer_id=st.sampled_from(TRANSFER_IDS), attempt=st.integers(0, 3))
     def decode_aborts(self, transfer_id: str, attempt: int) -> None:
         message = AbortMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=0)
-        self.call(transfer_id, self.table.abort(message, self.now))
+        self.call(transfer_id, self.table.abort_received(message, self.now))
 
     @rule(transfer_id=st.sampled_from(TRANSFER_IDS))
     def prefill_cancels(self, transfer_id: str) -> None:
