@@ -1,0 +1,1 @@
+"""Benchmarks that print figures (plan building, descriptor counts)."""
