@@ -1,0 +1,292 @@
+"""The engine pod: one builder for prefill and decode, which differ only through the spec."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from pdoperator.api.model import (
+    Architecture,
+    ConnectorImpl,
+    Mode,
+    PDService,
+    PDServiceSpec,
+    RoleSpec,
+    Runtime,
+    TransportBackend,
+)
+
+from .defaults import RenderDefaults
+from .identity import compatibility_hash, engine_id, engine_image, role_spec
+from .names import LABEL_COMPAT, Role, object_labels, selector_labels
+
+BUILTIN_CONNECTOR_CLASS = "PDConnector"
+BUILTIN_CONNECTOR_MODULE = "pdconnector.vllm.connector"
+UPSTREAM_CONNECTOR_CLASS = {Mode.PULL: "NixlConnector", Mode.PUSH: "NixlPushConnector"}
+KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
+
+CONTAINER_NAME = "engine"
+POD_NAME_REF = "$(POD_NAME)"
+MODELS_DIR = "/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+
+
+def engine_gpus(spec: PDServiceSpec, role: Role) -> int:
+    """GPUs per pod: the explicit count, else one per tensor-parallel rank."""
+    rs = role_spec(spec, role)
+    return rs.resources.gpus if rs.resources.gpus is not None else rs.tensor_parallel_size
+
+
+def efa_devices(spec: PDServiceSpec, role: Role) -> int:
+    efa = spec.network.efa
+    if not efa.enabled:
+        return 0
+    return efa.prefill_devices if role is Role.PREFILL else efa.decode_devices
+
+
+def served_model_name(spec: PDServiceSpec) -> str:
+    return spec.model.served_name or spec.model.name
+
+
+def prefix_caching_enabled(spec: PDServiceSpec, role: Role) -> bool | None:
+    """True/False to force prefix caching on/off, None to keep vLLM's default (on).
+
+    Unset on a hybrid model's decode means off: a decode cache hit would skip the transfer
+    of the SSM state the request needs, and vLLM's hybrid prefix caching is not safe there.
+    """
+    explicit = role_spec(spec, role).enable_prefix_caching
+    if explicit is not None:
+        return explicit
+    if role is Role.DECODE and spec.model.architecture is Architecture.HYBRID_SSM:
+        return False
+    return None
+
+
+def kv_transfer_config(spec: PDServiceSpec, role: Role, pod_engine_id: str) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a vLLM engine, selecting our connector or upstream's."""
+    engine = spec.engine
+    backends = [engine.transport.backend.value]
+    common = {
+        "kv_role": KV_ROLE[role],
+        "kv_buffer_device": "cuda" if engine_gpus(spec, role) > 0 else "cpu",
+        "engine_id": pod_engine_id,
+        "kv_load_failure_policy": engine.kv_load_failure_policy.value,
+    }
+    if engine.connector is ConnectorImpl.VLLM:
+        return {"kv_connector": UPSTREAM_CONNECTOR_CLASS[spec.mode], **common, "kv_connector_extra_config": {"backends": backends}}
+    return {
+        "kv_connector": BUILTIN_CONNECTOR_CLASS,
+        "kv_connector_module_path": BUILTIN_CONNECTOR_MODULE,
+        **common,
+        "kv_connector_extra_config": {
+            "mode": spec.mode.value,
+            "backends": backends,
+            "side_channel_port": engine.side_channel_port,
+            "transfer_timeout_s": engine.transfer_timeout_seconds,
+        },
+    }
+
+
+def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str) -> list[str]:
+    model = spec.model
+    pvc = model.source.pvc
+    args = [
+        "--model",
+        f"{MODELS_DIR}/{pvc.path}" if pvc else model.name,
+        "--served-model-name",
+        served_model_name(spec),
+        "--port",
+        str(spec.engine.port),
+        "--tensor-parallel-size",
+        str(rs.tensor_parallel_size),
+        "--dtype",
+        model.dtype.value,
+    ]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    if rs.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(rs.max_num_seqs)]
+    prefix_caching = prefix_caching_enabled(spec, role)
+    if prefix_caching is not None:
+        args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, pod_engine_id), separators=(",", ":"))]
+    return args
+
+
+def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str) -> list[str]:
+    backend = spec.engine.transport.backend
+    args = [
+        "--role",
+        role.value,
+        "--port",
+        str(spec.engine.port),
+        "--model",
+        served_model_name(spec),
+        "--engine-id",
+        pod_engine_id,
+        "--side-channel-port",
+        str(spec.engine.side_channel_port),
+        "--tp-size",
+        str(rs.tensor_parallel_size),
+    ]
+    if backend is TransportBackend.MOCK:
+        return [*args, "--transport", "mock"]
+    return [*args, "--transport", "nixl", "--nixl-backend", backend.value]
+
+
+def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tuple[list[str], list[str]]:
+    """(command, args) of the engine container; ``$(POD_NAME)`` is expanded by the kubelet."""
+    spec = pds.spec
+    rs = role_spec(spec, role)
+    pod_engine_id = engine_id(spec, role, POD_NAME_REF, compatibility_hash(spec, defaults))
+    if spec.engine.runtime is Runtime.MOCK:
+        return ["pd-mock-engine"], [*_mock_args(spec, role, rs, pod_engine_id), *rs.extra_args]
+    return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [*_vllm_args(spec, role, rs, pod_engine_id), *rs.extra_args]
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _engine_env(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        # The downward-API variables come first: later values refer to them as $(VAR).
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("POD_UID", "metadata.uid"),
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+        {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.engine.side_channel_port)},
+    ]
+    if spec.model.architecture is Architecture.HYBRID_SSM and spec.ssm is not None:
+        env.append({"name": "VLLM_SSM_CONV_STATE_LAYOUT", "value": spec.ssm.conv_state_layout.value})
+    if spec.engine.runtime is Runtime.VLLM:
+        hf = spec.model.source.hugging_face
+        if spec.model.source.pvc is None:
+            env.append({"name": "HF_HOME", "value": defaults.huggingface_cache_dir})
+        if hf is not None and hf.token_secret_ref is not None:
+            ref = hf.token_secret_ref
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if spec.network.efa.enabled:
+        env += [
+            {"name": "FI_PROVIDER", "value": "efa"},
+            {"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"},
+            {"name": "LD_LIBRARY_PATH", "value": defaults.efa_library_path},
+        ]
+    # Validation rejects user variables that collide with these names.
+    return env + [{"name": var.name, "value": var.value} for var in role_spec(spec, role).env]
+
+
+def _engine_resources(spec: PDServiceSpec, role: Role) -> dict[str, Any]:
+    rs = role_spec(spec, role)
+    amounts: dict[str, Any] = {}
+    if rs.resources.cpu is not None:
+        amounts["cpu"] = rs.resources.cpu
+    if rs.resources.memory is not None:
+        amounts["memory"] = rs.resources.memory
+    if (gpus := engine_gpus(spec, role)) > 0:
+        amounts[GPU_RESOURCE] = gpus
+    if (devices := efa_devices(spec, role)) > 0:
+        amounts[EFA_RESOURCE] = devices
+    if spec.network.efa.enabled:
+        amounts[HUGEPAGES_RESOURCE] = spec.network.efa.hugepages
+    # Extended resources and hugepages must have requests == limits; cpu and memory
+    # follow so the engines get the Guaranteed QoS class and are evicted last.
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _engine_security_context(spec: PDServiceSpec) -> dict[str, Any] | None:
+    efa = spec.network.efa
+    if efa.enabled and efa.privileged:
+        return {"privileged": True}
+    if efa.enabled:
+        # libfabric pins (locks) its registered buffers.
+        return {"capabilities": {"add": ["IPC_LOCK"]}}
+    return None
+
+
+def _volumes_and_mounts(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    rs = role_spec(spec, role)
+    # NCCL and NIXL exchange buffers through /dev/shm; the container default is 64Mi.
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.resources.shm_size}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.engine.runtime is Runtime.VLLM:
+        pvc = spec.model.source.pvc
+        if pvc is not None:
+            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+            mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+        else:
+            volumes.append({"name": "model-cache", "emptyDir": {}})
+            mounts.append({"name": "model-cache", "mountPath": defaults.huggingface_cache_dir})
+    return volumes, mounts
+
+
+def _health_probe(period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _engine_probes(defaults: RenderDefaults) -> dict[str, Any]:
+    startup_period = 10
+    return {
+        "startupProbe": _health_probe(startup_period, max(1, defaults.engine_startup_budget_seconds // startup_period)),
+        "readinessProbe": _health_probe(5, 3),
+        "livenessProbe": _health_probe(10, 6),
+    }
+
+
+def _engine_affinity(pds: PDService, role: Role) -> dict[str, Any] | None:
+    """The user's affinity, plus prefill/decode on different hosts when EFA carries the KV."""
+    affinity = copy.deepcopy(role_spec(pds.spec, role).affinity) or {}
+    if pds.spec.network.efa.enabled:
+        peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        term = {"labelSelector": {"matchLabels": selector_labels(pds, peer)}, "topologyKey": "kubernetes.io/hostname"}
+        anti = affinity.setdefault("podAntiAffinity", {})
+        anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+    return affinity or None
+
+
+def render_engine_pod_template(pds: PDService, role: Role, defaults: RenderDefaults) -> dict[str, Any]:
+    """The pod template of one engine role's StatefulSet."""
+    spec = pds.spec
+    rs = role_spec(spec, role)
+    command, args = engine_command(pds, role, defaults)
+    volumes, mounts = _volumes_and_mounts(spec, role, defaults)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": engine_image(spec, role, defaults),
+        "command": command,
+        "args": args,
+        "env": _engine_env(spec, role, defaults),
+        "ports": [
+            {"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"},
+            {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
+        ],
+        "resources": _engine_resources(spec, role),
+        **_engine_probes(defaults),
+        "volumeMounts": mounts,
+    }
+    if (security_context := _engine_security_context(spec)) is not None:
+        container["securityContext"] = security_context
+    pod_spec: dict[str, Any] = {
+        # Service links would inject <SERVICE>_PORT variables; a Service named "vllm"
+        # yields VLLM_PORT, which vLLM reads as its own setting.
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if rs.node_selector:
+        pod_spec["nodeSelector"] = dict(rs.node_selector)
+    if rs.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in rs.tolerations]
+    if (affinity := _engine_affinity(pds, role)) is not None:
+        pod_spec["affinity"] = affinity
+    return {
+        "metadata": {
+            "labels": {**object_labels(pds, role), LABEL_COMPAT: compatibility_hash(spec, defaults)},
+            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+        },
+        "spec": pod_spec,
+    }

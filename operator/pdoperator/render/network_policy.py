@@ -1,0 +1,73 @@
+"""NetworkPolicies: engines talk only to each other and the router; the router's port is open."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdoperator.api.model import PDService
+
+from .names import (
+    ENGINE_ROLES,
+    LABEL_ROLE,
+    ROUTER_HTTP_PORT,
+    Role,
+    child_name,
+    instance_labels,
+    managed_labels,
+    object_labels,
+    selector_labels,
+)
+
+
+def _engine_pods(pds: PDService) -> dict[str, Any]:
+    return {
+        "matchLabels": instance_labels(pds),
+        "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": [role.value for role in ENGINE_ROLES]}],
+    }
+
+
+def _policy(pds: PDService, name: str, labels: dict[str, str], pod_selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": pds.namespace, "labels": labels},
+        "spec": {"podSelector": pod_selector, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
+    """Ingress of the engine pods.
+
+    From this PDService's other engines every port is open: besides HTTP and the side
+    channel, NIXL's UCX and TCP transports connect on ports they pick at run time (EFA
+    RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router only
+    the engines' HTTP port. Other traffic (metrics scrapers, say) needs a policy of its own.
+    """
+    return _policy(
+        pds,
+        f"{pds.name}-engines",
+        managed_labels(pds, "engines"),
+        _engine_pods(pds),
+        [
+            {"from": [{"podSelector": _engine_pods(pds)}]},
+            {
+                "from": [{"podSelector": {"matchLabels": selector_labels(pds, Role.ROUTER)}}],
+                "ports": [{"protocol": "TCP", "port": pds.spec.engine.port}],
+            },
+        ],
+    )
+
+
+def render_router_network_policy(pds: PDService) -> dict[str, Any]:
+    """Ingress of the router pods: the OpenAI port from anywhere, so it works under a namespace's default-deny."""
+    return _policy(
+        pds,
+        child_name(pds, Role.ROUTER),
+        object_labels(pds, Role.ROUTER),
+        {"matchLabels": selector_labels(pds, Role.ROUTER)},
+        [{"ports": [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]}],
+    )
+
+
+def render_network_policies(pds: PDService) -> list[dict[str, Any]]:
+    return [render_engine_network_policy(pds), render_router_network_policy(pds)]

@@ -1,0 +1,41 @@
+"""Services: a headless one per engine role (stable pod DNS names), a ClusterIP one for the router."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdoperator.api.model import PDService
+
+from .names import Role, object_meta, selector_labels
+
+
+def render_headless_service(pds: PDService, role: Role) -> dict[str, Any]:
+    """Governing Service of an engine StatefulSet: DNS records of ready pods only."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(pds, role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector_labels(pds, role),
+            "ports": [
+                {"name": "http", "port": pds.spec.engine.port, "targetPort": "http", "protocol": "TCP"},
+                {"name": "side-channel", "port": pds.spec.engine.side_channel_port, "targetPort": "side-channel", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def render_router_service(pds: PDService) -> dict[str, Any]:
+    """The in-cluster OpenAI endpoint of the PDService."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(pds, Role.ROUTER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(pds, Role.ROUTER),
+            "ports": [{"name": "http", "port": pds.spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
