@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pdconnector.protocol.deadlines import DeadlineQueue
-from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
+from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
 from pdconnector.protocol.ranks import check_tp_sizes, decode_ranks_written_by
 
 
@@ -377,7 +377,7 @@ class RendezvousTable:
             side=Side.PREFILL,
             rank=self.prefill_rank,
             reason=reason,
-            detail=detail[:1024],
+            detail=detail[:MAX_DETAIL_CHARS],
         )
         return NotifyDecode(destination, message)
 
