@@ -367,6 +367,12 @@ def _hybrid_case(name: str, p_tp: int, d_tp: int) -> Case:
     return Case(model, p_tp, d_tp, 10, 11, src, dst, num_tokens=None)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_random_layouts_deliver_each_decode_rank_its_shard_of_the_reference_tensors(case: Case) -> None:
+    run_simulation(case)
+
+
 SUPPORTED_PAIRS = [
     (name, p_tp, d_tp)
     for name in HYBRIDS
