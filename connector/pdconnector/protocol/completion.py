@@ -2,7 +2,7 @@
 
 One tracker per decode TP rank. ``expect`` is called when this rank registers an
 attempt, with the prefill ranks that will write into it
-(``ranks.prefill_ranks_writing_to``) and a deadline. Completions count distinct
+(``layout.plan.writers_for``) and a deadline. Completions count distinct
 expected ranks of the current attempt only: duplicates, strangers and stale
 attempts are ignored, so a WRITE that belonged to an attempt decode already
 replaced never completes the new one. A ``FailureMessage`` for the current attempt

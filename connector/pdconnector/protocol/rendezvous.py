@@ -3,7 +3,7 @@
 One table per prefill TP rank. A transfer is keyed by the router-minted transfer
 id (never by request-id surgery). Its two halves arrive in either order: the
 prefill finishing (its blocks, held until the transfer ends) and one registration
-per decode rank this prefill rank writes (see ``ranks.decode_ranks_written_by``).
+per decode rank this prefill rank writes (``layout.plan.targets_for``).
 Each registration pairs on its own, so writes start as soon as both halves of a
 (prefill, decode rank) pair are known.
 
@@ -30,9 +30,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from pdconnector.layout.plan import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
 from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
-from pdconnector.protocol.ranks import check_tp_sizes, decode_ranks_written_by
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ class RendezvousTable:
         entry.registrations = {}
         entry.started = set()
         entry.written = set()
-        entry.destinations = frozenset(decode_ranks_written_by(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
+        entry.destinations = frozenset(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
         if entry.prefill is not None:
             # Decode is alive and retrying: give the new attempt a full lease on the held blocks.
             self._set_lease(entry, now + self.limits.registration_lease_s)
@@ -383,10 +383,10 @@ class RendezvousTable:
 
     def _incompatibility(self, message: RegistrationMessage) -> tuple[FailureReason, str] | None:
         try:
-            check_tp_sizes(self.prefill_tp_size, message.decode_tp_size)
+            destinations = targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size)
         except ValueError as error:
             return FailureReason.INCOMPATIBLE, str(error)
-        if message.decode_tp_rank not in decode_ranks_written_by(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size):
+        if message.decode_tp_rank not in destinations:
             return FailureReason.INVALID_REGISTRATION, f"decode rank {message.decode_tp_rank} is not written by prefill rank {self.prefill_rank}"
         if self.layout_fingerprint and message.layout_fingerprint and message.layout_fingerprint != self.layout_fingerprint:
             return FailureReason.INCOMPATIBLE, f"layout fingerprint {message.layout_fingerprint!r} differs from prefill's {self.layout_fingerprint!r}"

@@ -1,7 +1,7 @@
 import pytest
+from pdconnector.layout.plan import writers_for
 from pdconnector.protocol.completion import CompletionTracker, ReceivedTransfer
 from pdconnector.protocol.messages import CompletionMessage, FailureMessage, FailureReason, Side
-from pdconnector.protocol.ranks import prefill_ranks_writing_to
 
 
 def completion(rank: int, attempt: int = 0, transfer_id: str = "tx-1", nbytes: int = 100, tp: int = 4) -> CompletionMessage:
@@ -16,7 +16,7 @@ def failure(attempt: int = 0, reason: FailureReason = FailureReason.WRITE_FAILED
 def tracker() -> CompletionTracker:
     tracker = CompletionTracker()
     # Prefill TP 4 into decode TP 2: decode rank 1 is written by prefill ranks 2 and 3.
-    tracker.expect("tx-1", attempt=0, writer_ranks=prefill_ranks_writing_to(1, p_tp=4, d_tp=2), deadline=10.0)
+    tracker.expect("tx-1", attempt=0, writer_ranks=writers_for(1, p_tp=4, d_tp=2), deadline=10.0)
     return tracker
 
 
