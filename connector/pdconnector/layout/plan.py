@@ -63,6 +63,8 @@ class TransferPlan:
             & (self.src_offset[1:] == self.src_offset[:-1] + self.length[:-1])
             & (self.dst_offset[1:] == self.dst_offset[:-1] + self.length[:-1])
         )
+        if not follows.any():
+            return self
         starts = np.flatnonzero(np.concatenate(([True], ~follows)))
         return TransferPlan(
             self.src_rank,
