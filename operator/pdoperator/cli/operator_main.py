@@ -1,0 +1,91 @@
+"""``pd-operator``: the operator process (kopf, in-process, with pd-operator's handlers only).
+
+    pd-operator --all-namespaces                      # every namespace (ClusterRole)
+    pd-operator --namespace team-a --namespace team-b # only these (Role per namespace)
+    pd-operator -A --peering pd-operator              # several replicas: one active, the others standby
+
+Without ``--peering`` the operator runs standalone (one replica). Kubernetes access comes from
+the pod's service account, else from the current kubeconfig context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import kopf
+import prometheus_client
+
+from pdoperator.reconcile.handlers import HandlerSettings, record_event, register
+from pdoperator.reconcile.kube import KubernetesApi
+from pdoperator.reconcile.kvtransfer import service_dns_resolver, template_resolver
+from pdoperator.reconcile.reconciler import Reconciler
+from pdoperator.render import OPERATOR_VERSION, RenderDefaults
+
+LOG_FORMATS = {"full": kopf.LogFormat.FULL, "plain": kopf.LogFormat.PLAIN, "json": kopf.LogFormat.JSON}
+USER_AGENT = f"pd-operator/{OPERATOR_VERSION}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-operator", description="Kubernetes operator for prefill/decode disaggregated vLLM services")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[], metavar="NS", help="serve this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace (the default)")
+    parser.add_argument("--peering", metavar="NAME", help="kopf peering object for several replicas (one active); standalone without it")
+    parser.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
+    parser.add_argument("--log-format", choices=sorted(LOG_FORMATS), default="full", help="log line format")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--cluster-domain", default=RenderDefaults.cluster_domain, help="cluster DNS domain of Service names")
+    parser.add_argument("--kv-check-interval", type=float, default=HandlerSettings.kv_check_interval_seconds, metavar="SECONDS",
+                        help="how often each PDService's router /status is read for KVTransferVerified")  # fmt: skip
+    parser.add_argument("--router-status-url", metavar="TEMPLATE",
+                        help="router /status URL with {name}, {namespace}, {port} (default: the router Service's DNS name)")  # fmt: skip
+    parser.add_argument("--api-timeout", type=float, default=HandlerSettings.api_request_timeout_seconds, metavar="SECONDS",
+                        help="deadline of one Kubernetes API request")  # fmt: skip
+    return parser
+
+
+def render_defaults(cluster_domain: str, environ: dict[str, str]) -> RenderDefaults:
+    """Installation-wide rendering inputs; the Helm chart passes the router image through the environment."""
+    router_image = environ.get("PD_OPERATOR_ROUTER_IMAGE")
+    if router_image:
+        return RenderDefaults(cluster_domain=cluster_domain, router_image=router_image)
+    return RenderDefaults(cluster_domain=cluster_domain)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kv_check_interval <= 0 or args.api_timeout <= 0:
+        print("pd-operator: --kv-check-interval and --api-timeout must be positive", file=sys.stderr)
+        return 2
+    kopf.configure(verbose=args.verbose, log_format=LOG_FORMATS[args.log_format])
+    if args.metrics_port:
+        prometheus_client.start_http_server(args.metrics_port)
+    defaults = render_defaults(args.cluster_domain, dict(os.environ))
+    options = HandlerSettings(kv_check_interval_seconds=args.kv_check_interval, api_request_timeout_seconds=args.api_timeout)
+    resolver = template_resolver(args.router_status_url) if args.router_status_url else service_dns_resolver(args.cluster_domain)
+    try:
+        api = KubernetesApi.from_environment(USER_AGENT, args.api_timeout)
+    except Exception as e:  # the kubernetes config loaders raise several unrelated types
+        print(f"pd-operator: no Kubernetes configuration (in-cluster or kubeconfig): {e}", file=sys.stderr)
+        return 1
+    registry = kopf.OperatorRegistry()
+    register(registry, Reconciler(api, record_event, defaults), resolver, options)
+    logging.getLogger(__name__).info("pd-operator %s starting", OPERATOR_VERSION)
+    kopf.run(
+        registry=registry,
+        clusterwide=not args.namespaces,
+        namespaces=args.namespaces,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The Kubernetes resources the operator reads and writes, addressed by group/version/plural."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdoperator.api.model import GROUP, KIND, PLURAL, VERSION
+
+
+@dataclass(frozen=True)
+class ResourceKind:
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        """The REST path of a collection, an object or one of its subresources."""
+        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        path = f"{root}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+            if subresource is not None:
+                path += f"/{subresource}"
+        return path
+
+
+PDSERVICES = ResourceKind(GROUP, VERSION, PLURAL, KIND)
+STATEFULSETS = ResourceKind("apps", "v1", "statefulsets", "StatefulSet")
+DEPLOYMENTS = ResourceKind("apps", "v1", "deployments", "Deployment")
+SERVICES = ResourceKind("", "v1", "services", "Service")
+CONFIGMAPS = ResourceKind("", "v1", "configmaps", "ConfigMap")
+NETWORKPOLICIES = ResourceKind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+PODDISRUPTIONBUDGETS = ResourceKind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+
+# Every kind of child a PDService owns: the operator lists, creates, patches and deletes these.
+CHILD_KINDS: tuple[ResourceKind, ...] = (NETWORKPOLICIES, PODDISRUPTIONBUDGETS, CONFIGMAPS, SERVICES, DEPLOYMENTS, STATEFULSETS)
+# Children whose spec or content the operator restores when edited or deleted by hand (watched by label).
+WATCHED_CHILD_KINDS: tuple[ResourceKind, ...] = (STATEFULSETS, DEPLOYMENTS, SERVICES, CONFIGMAPS)
+
+_BY_TYPE = {(k.api_version, k.kind): k for k in CHILD_KINDS}
+
+
+class UnknownKindError(ValueError):
+    pass
+
+
+def kind_of(manifest: dict[str, object]) -> ResourceKind:
+    """The resource of a rendered manifest, from its apiVersion and kind."""
+    key = (str(manifest.get("apiVersion")), str(manifest.get("kind")))
+    if key not in _BY_TYPE:
+        raise UnknownKindError(f"the operator does not manage {key[1]} ({key[0]})")
+    return _BY_TYPE[key]

@@ -1,0 +1,259 @@
+"""One reconciliation of one PDService: parse, render, compare with the live children, write only what
+differs, and write the status only when it changes. The kopf handlers are thin callers of this class.
+
+Reconciliations of one PDService never overlap (a lock per object), and the bursts of child events
+that follow every write collapse into a single follow-up reconciliation (``request``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from pdoperator.api import SpecError, parse_pdservice
+from pdoperator.api.model import Condition, ConditionType, PDService
+from pdoperator.render import RenderDefaults, Role, child_name
+
+from .children import Action, Create, Delete, Patch, children_selector, describe, desired_children, plan
+from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
+from .kube import KubeApi, KubeApiError
+from .kvtransfer import UNREACHABLE, RouterStatusError, TransferCounts, Verdict, as_condition, unreachable_verdict, verdict
+from .status import healthy_status, invalid_status, parse_status, role_rollout, status_patch
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+
+class Trigger(StrEnum):
+    SPEC = "spec"  # the PDService was created, changed, or the operator (re)started
+    CHILD = "child"  # a child changed, was deleted, or reported new status
+
+
+class EventRecorder(Protocol):
+    def __call__(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None: ...
+
+
+class InvalidSpecError(Exception):
+    """The PDService's spec was rejected; its status says why. Retrying cannot help until the spec changes."""
+
+
+@dataclass
+class Outcome:
+    actions: list[Action] = field(default_factory=list)
+    status_written: bool = False
+
+    @property
+    def writes(self) -> int:
+        return len(self.actions) + int(self.status_written)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class _KVState:
+    counts: TransferCounts | None = None  # the router's counters at the last successful probe
+    traffic: Verdict | None = None  # the last verdict on those counters
+    shown: Verdict | None = None  # what the condition says (also "router unreachable")
+
+
+class Reconciler:
+    def __init__(
+        self,
+        api: KubeApi,
+        record_event: EventRecorder,
+        defaults: RenderDefaults,
+        clock: Callable[[], str] = utc_now,
+    ) -> None:
+        self._api = api
+        self._record_event = record_event
+        self._defaults = defaults
+        self._clock = clock
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._pending: set[Key] = set()
+        self._kv: dict[Key, _KVState] = {}
+
+    def _lock(self, key: Key) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    # ---- entry points
+
+    async def reconcile(self, body: dict[str, Any]) -> Outcome:
+        """Bring children and status to the spec (create/update/resume). Raises InvalidSpecError for a rejected spec."""
+        async with self._lock(_key(body)):
+            return await self._reconcile(body, Trigger.SPEC)
+
+    async def request(self, namespace: str, name: str) -> Outcome | None:
+        """Reconcile after a child changed; calls arriving while one waits for the lock are absorbed by it."""
+        key = (namespace, name)
+        if key in self._pending:
+            return None
+        self._pending.add(key)
+        async with self._lock(key):
+            self._pending.discard(key)
+            body = await self._api.get(PDSERVICES, namespace, name)
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return None  # gone or going: children must not come back
+            try:
+                return await self._reconcile(body, Trigger.CHILD)
+            except InvalidSpecError:
+                return None  # reported when the spec was written; children stay as they are
+
+    async def delete_children(self, body: dict[str, Any]) -> list[str]:
+        """Delete every child this PDService controls (garbage collection would too; this does not wait for it)."""
+        key = _key(body)
+        async with self._lock(key):
+            uid = body["metadata"].get("uid", "")
+            live = await self._read_children(key[0], key[1])
+            actions = plan([], live, uid)
+            await self._apply(actions, key[0])
+            self._kv.pop(key, None)
+        self._locks.pop(key, None)
+        names = [describe(a) for a in actions]
+        if names:
+            self._record_event(body, "Normal", "ChildrenDeleted", "; ".join(names))
+        return names
+
+    async def probe_kv_transfer(self, body: dict[str, Any], fetch: Callable[[PDService], Coroutine[Any, Any, TransferCounts]]) -> bool:
+        """Ask the router whether requests are served with transferred KV; True when the condition changed."""
+        try:
+            pds = parse_pdservice(body)
+        except SpecError:
+            return False
+        if pds.spec.router.replicas == 0:
+            return False
+        key = (pds.namespace, pds.name)
+        state = self._kv.setdefault(key, _KVState())
+        stored = next((c for c in parse_status(body.get("status")).conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
+        try:
+            counts = await fetch(pds)
+        except RouterStatusError as e:
+            if stored is not None or state.shown is not None:
+                return False  # a router restart or a network blip does not erase what was verified
+            new = unreachable_verdict(e)
+        else:
+            if state.counts is None and stored is not None and stored.reason != UNREACHABLE:
+                # First probe since the operator started: the stored verdict stands, these counts are the baseline.
+                state.traffic = Verdict(stored.status, stored.reason, stored.message)
+                state.counts = counts
+            new = verdict(counts, state.counts, state.traffic)
+            state.counts, state.traffic = counts, new
+        changed = stored is None or (stored.status, stored.reason, stored.message) != (new.status, new.reason, new.message)
+        state.shown = new
+        if changed:
+            if new.reason == "ServedWithoutTransfer":
+                self._record_event(body, "Warning", "ServedWithoutTransfer", new.message)
+            await self.request(pds.namespace, pds.name)
+        return changed
+
+    # ---- the reconciliation
+
+    async def _reconcile(self, body: dict[str, Any], trigger: Trigger) -> Outcome:
+        meta = body["metadata"]
+        previous = parse_status(body.get("status"))
+        try:
+            pds = parse_pdservice(body)
+        except SpecError as e:
+            message = "; ".join(str(error) for error in e.errors)
+            written = await self._write_status(body, invalid_status(meta.get("generation", 1), previous, message, self._clock()))
+            if written and trigger is Trigger.SPEC:  # once per rejected generation, not again on restarts
+                self._record_event(body, "Warning", "InvalidSpec", message)
+            raise InvalidSpecError(message) from e
+
+        live = await self._read_children(pds.namespace, pds.name)
+        had_children = any(live.values())
+        actions = plan(desired_children(pds, self._defaults), live, pds.uid)
+        applied = await self._apply(actions, pds.namespace)
+        for kind, obj in applied:
+            name = obj["metadata"]["name"]
+            live[kind] = [o for o in live[kind] if o["metadata"]["name"] != name] + ([obj] if obj else [])
+        if actions:
+            self._record_event(body, "Normal", _reason(trigger, had_children), "; ".join(describe(a) for a in actions))
+
+        kv = self._kv_condition((pds.namespace, pds.name), previous, pds.generation)
+        rollouts = [
+            role_rollout(Role.PREFILL, pds.spec.prefill.replicas, _find(live, STATEFULSETS, child_name(pds, Role.PREFILL))),
+            role_rollout(Role.DECODE, pds.spec.decode.replicas, _find(live, STATEFULSETS, child_name(pds, Role.DECODE))),
+            role_rollout(Role.ROUTER, pds.spec.router.replicas, _find(live, DEPLOYMENTS, child_name(pds, Role.ROUTER))),
+        ]
+        status = healthy_status(pds, rollouts, previous=previous, kv_condition=kv, cluster_domain=self._defaults.cluster_domain, now=self._clock())
+        return Outcome(actions=actions, status_written=await self._write_status(body, status))
+
+    def _kv_condition(self, key: Key, previous: Any, generation: int) -> Condition | None:
+        state = self._kv.get(key)
+        if state is None or state.shown is None:
+            return None
+        stored = next((c for c in previous.conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
+        return as_condition(state.shown, stored, generation, self._clock())
+
+    async def _read_children(self, namespace: str, name: str) -> dict[ResourceKind, list[dict[str, Any]]]:
+        selector = children_selector(name)
+        lists = await asyncio.gather(*(self._api.list(kind, namespace, selector) for kind in CHILD_KINDS))
+        return dict(zip(CHILD_KINDS, lists, strict=True))
+
+    async def _apply(self, actions: list[Action], namespace: str) -> list[tuple[ResourceKind, dict[str, Any]]]:
+        """Run the plan in order; returns the objects as the server answered (empty dict for deleted ones)."""
+        results: list[tuple[ResourceKind, dict[str, Any]]] = []
+        for action in actions:
+            if isinstance(action, Create):
+                results.append((action.kind, await self._create(action.kind, namespace, action.body)))
+            elif isinstance(action, Patch):
+                results.append((action.kind, await self._patch(action, namespace)))
+            elif isinstance(action, Delete):
+                await self._api.delete(action.kind, namespace, action.name)
+                results.append((action.kind, {}))
+        return results
+
+    async def _create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._api.create(kind, namespace, body)
+        except KubeApiError as e:
+            if e.status == 409:  # created meanwhile (a stale read): its ADDED event brings the next reconcile
+                return {"metadata": {"name": body["metadata"]["name"]}}
+            raise
+
+    async def _patch(self, action: Patch, namespace: str) -> dict[str, Any]:
+        try:
+            return await self._api.patch(action.kind, namespace, action.name, action.patch)
+        except KubeApiError as e:
+            if e.status == 404:  # deleted meanwhile
+                return await self._create(action.kind, namespace, action.desired)
+            if e.status == 422:  # an immutable field changed (e.g. a StatefulSet's volumeClaimTemplates): replace the child
+                logger.warning("replacing %s %s/%s: %s", action.kind.kind, namespace, action.name, e.message)
+                await self._api.delete(action.kind, namespace, action.name)
+                return {"metadata": {"name": action.name}}
+            raise
+
+    async def _write_status(self, body: dict[str, Any], status: Any) -> bool:
+        patch = status_patch(body.get("status"), status)
+        if patch is None:
+            return False
+        meta = body["metadata"]
+        try:
+            await self._api.patch(PDSERVICES, meta["namespace"], meta["name"], patch, subresource="status")
+        except KubeApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+
+def _key(body: dict[str, Any]) -> Key:
+    return body["metadata"]["namespace"], body["metadata"]["name"]
+
+
+def _find(live: dict[ResourceKind, list[dict[str, Any]]], kind: ResourceKind, name: str) -> dict[str, Any] | None:
+    return next((o for o in live.get(kind, []) if o.get("metadata", {}).get("name") == name and "spec" in o), None)
+
+
+def _reason(trigger: Trigger, had_children: bool) -> str:
+    if trigger is Trigger.CHILD:
+        return "DriftCorrected"
+    return "RolloutStarted" if had_children else "ChildrenCreated"

@@ -1,0 +1,409 @@
+"""The real operator process against the kmock-based API emulator, driven by the real kubectl.
+
+One emulator and one operator serve the whole module (start-up costs seconds); every scenario
+uses its own PDService so the scenarios stay independent. The last test checks every request
+the operator made during the module against the RBAC rules.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import pathlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from pdoperator.api import parse_pdservice
+from pdoperator.rbac import is_granted
+from pdoperator.reconcile.diff import is_subset
+from pdoperator.render import RenderDefaults, render_pdservice
+from pdoperator.render.names import LABEL_COMPAT
+
+from tests.k8s.harness import Kubectl, OperatorProcess, eventually, is_operator_request, rbac_attributes, writes_by_operator
+from tests.k8s.server import EmulatedCluster
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+CRD = REPO / "crds" / "pdservices.inference.pdoperator.dev.yaml"
+PDS = "inference.pdoperator.dev/v1alpha1/pdservices"
+STS = "apps/v1/statefulsets"
+DEPLOY = "apps/v1/deployments"
+CM = "v1/configmaps"
+CHILD_RESOURCES = (STS, DEPLOY, "v1/services", CM, "networking.k8s.io/v1/networkpolicies", "policy/v1/poddisruptionbudgets")
+
+
+class FakeRouterStatus:
+    """Serves ``GET /<namespace>/<name>/status`` like the router does; PDServices without counts get 404."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], tuple[int, int]] = {}
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                parts = self.path.strip("/").split("/")
+                key = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
+                if key not in owner.counts:
+                    self.send_error(404)
+                    return
+                verified, unverified = owner.counts[key]
+                body = json.dumps({"mode": "push", "transfers": {"verified": verified, "unverified": unverified}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url_template(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{{namespace}}/{{name}}/status"
+
+
+@dataclass
+class Env:
+    cluster: EmulatedCluster
+    kubectl: Kubectl
+    operator: OperatorProcess
+    router: FakeRouterStatus
+
+    def pds(self, namespace: str, name: str) -> dict[str, Any]:
+        obj = self.cluster.get(PDS, namespace, name)
+        assert obj is not None, f"PDService {namespace}/{name} is gone"
+        return obj
+
+    def status(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.pds(namespace, name).get("status") or {}
+
+    def children(self, namespace: str, instance: str) -> dict[tuple[str, str], dict[str, Any]]:
+        found = {}
+        for resource in CHILD_RESOURCES:
+            for obj in self.cluster.objects(resource):
+                meta = obj["metadata"]
+                if meta.get("namespace") == namespace and (meta.get("labels") or {}).get("app.kubernetes.io/instance") == instance:
+                    found[(resource, meta["name"])] = obj
+        return found
+
+    def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in self.cluster.objects("v1/events")
+            if e.get("involvedObject", {}).get("name") == name and e["metadata"]["namespace"] == namespace
+        ]
+
+    def operator_writes_since(self, index: int) -> list[str]:
+        return writes_by_operator(self.cluster.requests()[index:])
+
+    def request_count(self) -> int:
+        return len(self.cluster.requests())
+
+
+@pytest.fixture(scope="module")
+def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("operator")
+    router = FakeRouterStatus()
+    router.thread.start()
+    with EmulatedCluster() as cluster:
+        kubeconfig = cluster.write_kubeconfig(tmp / "kubeconfig")
+        cli = Kubectl(kubectl, kubeconfig)
+        cli.run("apply", "--validate=false", "-f", str(CRD))
+        operator = OperatorProcess(kubeconfig, tmp / "operator.log", ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"])
+        operator.start()
+        try:
+            eventually(lambda: _watching_pdservices(cluster), "the operator to watch PDServices", timeout=30)
+            yield Env(cluster, cli, operator, router)
+        finally:
+            code = operator.stop()
+            router.server.shutdown()
+            print(operator.log()[-6000:])  # shown by pytest when a test failed
+    assert code == 0, f"the operator exited with {code}"
+
+
+def _watching_pdservices(cluster: EmulatedCluster) -> bool:
+    return any(is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices") for r in cluster.requests())
+
+
+def tiny(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"] = {"name": name, "namespace": namespace}
+    for path, value in spec.items():
+        node = manifest["spec"]
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return manifest
+
+
+def apply(env: Env, manifest: dict[str, Any]) -> None:
+    env.kubectl.apply(yaml.safe_dump(manifest))
+
+
+def wait_children(env: Env, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every rendered child exists (and carries this PDService's current generation of rendering)."""
+    pds = eventually(lambda: env.cluster.get(PDS, namespace, name), f"PDService {namespace}/{name}")
+    count = len(render_pdservice(parse_pdservice(pds), RenderDefaults()))
+    return eventually(lambda: (c := env.children(namespace, name)) and len(c) == count and c, f"{count} children of {namespace}/{name}")
+
+
+def mark_ready(env: Env, namespace: str, name: str) -> None:
+    """Play the StatefulSet and Deployment controllers: every replica updated and ready."""
+    for resource, kind in ((STS, "statefulset"), (DEPLOY, "deployment")):
+        for obj in env.cluster.objects(resource):
+            meta = obj["metadata"]
+            if meta["namespace"] != namespace or meta["labels"].get("app.kubernetes.io/instance") != name:
+                continue
+            replicas = obj["spec"].get("replicas", 1)
+            status = {"observedGeneration": meta["generation"], "replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}
+            if kind == "statefulset":
+                status |= {"currentRevision": "rev", "updateRevision": "rev", "availableReplicas": replicas}
+            else:
+                status |= {"availableReplicas": replicas}
+            patch = json.dumps({"status": status})
+            env.kubectl.run("patch", kind, meta["name"], "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == type_)
+
+
+def quiet(env: Env, seconds: float = 1.0) -> None:
+    """Let in-flight reconciliations finish (the operator reacts within milliseconds here)."""
+    time.sleep(seconds)
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def test_applying_the_tiny_example_creates_every_rendered_child_owned_by_the_pdservice(env: Env) -> None:
+    env.kubectl.run("apply", "--validate=false", "-f", str(EXAMPLE))
+    children = wait_children(env, "default", "tiny")
+    pds_obj = env.pds("default", "tiny")
+    rendered = render_pdservice(parse_pdservice(pds_obj), RenderDefaults())
+    assert {(m["kind"], m["metadata"]["name"]) for m in rendered} == {(_kind(r), n) for r, n in children}
+    by_name = {(_kind(r), n): obj for (r, n), obj in children.items()}
+    for manifest in rendered:
+        live = by_name[(manifest["kind"], manifest["metadata"]["name"])]
+        assert is_subset({k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}, live), manifest["metadata"]["name"]
+        (owner,) = live["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "inference.pdoperator.dev/v1alpha1",
+            "kind": "PDService",
+            "name": "tiny",
+            "uid": pds_obj["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    status = eventually(lambda: env.status("default", "tiny").get("phase") and env.status("default", "tiny"), "a status")
+    assert status["phase"] == "Pending"
+    assert status["routerEndpoint"] == "http://tiny-router.default.svc.cluster.local:8000"
+    assert condition(status, "SpecValid")["status"] == "True"
+    assert condition(status, "Ready")["status"] == "False"
+    eventually(lambda: any(e["reason"] == "ChildrenCreated" and e["type"] == "Normal" for e in env.events("default", "tiny")), "ChildrenCreated")
+
+
+def _kind(resource: str) -> str:
+    return {
+        STS: "StatefulSet",
+        DEPLOY: "Deployment",
+        "v1/services": "Service",
+        CM: "ConfigMap",
+        "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+        "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
+    }[resource]
+
+
+def test_ready_children_make_the_pdservice_ready_with_per_role_counts_and_printer_columns_show_them(env: Env) -> None:
+    apply(env, tiny("ready", "team-a", prefill__tensorParallelSize=1, decode__tensorParallelSize=1, decode__replicas=2))
+    wait_children(env, "team-a", "ready")
+    mark_ready(env, "team-a", "ready")
+    status = eventually(lambda: (s := env.status("team-a", "ready")).get("phase") == "Ready" and s, "phase Ready")
+    assert status["prefill"] == {"desiredReplicas": 1, "readyReplicas": 1, "summary": "1/1"}
+    assert status["decode"] == {"desiredReplicas": 2, "readyReplicas": 2, "summary": "2/2"}
+    assert status["router"] == {"desiredReplicas": 1, "readyReplicas": 1, "summary": "1/1"}
+    assert status["observedGeneration"] == env.pds("team-a", "ready")["metadata"]["generation"]
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "AllReplicasReady")
+    assert condition(status, "Progressing")["status"] == "False"
+    assert condition(status, "Degraded")["status"] == "False"
+
+    crd = env.kubectl.get_json("crd", "pdservices.inference.pdoperator.dev")
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    spec = ",".join(f"{c['name']}:{c['jsonPath']}" for c in columns)
+    table = env.kubectl.run("get", "pds", "ready", "-n", "team-a", "-o", f"custom-columns={spec}").stdout.splitlines()
+    values = dict(zip(table[0].split(), table[1].split(), strict=True))
+    expected = {"Mode": "push", "Model": "tiny-llama", "Prefill": "1/1", "Decode": "2/2", "P-TP": "1", "D-TP": "1", "Ready": "True", "Phase": "Ready"}
+    assert {k: values[k] for k in expected} == expected
+    assert values["Endpoint"] == "http://ready-router.team-a.svc.cluster.local:8000"
+    assert values["Age"] == env.pds("team-a", "ready")["metadata"]["creationTimestamp"]
+
+
+def test_scaling_decode_patches_only_the_decode_statefulset_and_the_router_config(env: Env) -> None:
+    apply(env, tiny("scale", "team-b"))
+    wait_children(env, "team-b", "scale")
+    mark_ready(env, "team-b", "scale")
+    eventually(lambda: env.status("team-b", "scale").get("phase") == "Ready", "phase Ready")
+    quiet(env)
+    before = env.children("team-b", "scale")
+    mark = env.request_count()
+    env.kubectl.run("patch", "pds", "scale", "-n", "team-b", "--type=merge", "-p", '{"spec":{"decode":{"replicas":3}}}')
+    eventually(lambda: env.status("team-b", "scale")["decode"]["desiredReplicas"] == 3, "decode desired 3 in status")
+    quiet(env)
+    child_writes = [w for w in env.operator_writes_since(mark) if "/pdservices/" not in w and "/events" not in w]
+    assert sorted(child_writes) == [
+        "PATCH /api/v1/namespaces/team-b/configmaps/scale-router",
+        "PATCH /apis/apps/v1/namespaces/team-b/statefulsets/scale-decode",
+    ]
+    after = env.children("team-b", "scale")
+    assert after[(STS, "scale-decode")]["spec"]["replicas"] == 3
+    assert after[(STS, "scale-prefill")]["metadata"]["resourceVersion"] == before[(STS, "scale-prefill")]["metadata"]["resourceVersion"]
+    assert env.status("team-b", "scale")["phase"] in ("Progressing", "Degraded")  # the new decode replicas are not ready yet
+
+
+def test_switching_push_to_pull_rolls_both_roles_to_one_new_compat_hash(env: Env) -> None:
+    apply(env, tiny("mode", "team-c"))
+    before = wait_children(env, "team-c", "mode")
+    old = {role: before[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT] for role in ("prefill", "decode")}
+    assert old["prefill"] == old["decode"]
+    mark = env.request_count()
+    env.kubectl.run("patch", "pds", "mode", "-n", "team-c", "--type=merge", "-p", '{"spec":{"mode":"pull"}}')
+
+    def new_hashes() -> dict[str, str] | None:
+        children = env.children("team-c", "mode")
+        labels = {role: children[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT] for role in ("prefill", "decode")}
+        return labels if labels["prefill"] != old["prefill"] and labels["decode"] != old["decode"] else None
+
+    new = eventually(new_hashes, "both roles with a new compat hash")
+    assert new["prefill"] == new["decode"]
+    quiet(env)
+    writes = env.operator_writes_since(mark)
+    assert "PATCH /apis/apps/v1/namespaces/team-c/statefulsets/mode-prefill" in writes
+    assert "PATCH /apis/apps/v1/namespaces/team-c/statefulsets/mode-decode" in writes
+    assert "PATCH /api/v1/namespaces/team-c/configmaps/mode-router" in writes
+    router_config = env.cluster.get(CM, "team-c", "mode-router")
+    assert router_config is not None and new["prefill"] in json.dumps(router_config["data"])
+    eventually(lambda: any(e["reason"] == "RolloutStarted" for e in env.events("team-c", "mode")), "a RolloutStarted event")
+
+
+def test_an_invalid_spec_is_reported_once_with_the_field_and_touches_no_children(env: Env) -> None:
+    bad = tiny("bad", "team-d")
+    bad["spec"]["engine"]["runtime"] = "vllm"  # the mock transport needs the mock engine
+    apply(env, bad)
+    status = eventually(lambda: (s := env.status("team-d", "bad")).get("phase") == "Invalid" and s, "phase Invalid")
+    spec_valid = condition(status, "SpecValid")
+    assert (spec_valid["status"], spec_valid["reason"]) == ("False", "InvalidSpec")
+    assert "spec.engine" in spec_valid["message"]
+    warnings = eventually(lambda: [e for e in env.events("team-d", "bad") if e["type"] == "Warning" and e["reason"] == "InvalidSpec"], "a warning")
+    assert len(warnings) == 1 and "spec.engine" in warnings[0]["message"]
+    assert env.children("team-d", "bad") == {}
+    mark = env.request_count()
+    time.sleep(3)  # kopf would retry an ordinary failure within seconds: a permanent one is not retried
+    assert env.operator_writes_since(mark) == []
+    assert env.operator.running
+
+
+def test_a_valid_pdservice_made_invalid_keeps_its_children_as_they_are(env: Env) -> None:
+    apply(env, tiny("turns-bad", "team-d"))
+    before = wait_children(env, "team-d", "turns-bad")
+    quiet(env)
+    env.kubectl.run("patch", "pds", "turns-bad", "-n", "team-d", "--type=merge", "-p", '{"spec":{"engine":{"runtime":"vllm"}}}')
+    eventually(lambda: env.status("team-d", "turns-bad").get("phase") == "Invalid", "phase Invalid")
+    after = env.children("team-d", "turns-bad")
+    assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {k: v["metadata"]["resourceVersion"] for k, v in before.items()}
+
+
+def test_a_deleted_child_is_restored_and_a_hand_edit_is_reverted(env: Env) -> None:
+    apply(env, tiny("drift", "team-e"))
+    before = wait_children(env, "team-e", "drift")
+    quiet(env)
+    old_uid = before[(STS, "drift-decode")]["metadata"]["uid"]
+    env.kubectl.run("delete", "statefulset", "drift-decode", "-n", "team-e")
+    restored = eventually(
+        lambda: (o := env.cluster.get(STS, "team-e", "drift-decode")) and o["metadata"]["uid"] != old_uid and o,
+        "the decode StatefulSet back",
+        timeout=5,
+    )
+    assert restored["spec"] == before[(STS, "drift-decode")]["spec"]
+
+    env.kubectl.run("patch", "deployment", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"spec":{"replicas":5}}')
+    eventually(lambda: env.cluster.get(DEPLOY, "team-e", "drift-router")["spec"]["replicas"] == 1, "router replicas back to 1", timeout=5)
+    env.kubectl.run("patch", "configmap", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"data":{"extra":"x"}}')
+    eventually(lambda: "extra" not in env.cluster.get(CM, "team-e", "drift-router")["data"], "hand-added ConfigMap key removed", timeout=5)
+    eventually(lambda: any(e["reason"] == "DriftCorrected" for e in env.events("team-e", "drift")), "a DriftCorrected event")
+
+
+def test_kv_transfer_verified_follows_the_router_counts(env: Env) -> None:
+    apply(env, tiny("kv", "team-f"))
+    wait_children(env, "team-f", "kv")
+    assert eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["reason"] == "RouterUnreachable", "RouterUnreachable")
+
+    env.router.counts[("team-f", "kv")] = (0, 0)
+    unknown = eventually(lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["reason"] == "NoTraffic" and c, "NoTraffic")
+    assert unknown["status"] == "Unknown"
+
+    env.router.counts[("team-f", "kv")] = (4, 0)
+    verified = eventually(lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "True" and c, "verified")
+    assert verified["reason"] == "TransfersVerified"
+
+    env.router.counts[("team-f", "kv")] = (4, 2)
+    failed = eventually(
+        lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "False" and c, "served without transfer"
+    )
+    assert failed["reason"] == "ServedWithoutTransfer"
+    status = env.status("team-f", "kv")
+    assert condition(status, "Degraded")["status"] == "True" and status["phase"] == "Degraded"
+    eventually(lambda: any(e["type"] == "Warning" and e["reason"] == "ServedWithoutTransfer" for e in env.events("team-f", "kv")), "a warning")
+
+    env.router.counts[("team-f", "kv")] = (9, 2)  # transfers work again
+    eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["status"] == "True", "verified again")
+    mark = env.request_count()
+    time.sleep(1.5)  # several probes with unchanged counts
+    assert [w for w in env.operator_writes_since(mark) if "/team-f/" in w] == []
+
+
+def test_a_restarted_operator_writes_nothing_and_duplicates_nothing(env: Env) -> None:
+    quiet(env)
+    objects_before = {r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)}
+    env.operator.stop()
+    mark = env.request_count()
+    env.operator.start()
+    eventually(lambda: _watching_pdservices_since(env, mark), "the restarted operator to watch PDServices", timeout=30)
+    eventually(lambda: "Resuming is processed" in env.operator.log().split("Operator is stopping")[-1], "resume handlers to finish", timeout=30)
+    time.sleep(2)  # KV probes and child events after the resume
+    assert env.operator_writes_since(mark) == []
+    assert {r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)} == objects_before
+
+
+def _watching_pdservices_since(env: Env, mark: int) -> bool:
+    return any(
+        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices") for r in env.cluster.requests()[mark:]
+    )
+
+
+def test_deleting_a_pdservice_completes_its_delete_handler_and_removes_the_children(env: Env) -> None:
+    apply(env, tiny("gone", "team-g"))
+    wait_children(env, "team-g", "gone")
+    assert "inference.pdoperator.dev/finalizer" in env.pds("team-g", "gone")["metadata"]["finalizers"]
+    env.kubectl.run("delete", "pds", "gone", "-n", "team-g", "--timeout=20s")  # waits until the finalizer is removed
+    assert env.cluster.get(PDS, "team-g", "gone") is None
+    assert eventually(lambda: env.children("team-g", "gone") == {}, "children deleted", timeout=5)
+    eventually(lambda: any(e["reason"] == "ChildrenDeleted" for e in env.events("team-g", "gone")), "a ChildrenDeleted event")
+
+
+def test_every_request_the_operator_made_is_granted_by_its_rbac_rules(env: Env) -> None:
+    attributes = {rbac_attributes(r) for r in env.cluster.requests() if is_operator_request(r)} - {None}
+    assert attributes, "the operator made no requests"
+    denied = sorted(a for a in attributes if a is not None and not is_granted(*a))
+    assert denied == []
+    used = {(verb, resource) for verb, _, resource in (a for a in attributes if a is not None)}
+    assert {("patch", "pdservices/status"), ("create", "statefulsets"), ("watch", "statefulsets"), ("create", "events")} <= used
