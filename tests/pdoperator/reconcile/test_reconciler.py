@@ -1,0 +1,261 @@
+"""The reconciler against an in-memory API: what it writes, and above all what it does not."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+from pdoperator.api.model import ConditionStatus, PDService
+from pdoperator.reconcile.kinds import CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
+from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts
+from pdoperator.reconcile.reconciler import InvalidSpecError, Reconciler
+from pdoperator.render import RenderDefaults
+
+from tests.pdoperator.reconcile.fake_api import FakeKubeApi, RecordedEvents
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "tiny-cpu.yaml"
+NOW = "2026-01-01T00:00:00Z"
+
+
+def make(api: FakeKubeApi, **spec: Any) -> dict[str, Any]:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"].update(uid="uid-tiny", generation=1)
+    body["spec"].update(spec)
+    return api.put(PDSERVICES, body)
+
+
+def reconciler(api: FakeKubeApi, events: RecordedEvents | None = None) -> Reconciler:
+    return Reconciler(api, events or RecordedEvents(), RenderDefaults(), clock=lambda: NOW)
+
+
+def fresh(api: FakeKubeApi) -> dict[str, Any]:
+    return api.obj(PDSERVICES, "default", "tiny")
+
+
+def edit_spec(api: FakeKubeApi, **changes: Any) -> dict[str, Any]:
+    body = fresh(api)
+    for path, value in changes.items():
+        node = body["spec"]
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    body["metadata"]["generation"] += 1
+    return body
+
+
+def set_ready(api: FakeKubeApi) -> None:
+    for kind in (STATEFULSETS, DEPLOYMENTS):
+        for (k, _, _), obj in api.objects.items():
+            if k == kind:
+                replicas = obj["spec"].get("replicas", 1)
+                obj["status"] = {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    "replicas": replicas,
+                    "readyReplicas": replicas,
+                    "updatedReplicas": replicas,
+                }
+
+
+async def test_first_reconcile_creates_every_child_then_writes_the_status() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    outcome = await reconciler(api, events).reconcile(make(api))
+    created = [w for w in api.writes if w[0] == "create"]
+    assert len(created) == len(outcome.actions) >= 9
+    assert api.writes[-1] == ("patch", "PDService", "tiny/status")
+    assert events.reasons() == ["ChildrenCreated"]
+    status = fresh(api)["status"]
+    assert status["phase"] == "Pending"
+    assert status["observedGeneration"] == 1
+
+
+async def test_reconciling_an_unchanged_pdservice_writes_nothing() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    api.writes.clear()
+    outcome = await subject.reconcile(fresh(api))
+    assert (outcome.writes, api.writes) == (0, [])
+
+
+async def test_server_defaulted_fields_do_not_count_as_drift() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    sts = api.obj(STATEFULSETS, "default", "tiny-decode")
+    sts["spec"]["revisionHistoryLimit"] = 10
+    sts["spec"]["updateStrategy"]["rollingUpdate"] = {"partition": 0}
+    sts["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = "IfNotPresent"
+    sts["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    api.writes.clear()
+    await subject.reconcile(fresh(api))
+    assert api.writes == []
+
+
+async def test_scaling_decode_patches_only_the_decode_statefulset_and_the_router_configmap() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    api.writes.clear()
+    await subject.reconcile(edit_spec(api, decode__replicas=2))
+    assert sorted(api.writes) == [
+        ("patch", "ConfigMap", "tiny-router"),
+        ("patch", "PDService", "tiny/status"),
+        ("patch", "StatefulSet", "tiny-decode"),
+    ]
+    assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["replicas"] == 2
+
+
+async def test_a_field_no_longer_rendered_is_removed_from_the_child() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    await subject.reconcile(edit_spec(api, decode__nodeSelector={"pool": "decode"}))
+    assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "decode"}
+    await subject.reconcile(edit_spec(api, decode__nodeSelector={}))
+    assert not api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["template"]["spec"].get("nodeSelector")
+
+
+async def test_ready_children_make_the_status_ready_and_a_second_pass_writes_nothing() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    set_ready(api)
+    await subject.reconcile(fresh(api))
+    status = fresh(api)["status"]
+    assert status["phase"] == "Ready"
+    assert [c["type"] for c in status["conditions"]] == ["SpecValid", "Ready", "Progressing", "Degraded"]
+    api.writes.clear()
+    await subject.reconcile(fresh(api))
+    assert api.writes == []
+
+
+async def test_an_invalid_spec_writes_only_the_status_and_one_warning() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    body = make(api)
+    body["spec"]["engine"]["runtime"] = "vllm"
+    subject = reconciler(api, events)
+    with pytest.raises(InvalidSpecError, match=r"spec\.engine"):
+        await subject.reconcile(body)
+    assert api.writes == [("patch", "PDService", "tiny/status")]
+    assert [e[:2] for e in events.events] == [("Warning", "InvalidSpec")]
+    spec_valid = next(c for c in fresh(api)["status"]["conditions"] if c["type"] == "SpecValid")
+    assert spec_valid["status"] == "False" and "spec.engine" in spec_valid["message"]
+    with pytest.raises(InvalidSpecError):
+        await subject.reconcile(fresh(api))  # the operator restarts: same generation, already reported
+    assert len(events.events) == 1 and len(api.writes) == 1
+
+
+async def test_a_deleted_child_is_recreated_by_a_child_triggered_reconcile() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    subject = reconciler(api, events)
+    await subject.reconcile(make(api))
+    del api.objects[(CONFIGMAPS, "default", "tiny-router")]
+    api.writes.clear()
+    await subject.request("default", "tiny")
+    assert api.writes == [("create", "ConfigMap", "tiny-router")]
+    assert events.reasons()[-1] == "DriftCorrected"
+
+
+async def test_a_pdservice_being_deleted_gets_no_children_back() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    fresh(api)["metadata"]["deletionTimestamp"] = NOW
+    del api.objects[(STATEFULSETS, "default", "tiny-decode")]
+    api.writes.clear()
+    assert await subject.request("default", "tiny") is None
+    assert api.writes == []
+
+
+async def test_child_events_arriving_during_a_reconcile_collapse_into_one_follow_up() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    api.reads = 0
+    results = await asyncio.gather(*(subject.request("default", "tiny") for _ in range(10)))
+    assert sum(r is not None for r in results) == 2  # the first one, and one for all that arrived meanwhile
+    assert api.reads == 2 * (1 + 6)  # each: one GET of the PDService, one list per child kind
+
+
+async def test_delete_children_removes_only_what_this_pdservice_controls() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    subject = reconciler(api, events)
+    await subject.reconcile(make(api))
+    foreign = api.put(
+        CONFIGMAPS,
+        {
+            "metadata": {
+                "name": "tiny-extra",
+                "namespace": "default",
+                "labels": {"app.kubernetes.io/name": "pd-operator", "app.kubernetes.io/instance": "tiny"},
+            }
+        },
+    )
+    deleted = await subject.delete_children(fresh(api))
+    assert deleted and all(name.startswith("deleted ") for name in deleted)
+    remaining = [key for key in api.objects if key[0] != PDSERVICES]
+    assert remaining == [(CONFIGMAPS, "default", foreign["metadata"]["name"])]
+    assert events.reasons()[-1] == "ChildrenDeleted"
+
+
+async def test_kv_probe_sets_the_condition_once_and_leaves_it_while_counts_are_unchanged() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    subject = reconciler(api, events)
+    await subject.reconcile(make(api))
+    counts = TransferCounts(0, 0)
+
+    async def fetch(pds: PDService) -> TransferCounts:
+        return counts
+
+    assert await subject.probe_kv_transfer(fresh(api), fetch) is True
+    assert _kv(api)["reason"] == "NoTraffic"
+    assert await subject.probe_kv_transfer(fresh(api), fetch) is False
+    counts = TransferCounts(3, 1)
+    assert await subject.probe_kv_transfer(fresh(api), fetch) is True
+    assert (_kv(api)["status"], _kv(api)["reason"]) == (ConditionStatus.FALSE.value, "ServedWithoutTransfer")
+    assert fresh(api)["status"]["phase"] == "Degraded"
+    assert "ServedWithoutTransfer" in events.reasons()
+
+
+async def test_kv_probe_failures_never_erase_a_stored_verdict() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+
+    async def verified(pds: PDService) -> TransferCounts:
+        return TransferCounts(5, 0)
+
+    async def unreachable(pds: PDService) -> TransferCounts:
+        raise RouterStatusError("connection refused")
+
+    await subject.probe_kv_transfer(fresh(api), verified)
+    api.writes.clear()
+    assert await subject.probe_kv_transfer(fresh(api), unreachable) is False
+    assert api.writes == [] and _kv(api)["status"] == "True"
+
+
+async def test_a_restarted_operator_takes_the_router_counts_as_a_baseline() -> None:
+    api = FakeKubeApi()
+    await reconciler(api).reconcile(make(api))
+
+    async def mixed(pds: PDService) -> TransferCounts:
+        return TransferCounts(9, 2)  # 2 unverified long ago, all verified since
+
+    first = reconciler(api)
+    await first.probe_kv_transfer(fresh(api), mixed)  # totals: served without transfer
+    fresh(api)["status"]["conditions"] = [c for c in fresh(api)["status"]["conditions"] if c["type"] != "KVTransferVerified"]
+    fresh(api)["status"]["conditions"].append(
+        {"type": "KVTransferVerified", "status": "True", "reason": "TransfersVerified", "message": "m", "lastTransitionTime": NOW}
+    )
+    restarted = reconciler(api)
+    api.writes.clear()
+    assert await restarted.probe_kv_transfer(fresh(api), mixed) is False
+    assert api.writes == []
+
+
+def _kv(api: FakeKubeApi) -> dict[str, Any]:
+    return next(c for c in fresh(api)["status"]["conditions"] if c["type"] == "KVTransferVerified")
