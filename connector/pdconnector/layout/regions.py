@@ -2,11 +2,12 @@
 
 HMA cuts the KV-holding layers into groups of equal size (``group_size``): each group is
 one kind (attention or SSM) with its own block table; group ``j`` of a kind takes that
-kind's layers ``j, j + n, j + 2n, ...`` (``n`` groups of that kind). vLLM allocates
-``group_size`` tensors and tensor ``i`` is shared by the ``i``-th layer of every group, so
-one *region* (one registered tensor) holds pages of attention and SSM layers alike, and a
-block id belongs to exactly one group at a time. All pages are the same size: the SSM
-page (conv + temporal state) is padded up to the attention page of one logical block.
+kind's layers ``j, j + n, j + 2n, ...`` (``n`` groups of that kind). vLLM 0.32 allocates one
+buffer and lays every group out layer-outer from byte 0, so layer slot ``i`` of every group
+aliases the same ``num_blocks * page`` bytes: one *region* per slot, holding pages of
+attention and SSM layers alike (a block id belongs to exactly one group at a time). All
+pages are the same size: the SSM page (conv + temporal state) is padded up to the
+attention page of one logical block. Block-outermost layouts (``BLHNC``) are not modelled.
 
 Inside a region, block ``b`` occupies ``[b * page_bytes, (b + 1) * page_bytes)``. The
 attention view splits it into ``physical_blocks_per_logical`` kernel blocks; the SSM view
@@ -171,6 +172,12 @@ class RankLayout:
     def regions(self) -> tuple[Region, ...]:
         num_regions = max(len(g.layers) for g in self.groups)
         return tuple(Region(i, self.num_blocks, self.page_bytes) for i in range(num_regions))
+
+    @cached_property
+    def layer_regions(self) -> dict[int, int]:
+        """Region of each KV-holding layer (an index into ``ModelSpec.layers``): what the vLLM side
+        needs to map its per-layer cache tensors (those sharing one tensor share a region)."""
+        return {layer: region for g in self.groups for region, layer in enumerate(g.layers)}
 
     @property
     def region_nbytes(self) -> tuple[int, ...]:

@@ -94,6 +94,11 @@ def test_hma_groups_cut_layers_by_the_smallest_kind_and_share_one_region_per_slo
     assert groups[0].layers == tuple(mamba[0::7]) and groups[6].layers == tuple(mamba[6::7])
     rank = RankLayout(model, 1, 0, 10)
     assert len(rank.regions) == 4
+    # every KV layer has a region; a region holds one layer of each group (one Mamba slot stays empty)
+    assert sorted(rank.layer_regions) == list(range(31))
+    per_region = [sorted(layer for layer, r in rank.layer_regions.items() if r == region) for region in range(4)]
+    assert [len(layers) for layers in per_region] == [8, 8, 8, 7]
+    assert per_region[0] == sorted(g.layers[0] for g in groups)
     assert all(r.nbytes == 10 * rank.page_bytes for r in rank.regions)
     # Counts within 1.5x of each other: the larger count is the group size (attention padded to 4 slots).
     mixed = group_layers((LayerKind.ATTENTION,) * 3 + (LayerKind.SSM,) * 4)
