@@ -10,7 +10,7 @@ snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -24,6 +24,7 @@ SINGULAR = "pdservice"
 SHORT_NAMES = ("pds",)
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_ENGINE_PORT = 8000
 DEFAULT_ROUTER_PORT = 8000
 DEFAULT_ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0"
 
@@ -51,6 +52,7 @@ class Mode(StrEnum):
 class Architecture(StrEnum):
     DENSE = "dense"
     HYBRID_SSM = "hybrid-ssm"
+    MLA = "mla"
 
 
 class SSMFamily(StrEnum):
@@ -124,14 +126,17 @@ class ConditionStatus(StrEnum):
 # Names of Kubernetes objects (RFC 1123 subdomain) and env var names.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_VAR_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+RELATIVE_PATH = r"^[^/].*$"
+ENGINE_ID = r"^[A-Za-z0-9][-_.A-Za-z0-9]*$"
 
 
 class SecretKeyRef(ApiModel):
     """A key inside a Secret in the PDService's namespace."""
 
     name: Annotated[str, Field(description="Name of the Secret.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
-    key: Annotated[str, Field(description="Key inside the Secret whose value is used.", min_length=1, max_length=253)]
+    key: Annotated[str, Field(description="Key inside the Secret whose value is used.", min_length=1, max_length=253, pattern=SECRET_KEY)]
 
 
 # ---------------------------------------------------------------- model
@@ -159,7 +164,7 @@ class PVCSource(ApiModel):
             description="Directory of the model inside the volume, relative to its root.",
             min_length=1,
             max_length=1024,
-            pattern=r"^[^/].*$",
+            pattern=RELATIVE_PATH,
         ),
     ]
 
@@ -169,6 +174,10 @@ class ModelSource(ApiModel):
 
     hugging_face: Annotated[HuggingFaceSource | None, Field(description="Download from the Hugging Face Hub.")] = None
     pvc: Annotated[PVCSource | None, Field(description="Load from a PersistentVolumeClaim.")] = None
+
+
+def _hugging_face_source() -> ModelSource:
+    return ModelSource(hugging_face=HuggingFaceSource())
 
 
 class ModelSpec(ApiModel):
@@ -189,12 +198,18 @@ class ModelSpec(ApiModel):
     ] = None
     architecture: Annotated[
         Architecture,
-        Field(description="dense: attention-only KV cache. hybrid-ssm: attention plus Mamba/GDN state layers (requires spec.ssm)."),
+        Field(
+            description=(
+                "KV-cache shape of the model. dense: attention KV sharded by heads across TP ranks. "
+                "hybrid-ssm: attention plus Mamba/GDN state layers (requires spec.ssm). "
+                "mla: multi-head latent attention (DeepSeek-style), whose latent KV is the same on every TP rank."
+            )
+        ),
     ] = Architecture.DENSE
     source: Annotated[
         ModelSource,
         Field(description="Where the weights come from; defaults to downloading from the Hugging Face Hub."),
-    ] = Field(default_factory=ModelSource)
+    ] = Field(default_factory=_hugging_face_source)
 
 
 class SSMSpec(ApiModel):
@@ -223,10 +238,13 @@ class Toleration(ApiModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     key: Annotated[str | None, Field(description="Taint key the toleration applies to.")] = None
-    operator: Annotated[str | None, Field(description="Exists or Equal.", pattern=r"^(Exists|Equal)$")] = None
+    operator: Annotated[
+        Literal["Exists", "Equal"] | None, Field(description="Exists matches any value of the key; Equal (the default) matches value.")
+    ] = None
     value: Annotated[str | None, Field(description="Taint value the toleration matches.")] = None
     effect: Annotated[
-        str | None, Field(description="NoSchedule, PreferNoSchedule or NoExecute.", pattern=r"^(NoSchedule|PreferNoSchedule|NoExecute)$")
+        Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None,
+        Field(description="Taint effect to match; unset matches all effects."),
     ] = None
     toleration_seconds: Annotated[int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)] = None
 
@@ -264,7 +282,10 @@ class RoleSpec(ApiModel):
         bool | None,
         Field(description="Prefix caching on this role; unset lets the operator choose (off on decode for hybrid models)."),
     ] = None
-    node_selector: Annotated[dict[str, str], Field(description="Node labels the pods must match.")] = Field(default_factory=dict)
+    node_selector: Annotated[
+        dict[str, Annotated[str, Field(description="Label value the node must carry under this key.")]],
+        Field(description="Node labels the pods must match."),
+    ] = Field(default_factory=dict)
     tolerations: Annotated[list[Toleration], Field(description="Tolerations of the pods.", max_length=64)] = Field(default_factory=list)
     affinity: Annotated[
         dict[str, Any] | None,
@@ -274,12 +295,20 @@ class RoleSpec(ApiModel):
         ),
     ] = None
     extra_args: Annotated[
-        list[Annotated[str, Field(max_length=4096)]],
-        Field(description="Extra command-line arguments appended to the engine's command line.", max_length=128),
+        list[Annotated[str, Field(description="One command-line argument.", max_length=4096)]],
+        Field(
+            description="Extra command-line arguments appended to the engine's command line; flags the operator sets from the spec are rejected.",
+            max_length=128,
+        ),
     ] = Field(default_factory=list)
-    env: Annotated[list[EnvVar], Field(description="Extra environment variables of the engine container.", max_length=128)] = Field(
-        default_factory=list
-    )
+    env: Annotated[
+        list[EnvVar],
+        Field(
+            description="Extra environment variables of the engine container; names the operator sets are rejected.",
+            max_length=128,
+            json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        ),
+    ] = Field(default_factory=list)
     image: Annotated[str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)] = None
 
 
@@ -310,8 +339,14 @@ class EngineSpec(ApiModel):
         Field(description="builtin: pd-operator's KV connector. vllm: upstream vLLM's NixlConnector (pull) or NixlPushConnector (push)."),
     ] = ConnectorImpl.BUILTIN
     transport: Annotated[TransportSpec, Field(description="KV transfer transport.")] = Field(default_factory=TransportSpec)
+    port: Annotated[int, Field(description="HTTP port of each engine's OpenAI server (vLLM --port).", ge=1024, le=65535)] = DEFAULT_ENGINE_PORT
     side_channel_port: Annotated[
-        int, Field(description="Port of the connector's side channel (handshake and metadata exchange).", ge=1024, le=65535)
+        int,
+        Field(
+            description="Port of the connector's side channel (handshake and metadata exchange, VLLM_NIXL_SIDE_CHANNEL_PORT); must differ from port.",
+            ge=1024,
+            le=65535,
+        ),
     ] = DEFAULT_SIDE_CHANNEL_PORT
     prefill_engine_id: Annotated[
         str | None,
@@ -322,7 +357,7 @@ class EngineSpec(ApiModel):
             ),
             min_length=1,
             max_length=128,
-            pattern=r"^[A-Za-z0-9][-_.A-Za-z0-9]*$",
+            pattern=ENGINE_ID,
         ),
     ] = None
     kv_load_failure_policy: Annotated[
@@ -375,7 +410,15 @@ class PDServiceSpec(ApiModel):
         Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
     ] = Mode.PUSH
     model: Annotated[ModelSpec, Field(description="The served model.")]
-    ssm: Annotated[SSMSpec | None, Field(description="State-space layers; required when model.architecture is hybrid-ssm.")] = None
+    ssm: Annotated[
+        SSMSpec | None,
+        Field(
+            description=(
+                "State-space (Mamba/GDN) layers of a hybrid model: their family and the conv-state layout used for KV transfer. "
+                "Required when model.architecture is hybrid-ssm, forbidden otherwise."
+            )
+        ),
+    ] = None
     prefill: Annotated[RoleSpec, Field(description="Prefill engines.")] = Field(default_factory=RoleSpec)
     decode: Annotated[RoleSpec, Field(description="Decode engines.")] = Field(default_factory=RoleSpec)
     engine: Annotated[EngineSpec, Field(description="Engine image, KV connector and transport.")] = Field(default_factory=EngineSpec)
@@ -395,7 +438,9 @@ class Condition(ApiModel):
     status: Annotated[ConditionStatus, Field(description="True, False or Unknown.")]
     reason: Annotated[str, Field(description="CamelCase reason for the last transition.", max_length=1024)] = ""
     message: Annotated[str, Field(description="Human-readable detail.", max_length=32768)] = ""
-    last_transition_time: Annotated[str | None, Field(description="When status last changed (RFC 3339).")] = None
+    last_transition_time: Annotated[
+        str | None, Field(description="When status last changed (RFC 3339).", json_schema_extra={"format": "date-time"})
+    ] = None
     observed_generation: Annotated[int | None, Field(description="Generation the condition was computed for.", ge=0)] = None
 
 
@@ -420,9 +465,13 @@ class PDServiceStatus(ApiModel):
     decode: Annotated[RoleStatus, Field(description="Decode replicas.")] = Field(default_factory=RoleStatus)
     router: Annotated[RoleStatus, Field(description="Router replicas.")] = Field(default_factory=RoleStatus)
     router_endpoint: Annotated[str | None, Field(description="In-cluster URL of the router's OpenAI API.")] = None
-    conditions: Annotated[list[Condition], Field(description="Ready, Progressing, Degraded, SpecValid, KVTransferVerified.")] = Field(
-        default_factory=list
-    )
+    conditions: Annotated[
+        list[Condition],
+        Field(
+            description="Ready, Progressing, Degraded, SpecValid, KVTransferVerified.",
+            json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        ),
+    ] = Field(default_factory=list)
 
 
 class PDService(BaseModel):

@@ -1,0 +1,319 @@
+"""Cross-field rules of the PDService API, each written once in CEL and once in Python.
+
+The CEL text goes into the CRD as ``x-kubernetes-validations`` on every schema node
+generated from the rule's ``owner`` model, so the API server enforces it; the Python
+twin (``holds``) runs in ``pdoperator.api.validation`` on the parsed model, so
+``pdctl validate`` and the operator report the same error at the same path.
+Tests evaluate the CEL text with a CEL interpreter and check that both agree.
+
+CEL sees the object after the API server applied the schema defaults, exactly
+like ``holds`` sees the pydantic model with its defaults: optional fields without
+a default are guarded with ``has()`` in CEL and ``is not None`` in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pdoperator.api.model import (
+    Architecture,
+    ConnectorImpl,
+    ConvStateLayout,
+    EFASpec,
+    EngineSpec,
+    Mode,
+    ModelSource,
+    PDServiceSpec,
+    PVCSource,
+    RoleSpec,
+    Runtime,
+    SSMFamily,
+    Toleration,
+    TransportBackend,
+)
+
+
+class Reason(StrEnum):
+    """How the API server classifies a failed rule (``reason`` of a validation rule)."""
+
+    INVALID = "FieldValueInvalid"
+    FORBIDDEN = "FieldValueForbidden"
+    REQUIRED = "FieldValueRequired"
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """A rule on every object of type ``owner``: CEL for the API server, ``holds`` for Python.
+
+    ``field_path`` (a JSONPath relative to the owner, like ``.ssm.family``) names the field the
+    error is reported on; empty reports it on the owner object itself.
+    """
+
+    name: str
+    owner: type
+    cel: str
+    message: str
+    holds: Callable[[Any], bool]
+    field_path: str = ""
+    reason: Reason = Reason.INVALID
+
+    def validation(self) -> dict[str, str]:
+        """The ``x-kubernetes-validations`` entry of this rule."""
+        entry = {"rule": self.cel, "message": self.message}
+        if self.field_path:
+            entry["fieldPath"] = self.field_path
+        if self.reason is not Reason.INVALID:
+            entry["reason"] = self.reason.value
+        return entry
+
+
+def _tp_differs(spec: PDServiceSpec) -> bool:
+    return spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size
+
+
+_HYBRID = f"'{Architecture.HYBRID_SSM}'"
+
+CEL_RULES: tuple[CelRule, ...] = (
+    # ------------------------------------------------------------ spec: model shape vs. TP
+    CelRule(
+        name="hybrid-requires-ssm",
+        owner=PDServiceSpec,
+        cel=f"self.model.architecture != {_HYBRID} || has(self.ssm)",
+        message="required when spec.model.architecture is hybrid-ssm",
+        field_path=".ssm",
+        reason=Reason.REQUIRED,
+        holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.ssm is not None,
+    ),
+    CelRule(
+        name="ssm-only-for-hybrid",
+        owner=PDServiceSpec,
+        cel=f"self.model.architecture == {_HYBRID} || !has(self.ssm)",
+        message="must not be set unless spec.model.architecture is hybrid-ssm",
+        field_path=".ssm",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: spec.model.architecture == Architecture.HYBRID_SSM or spec.ssm is None,
+    ),
+    CelRule(
+        name="heterogeneous-tp-requires-ds-layout",
+        owner=PDServiceSpec,
+        cel="!has(self.ssm) || self.prefill.tensorParallelSize == self.decode.tensorParallelSize || self.ssm.convStateLayout == 'DS'",
+        message=(
+            "must be DS when spec.prefill.tensorParallelSize differs from spec.decode.tensorParallelSize "
+            "(each decode rank needs its shard of x, B and C contiguous)"
+        ),
+        field_path=".ssm.convStateLayout",
+        holds=lambda spec: spec.ssm is None or not _tp_differs(spec) or spec.ssm.conv_state_layout == ConvStateLayout.DS,
+    ),
+    CelRule(
+        name="upstream-connector-requires-ds-layout",
+        owner=PDServiceSpec,
+        cel="!has(self.ssm) || self.engine.connector != 'vllm' || self.ssm.convStateLayout == 'DS'",
+        message="must be DS with spec.engine.connector vllm (upstream NIXL connectors transfer SSM conv state only in the DS layout)",
+        field_path=".ssm.convStateLayout",
+        holds=lambda spec: spec.ssm is None or spec.engine.connector != ConnectorImpl.VLLM or spec.ssm.conv_state_layout == ConvStateLayout.DS,
+    ),
+    CelRule(
+        name="mamba1-requires-equal-tp",
+        owner=PDServiceSpec,
+        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.prefill.tensorParallelSize == self.decode.tensorParallelSize",
+        message=(
+            "mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize (heterogeneous TP is unsupported for Mamba1)"
+        ),
+        field_path=".ssm.family",
+        holds=lambda spec: spec.ssm is None or spec.ssm.family != SSMFamily.MAMBA1 or not _tp_differs(spec),
+    ),
+    CelRule(
+        name="prefill-tp-above-decode-only-hybrid-or-mla",
+        owner=PDServiceSpec,
+        cel=f"self.prefill.tensorParallelSize <= self.decode.tensorParallelSize || self.model.architecture in [{_HYBRID}, 'mla']",
+        message="may exceed spec.decode.tensorParallelSize only when spec.model.architecture is hybrid-ssm or mla",
+        field_path=".prefill.tensorParallelSize",
+        holds=lambda spec: (
+            spec.prefill.tensor_parallel_size <= spec.decode.tensor_parallel_size
+            or spec.model.architecture in (Architecture.HYBRID_SSM, Architecture.MLA)
+        ),
+    ),
+    CelRule(
+        name="tp-sizes-divide",
+        owner=PDServiceSpec,
+        cel=(
+            "self.prefill.tensorParallelSize % self.decode.tensorParallelSize == 0 || "
+            "self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0"
+        ),
+        message="must divide or be a multiple of spec.prefill.tensorParallelSize",
+        field_path=".decode.tensorParallelSize",
+        holds=lambda spec: (
+            spec.prefill.tensor_parallel_size % spec.decode.tensor_parallel_size == 0
+            or spec.decode.tensor_parallel_size % spec.prefill.tensor_parallel_size == 0
+        ),
+    ),
+    CelRule(
+        name="hybrid-decode-prefix-caching-off",
+        owner=PDServiceSpec,
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.decode.enablePrefixCaching) || !self.decode.enablePrefixCaching",
+        message="must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)",
+        field_path=".decode.enablePrefixCaching",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.decode.enable_prefix_caching is not True,
+    ),
+    # ------------------------------------------------------------ spec: transport and connector
+    CelRule(
+        name="efa-requires-libfabric",
+        owner=PDServiceSpec,
+        cel="!self.network.efa.enabled || self.engine.transport.backend == 'LIBFABRIC'",
+        message="must be LIBFABRIC when spec.network.efa.enabled is true (UCX on EFA silently falls back to TCP)",
+        field_path=".engine.transport.backend",
+        holds=lambda spec: not spec.network.efa.enabled or spec.engine.transport.backend == TransportBackend.LIBFABRIC,
+    ),
+    CelRule(
+        name="upstream-push-requires-prefill-engine-id",
+        owner=PDServiceSpec,
+        cel="self.mode != 'push' || self.engine.connector != 'vllm' || has(self.engine.prefillEngineId)",
+        message="required when spec.mode is push and spec.engine.connector is vllm (the upstream push connector needs a fixed prefill engine id)",
+        field_path=".engine.prefillEngineId",
+        reason=Reason.REQUIRED,
+        holds=lambda spec: spec.mode != Mode.PUSH or spec.engine.connector != ConnectorImpl.VLLM or spec.engine.prefill_engine_id is not None,
+    ),
+    CelRule(
+        name="fixed-prefill-engine-id-single-replica",
+        owner=PDServiceSpec,
+        cel="!has(self.engine.prefillEngineId) || self.prefill.replicas <= 1",
+        message="must be at most 1 when spec.engine.prefillEngineId is set (prefill pods sharing one engine id would alias each other)",
+        field_path=".prefill.replicas",
+        holds=lambda spec: spec.engine.prefill_engine_id is None or spec.prefill.replicas <= 1,
+    ),
+    # ------------------------------------------------------------ engine
+    CelRule(
+        name="mock-transport-requires-mock-runtime",
+        owner=EngineSpec,
+        cel="self.transport.backend != 'mock' || self.runtime == 'mock'",
+        message="mock requires spec.engine.runtime mock (vLLM engines move KV over NIXL)",
+        field_path=".transport.backend",
+        holds=lambda engine: engine.transport.backend != TransportBackend.MOCK or engine.runtime == Runtime.MOCK,
+    ),
+    CelRule(
+        name="mock-runtime-requires-mock-transport",
+        owner=EngineSpec,
+        cel="self.runtime != 'mock' || self.transport.backend == 'mock'",
+        message="must be mock when spec.engine.runtime is mock (mock engines have no NIXL)",
+        field_path=".transport.backend",
+        holds=lambda engine: engine.runtime != Runtime.MOCK or engine.transport.backend == TransportBackend.MOCK,
+    ),
+    CelRule(
+        name="mock-runtime-requires-builtin-connector",
+        owner=EngineSpec,
+        cel="self.runtime != 'mock' || self.connector == 'builtin'",
+        message="must be builtin when spec.engine.runtime is mock",
+        field_path=".connector",
+        holds=lambda engine: engine.runtime != Runtime.MOCK or engine.connector == ConnectorImpl.BUILTIN,
+    ),
+    CelRule(
+        name="prefill-engine-id-only-upstream",
+        owner=EngineSpec,
+        cel="self.connector == 'vllm' || !has(self.prefillEngineId)",
+        message="may only be set with spec.engine.connector vllm (the builtin connector derives engine ids from pod names)",
+        field_path=".prefillEngineId",
+        reason=Reason.FORBIDDEN,
+        holds=lambda engine: engine.connector == ConnectorImpl.VLLM or engine.prefill_engine_id is None,
+    ),
+    CelRule(
+        name="side-channel-port-distinct",
+        owner=EngineSpec,
+        cel="self.sideChannelPort != self.port",
+        message="must differ from spec.engine.port",
+        field_path=".sideChannelPort",
+        holds=lambda engine: engine.side_channel_port != engine.port,
+    ),
+    # ------------------------------------------------------------ EFA
+    CelRule(
+        name="efa-prefill-devices",
+        owner=EFASpec,
+        cel="!self.enabled || self.prefillDevices > 0",
+        message="must be greater than 0 when spec.network.efa.enabled is true",
+        field_path=".prefillDevices",
+        holds=lambda efa: not efa.enabled or efa.prefill_devices > 0,
+    ),
+    CelRule(
+        name="efa-decode-devices",
+        owner=EFASpec,
+        cel="!self.enabled || self.decodeDevices > 0",
+        message="must be greater than 0 when spec.network.efa.enabled is true",
+        field_path=".decodeDevices",
+        holds=lambda efa: not efa.enabled or efa.decode_devices > 0,
+    ),
+    CelRule(
+        name="efa-devices-require-enabled",
+        owner=EFASpec,
+        cel="self.enabled || (self.prefillDevices == 0 && self.decodeDevices == 0)",
+        message="prefillDevices and decodeDevices must be 0 unless enabled is true",
+        holds=lambda efa: efa.enabled or (efa.prefill_devices == 0 and efa.decode_devices == 0),
+    ),
+    CelRule(
+        name="efa-privileged-requires-enabled",
+        owner=EFASpec,
+        cel="self.enabled || !self.privileged",
+        message="must be false unless spec.network.efa.enabled is true",
+        field_path=".privileged",
+        reason=Reason.FORBIDDEN,
+        holds=lambda efa: efa.enabled or not efa.privileged,
+    ),
+    # ------------------------------------------------------------ model source
+    CelRule(
+        name="model-source-exactly-one",
+        owner=ModelSource,
+        cel="has(self.huggingFace) != has(self.pvc)",
+        message="exactly one of huggingFace or pvc must be set",
+        holds=lambda source: (source.hugging_face is None) != (source.pvc is None),
+    ),
+    CelRule(
+        name="pvc-path-inside-volume",
+        owner=PVCSource,
+        cel="!self.path.matches('(^|/)[.][.](/|$)')",
+        message="must not contain '..' segments",
+        field_path=".path",
+        holds=lambda pvc: ".." not in pvc.path.split("/"),
+    ),
+    # ------------------------------------------------------------ roles
+    CelRule(
+        name="gpus-cover-tensor-parallel-size",
+        owner=RoleSpec,
+        cel="!has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus >= self.tensorParallelSize",
+        message="must be 0 (CPU engines) or at least this role's tensorParallelSize",
+        field_path=".resources.gpus",
+        holds=lambda role: role.resources.gpus is None or role.resources.gpus == 0 or role.resources.gpus >= role.tensor_parallel_size,
+    ),
+    CelRule(
+        name="toleration-exists-without-value",
+        owner=Toleration,
+        cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        message="must be empty when operator is Exists",
+        field_path=".value",
+        reason=Reason.FORBIDDEN,
+        holds=lambda tol: tol.operator != "Exists" or not tol.value,
+    ),
+    CelRule(
+        name="toleration-empty-key-requires-exists",
+        owner=Toleration,
+        cel="(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        message="must be Exists when key is empty (an empty key matches every taint)",
+        field_path=".operator",
+        holds=lambda tol: bool(tol.key) or tol.operator == "Exists",
+    ),
+    CelRule(
+        name="toleration-seconds-requires-noexecute",
+        owner=Toleration,
+        cel="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        message="may only be set when effect is NoExecute",
+        field_path=".tolerationSeconds",
+        reason=Reason.FORBIDDEN,
+        holds=lambda tol: tol.toleration_seconds is None or tol.effect == "NoExecute",
+    ),
+)
+
+
+def rules_for(owner: type) -> tuple[CelRule, ...]:
+    """The rules attached to objects of type ``owner``, in declaration order."""
+    return tuple(rule for rule in CEL_RULES if rule.owner is owner)

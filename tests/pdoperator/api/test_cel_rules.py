@@ -1,0 +1,215 @@
+"""Every CEL rule, evaluated by a CEL interpreter on the CRD, agrees with its Python twin."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pdoperator.api import PDServiceSpec
+from pdoperator.api.rules import CEL_RULES, CelRule
+from pdoperator.api.validation import cel_rule_violations
+
+MODEL = {"name": "m"}
+HYBRID = {"name": "m", "architecture": "hybrid-ssm"}
+EFA_ON = {"efa": {"enabled": True, "prefillDevices": 1, "decodeDevices": 1}}
+
+# rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
+RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "hybrid-requires-ssm": ({"model": HYBRID, "ssm": {"family": "mamba2"}}, {"model": HYBRID}),
+    "ssm-only-for-hybrid": ({"model": MODEL}, {"model": MODEL, "ssm": {"family": "mamba2"}}),
+    "heterogeneous-tp-requires-ds-layout": (
+        {"model": HYBRID, "ssm": {"family": "mamba2", "convStateLayout": "SD"}, "decode": {"tensorParallelSize": 1}},
+        {"model": HYBRID, "ssm": {"family": "mamba2", "convStateLayout": "SD"}, "decode": {"tensorParallelSize": 2}},
+    ),
+    "upstream-connector-requires-ds-layout": (
+        {"model": HYBRID, "ssm": {"family": "gdn", "convStateLayout": "SD"}, "mode": "pull", "engine": {"connector": "builtin"}},
+        {"model": HYBRID, "ssm": {"family": "gdn", "convStateLayout": "SD"}, "mode": "pull", "engine": {"connector": "vllm"}},
+    ),
+    "mamba1-requires-equal-tp": (
+        {"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
+        {"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
+    ),
+    "prefill-tp-above-decode-only-hybrid-or-mla": (
+        {"model": {"name": "m", "architecture": "mla"}, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 2}},
+        {"model": MODEL, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 2}},
+    ),
+    "tp-sizes-divide": (
+        {"model": MODEL, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 6}},
+        {"model": MODEL, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 6}},
+    ),
+    "hybrid-decode-prefix-caching-off": (
+        {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": False}},
+        {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": True}},
+    ),
+    "efa-requires-libfabric": (
+        {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+        {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "UCX"}}},
+    ),
+    "upstream-push-requires-prefill-engine-id": (
+        {"model": MODEL, "mode": "push", "engine": {"connector": "vllm", "prefillEngineId": "prefill-0"}},
+        {"model": MODEL, "mode": "push", "engine": {"connector": "vllm"}},
+    ),
+    "fixed-prefill-engine-id-single-replica": (
+        {"model": MODEL, "engine": {"connector": "vllm", "prefillEngineId": "p"}, "prefill": {"replicas": 1}},
+        {"model": MODEL, "engine": {"connector": "vllm", "prefillEngineId": "p"}, "prefill": {"replicas": 2}},
+    ),
+    "mock-transport-requires-mock-runtime": (
+        {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
+        {"model": MODEL, "engine": {"runtime": "vllm", "transport": {"backend": "mock"}}},
+    ),
+    "mock-runtime-requires-mock-transport": (
+        {"model": MODEL, "engine": {"runtime": "vllm", "transport": {"backend": "UCX"}}},
+        {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "UCX"}}},
+    ),
+    "mock-runtime-requires-builtin-connector": (
+        {"model": MODEL, "mode": "pull", "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
+        {"model": MODEL, "mode": "pull", "engine": {"runtime": "mock", "connector": "vllm", "transport": {"backend": "mock"}}},
+    ),
+    "prefill-engine-id-only-upstream": (
+        {"model": MODEL, "mode": "pull"},
+        {"model": MODEL, "mode": "pull", "engine": {"prefillEngineId": "p"}},
+    ),
+    "side-channel-port-distinct": (
+        {"model": MODEL, "engine": {"port": 8000, "sideChannelPort": 5600}},
+        {"model": MODEL, "engine": {"port": 5600}},
+    ),
+    "efa-prefill-devices": (
+        {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+        {"model": MODEL, "network": {"efa": {"enabled": True, "decodeDevices": 1}}, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+    ),
+    "efa-decode-devices": (
+        {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+        {"model": MODEL, "network": {"efa": {"enabled": True, "prefillDevices": 1}}, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+    ),
+    "efa-devices-require-enabled": (
+        {"model": MODEL, "network": {"efa": {"enabled": False}}},
+        {"model": MODEL, "network": {"efa": {"decodeDevices": 4}}},
+    ),
+    "efa-privileged-requires-enabled": (
+        {"model": MODEL, "network": {"efa": {"privileged": False}}},
+        {"model": MODEL, "network": {"efa": {"privileged": True}}},
+    ),
+    "model-source-exactly-one": (
+        {"model": {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "m"}}}},
+        {"model": {"name": "m", "source": {"huggingFace": {}, "pvc": {"claimName": "weights", "path": "m"}}}},
+    ),
+    "pvc-path-inside-volume": (
+        {"model": {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "models/a..b/x"}}}},
+        {"model": {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "models/../etc"}}}},
+    ),
+    "gpus-cover-tensor-parallel-size": (
+        {"model": MODEL, "decode": {"tensorParallelSize": 2, "resources": {"gpus": 0}}},
+        {"model": MODEL, "decode": {"tensorParallelSize": 2, "resources": {"gpus": 1}}},
+    ),
+    "toleration-exists-without-value": (
+        {"model": MODEL, "prefill": {"tolerations": [{"key": "k", "operator": "Exists"}]}},
+        {"model": MODEL, "prefill": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+    ),
+    "toleration-empty-key-requires-exists": (
+        {"model": MODEL, "prefill": {"tolerations": [{"operator": "Exists"}]}},
+        {"model": MODEL, "prefill": {"tolerations": [{"operator": "Equal", "value": "v"}]}},
+    ),
+    "toleration-seconds-requires-noexecute": (
+        {"model": MODEL, "decode": {"tolerations": [{"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}]}},
+        {"model": MODEL, "decode": {"tolerations": [{"key": "k", "tolerationSeconds": 30}]}},
+    ),
+}
+
+
+def python_violations(spec: dict[str, Any]) -> set[tuple[str, str]]:
+    parsed = PDServiceSpec.model_validate(copy.deepcopy(spec))
+    return {(path, rule.message) for path, rule in cel_rule_violations(parsed)}
+
+
+def test_every_rule_has_samples():
+    assert sorted(RULE_SAMPLES) == sorted(rule.name for rule in CEL_RULES)
+    assert len({rule.name for rule in CEL_RULES}) == len(CEL_RULES)
+
+
+@pytest.mark.parametrize("rule", CEL_RULES, ids=lambda rule: rule.name)
+def test_cel_and_python_accept_the_good_sample(rule: CelRule, spec_cel_violations):
+    good, _ = RULE_SAMPLES[rule.name]
+    assert spec_cel_violations(good) == set()
+    assert python_violations(good) == set()
+
+
+@pytest.mark.parametrize("rule", CEL_RULES, ids=lambda rule: rule.name)
+def test_cel_and_python_reject_the_bad_sample_with_the_same_error(rule: CelRule, spec_cel_violations):
+    _, bad = RULE_SAMPLES[rule.name]
+    from_cel = spec_cel_violations(bad)
+    assert from_cel == python_violations(bad)
+    # The sample breaks exactly this rule, so the rule itself (not a neighbour) is what is tested.
+    assert {message for _, message in from_cel} == {rule.message}
+
+
+def test_rules_on_repeated_objects_report_each_occurrence(spec_cel_violations):
+    role = {"tensorParallelSize": 2, "resources": {"gpus": 1}, "tolerations": [{"key": "a"}, {"operator": "Exists", "value": "x"}]}
+    spec = {"model": MODEL, "prefill": role, "decode": role}
+    expected = {
+        ("spec.prefill.resources.gpus", "must be 0 (CPU engines) or at least this role's tensorParallelSize"),
+        ("spec.decode.resources.gpus", "must be 0 (CPU engines) or at least this role's tensorParallelSize"),
+        ("spec.prefill.tolerations[1].value", "must be empty when operator is Exists"),
+        ("spec.decode.tolerations[1].value", "must be empty when operator is Exists"),
+    }
+    assert spec_cel_violations(spec) == expected
+    assert python_violations(spec) == expected
+
+
+def _optional(**fields: st.SearchStrategy) -> st.SearchStrategy:
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+_tolerations = st.lists(
+    _optional(
+        key=st.sampled_from(["", "nvidia.com/gpu"]),
+        operator=st.sampled_from(["Exists", "Equal"]),
+        value=st.sampled_from(["", "v"]),
+        effect=st.sampled_from(["NoSchedule", "NoExecute"]),
+        tolerationSeconds=st.integers(0, 60),
+    ),
+    max_size=2,
+)
+_role = _optional(
+    replicas=st.integers(0, 3),
+    tensorParallelSize=st.sampled_from([1, 2, 3, 4, 8]),
+    resources=_optional(gpus=st.integers(0, 9)),
+    enablePrefixCaching=st.booleans(),
+    tolerations=_tolerations,
+)
+_pvc = st.fixed_dictionaries({"claimName": st.just("weights"), "path": st.sampled_from(["m", "a/../b", "..", "a..b", "a/.."])})
+_specs = st.fixed_dictionaries(
+    {
+        "model": st.fixed_dictionaries(
+            {"name": st.just("m"), "architecture": st.sampled_from(["dense", "hybrid-ssm", "mla"])},
+            optional={"source": _optional(huggingFace=st.just({}), pvc=_pvc)},
+        )
+    },
+    optional={
+        "mode": st.sampled_from(["push", "pull"]),
+        "ssm": st.fixed_dictionaries(
+            {"family": st.sampled_from(["mamba2", "mamba1", "gdn"])}, optional={"convStateLayout": st.sampled_from(["DS", "SD"])}
+        ),
+        "prefill": _role,
+        "decode": _role,
+        "engine": _optional(
+            runtime=st.sampled_from(["vllm", "mock"]),
+            connector=st.sampled_from(["builtin", "vllm"]),
+            transport=_optional(backend=st.sampled_from(["LIBFABRIC", "UCX", "mock"])),
+            port=st.sampled_from([8000, 5600]),
+            sideChannelPort=st.sampled_from([5600, 8000]),
+            prefillEngineId=st.just("prefill-0"),
+        ),
+        "network": _optional(
+            efa=_optional(enabled=st.booleans(), prefillDevices=st.integers(0, 2), decodeDevices=st.integers(0, 2), privileged=st.booleans())
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=_specs)
+def test_cel_and_python_agree_on_random_specs(spec, spec_cel_violations):
+    assert spec_cel_violations(spec) == python_violations(spec)
