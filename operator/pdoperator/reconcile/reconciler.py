@@ -23,7 +23,7 @@ from .children import Action, Create, Delete, Patch, children_selector, describe
 from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
 from .kube import KubeApi, KubeApiError
 from .kvtransfer import UNREACHABLE, RouterStatusError, TransferCounts, Verdict, as_condition, unreachable_verdict, verdict
-from .status import healthy_status, invalid_status, parse_status, role_rollout, status_patch
+from .status import AWAITING_ROUTER, healthy_status, invalid_status, parse_status, role_rollout, status_patch
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +127,14 @@ class Reconciler:
             pds = parse_pdservice(body)
         except SpecError:
             return False
-        if pds.spec.router.replicas == 0:
-            return False
+        stored_status = parse_status(body.get("status"))
+        if stored_status.router.ready_replicas == 0:
+            return False  # nothing to ask yet (or no router at all)
         key = (pds.namespace, pds.name)
         state = self._kv.setdefault(key, _KVState())
-        stored = next((c for c in parse_status(body.get("status")).conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
+        stored = next((c for c in stored_status.conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
+        if stored is not None and stored.reason == AWAITING_ROUTER:
+            stored = None  # a placeholder, not a verdict
         try:
             counts = await fetch(pds)
         except RouterStatusError as e:

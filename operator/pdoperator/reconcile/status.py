@@ -20,6 +20,8 @@ from pdoperator.api.model import (
 )
 from pdoperator.render.names import Role
 
+AWAITING_ROUTER = "AwaitingRouter"
+
 # Keys of .status the operator owns; anything else there (kopf's own bookkeeping) is left alone.
 OWNED_STATUS_KEYS = ("phase", "observedGeneration", "prefill", "decode", "router", "routerEndpoint", "conditions")
 
@@ -137,17 +139,12 @@ def healthy_status(
         conditions.set(ConditionType.DEGRADED, ConditionStatus.TRUE, kv.reason, kv.message)
     else:
         conditions.set(ConditionType.DEGRADED, ConditionStatus.FALSE, "AsExpected", "no role is impaired")
-    if kv is not None:
+    if kv is None:  # not probed yet: the router is probed once it is ready
+        conditions.set(ConditionType.KV_TRANSFER_VERIFIED, ConditionStatus.UNKNOWN, AWAITING_ROUTER, "the router is not ready to be asked yet")
+    else:
         conditions.keep(kv if kv_condition is not None else kv.model_copy(update={"observed_generation": generation}))
 
-    if stalled or serving_without_transfer:
-        phase = Phase.DEGRADED
-    elif not not_ready and not not_rolled_out:
-        phase = Phase.READY
-    elif any(r.reported for r in rollouts):
-        phase = Phase.PROGRESSING
-    else:
-        phase = Phase.PENDING
+    phase = _phase(rollouts, degraded=bool(stalled) or serving_without_transfer, settled=not not_ready and not not_rolled_out)
     by_role = {r.role: RoleStatus(desired_replicas=r.desired, ready_replicas=r.ready, summary=r.summary) for r in rollouts}
     return PDServiceStatus(
         phase=phase,
@@ -158,6 +155,14 @@ def healthy_status(
         router_endpoint=router_endpoint(pds, cluster_domain),
         conditions=conditions.items,
     )
+
+
+def _phase(rollouts: list[RoleRollout], degraded: bool, settled: bool) -> Phase:
+    if degraded:
+        return Phase.DEGRADED
+    if settled:
+        return Phase.READY
+    return Phase.PROGRESSING if any(r.reported for r in rollouts) else Phase.PENDING
 
 
 def invalid_status(generation: int, previous: PDServiceStatus, message: str, now: str) -> PDServiceStatus:

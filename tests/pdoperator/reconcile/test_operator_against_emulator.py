@@ -345,6 +345,9 @@ def test_a_deleted_child_is_restored_and_a_hand_edit_is_reverted(env: Env) -> No
 def test_kv_transfer_verified_follows_the_router_counts(env: Env) -> None:
     apply(env, tiny("kv", "team-f"))
     wait_children(env, "team-f", "kv")
+    awaiting = eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified"), "a KVTransferVerified condition")
+    assert (awaiting["status"], awaiting["reason"]) == ("Unknown", "AwaitingRouter")
+    mark_ready(env, "team-f", "kv")
     assert eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["reason"] == "RouterUnreachable", "RouterUnreachable")
 
     env.router.counts[("team-f", "kv")] = (0, 0)

@@ -127,7 +127,8 @@ async def test_ready_children_make_the_status_ready_and_a_second_pass_writes_not
     await subject.reconcile(fresh(api))
     status = fresh(api)["status"]
     assert status["phase"] == "Ready"
-    assert [c["type"] for c in status["conditions"]] == ["SpecValid", "Ready", "Progressing", "Degraded"]
+    assert [c["type"] for c in status["conditions"]] == ["SpecValid", "Ready", "Progressing", "Degraded", "KVTransferVerified"]
+    assert status["conditions"][-1]["reason"] == "AwaitingRouter"
     api.writes.clear()
     await subject.reconcile(fresh(api))
     assert api.writes == []
@@ -202,10 +203,27 @@ async def test_delete_children_removes_only_what_this_pdservice_controls() -> No
     assert events.reasons()[-1] == "ChildrenDeleted"
 
 
+async def ready_service(api: FakeKubeApi, subject: Reconciler) -> None:
+    await subject.reconcile(make(api))
+    set_ready(api)
+    await subject.reconcile(fresh(api))
+
+
+async def test_the_router_is_not_probed_before_it_is_ready() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+
+    async def fetch(pds: PDService) -> TransferCounts:
+        raise AssertionError("probed a router that is not ready")
+
+    assert await subject.probe_kv_transfer(fresh(api), fetch) is False
+
+
 async def test_kv_probe_sets_the_condition_once_and_leaves_it_while_counts_are_unchanged() -> None:
     api, events = FakeKubeApi(), RecordedEvents()
     subject = reconciler(api, events)
-    await subject.reconcile(make(api))
+    await ready_service(api, subject)
     counts = TransferCounts(0, 0)
 
     async def fetch(pds: PDService) -> TransferCounts:
@@ -224,7 +242,7 @@ async def test_kv_probe_sets_the_condition_once_and_leaves_it_while_counts_are_u
 async def test_kv_probe_failures_never_erase_a_stored_verdict() -> None:
     api = FakeKubeApi()
     subject = reconciler(api)
-    await subject.reconcile(make(api))
+    await ready_service(api, subject)
 
     async def verified(pds: PDService) -> TransferCounts:
         return TransferCounts(5, 0)
@@ -240,7 +258,7 @@ async def test_kv_probe_failures_never_erase_a_stored_verdict() -> None:
 
 async def test_a_restarted_operator_takes_the_router_counts_as_a_baseline() -> None:
     api = FakeKubeApi()
-    await reconciler(api).reconcile(make(api))
+    await ready_service(api, reconciler(api))
 
     async def mixed(pds: PDService) -> TransferCounts:
         return TransferCounts(9, 2)  # 2 unverified long ago, all verified since
