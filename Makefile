@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 TOOLS  := .cache/k8s-tools/bin/helm
 
-.PHONY: demo test lint crd golden clean
+.PHONY: demo test lint crd rbac golden clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: $(STAMP)
 crd: $(STAMP)
 	$(BIN)/pdctl crd > crds/pdservices.inference.pdoperator.dev.yaml
 	cp crds/pdservices.inference.pdoperator.dev.yaml charts/pd-operator/crds/
+
+# The chart's RBAC rules, from the operator's own list (pdoperator.rbac).
+rbac: $(STAMP)
+	$(BIN)/python -c 'import sys, yaml; from pdoperator.rbac import rbac_rules_document; yaml.safe_dump(rbac_rules_document(), sys.stdout, sort_keys=False)' > charts/pd-operator/files/rbac-rules.yaml
 
 golden: $(STAMP)
 	PD_UPDATE_GOLDEN=1 $(BIN)/python -m pytest tests/pdoperator/render -q
