@@ -195,12 +195,12 @@ CEL_RULES: tuple[CelRule, ...] = (
         holds=lambda engine: engine.transport.backend != TransportBackend.MOCK or engine.runtime == Runtime.MOCK,
     ),
     CelRule(
-        name="mock-runtime-requires-mock-transport",
+        name="mock-runtime-transport",
         owner=EngineSpec,
-        cel="self.runtime != 'mock' || self.transport.backend == 'mock'",
-        message="must be mock when spec.engine.runtime is mock (mock engines have no NIXL)",
+        cel="self.runtime != 'mock' || self.transport.backend in ['mock', 'UCX']",
+        message="must be mock or UCX when spec.engine.runtime is mock (mock engines move KV over TCP or NIXL's UCX backend)",
         field_path=".transport.backend",
-        holds=lambda engine: engine.runtime != Runtime.MOCK or engine.transport.backend == TransportBackend.MOCK,
+        holds=lambda engine: engine.runtime != Runtime.MOCK or engine.transport.backend in (TransportBackend.MOCK, TransportBackend.UCX),
     ),
     CelRule(
         name="mock-runtime-requires-builtin-connector",

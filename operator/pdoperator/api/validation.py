@@ -51,13 +51,16 @@ MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
     },
     Runtime.MOCK: {
         "--role": "the operator sets it per role",
-        "--model": "use spec.model.name",
+        "--model": "use spec.model.servedName",
+        "--host": "engines listen on the pod's addresses",
         "--port": "use spec.engine.port",
         "--engine-id": "the operator derives it from the pod name",
+        "--side-channel-host": "the operator sets it to the pod IP",
         "--side-channel-port": "use spec.engine.sideChannelPort",
         "--tp-size": _TP,
         "--transport": "use spec.engine.transport.backend",
-        "--nixl-backend": "use spec.engine.transport.backend",
+        "--compat-hash": "the operator derives it from the spec",
+        "--transfer-timeout": "use spec.engine.transferTimeoutSeconds",
     },
 }
 # vLLM flags that break the one-side-channel-port-per-pod contract (vLLM adds the data-parallel rank to the port).

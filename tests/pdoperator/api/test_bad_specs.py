@@ -204,9 +204,9 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.engine.transport.backend: mock requires spec.engine.runtime mock (vLLM engines move KV over NIXL)"],
     ),
     (
-        "mock engines over UCX",
-        document({"engine": {"runtime": "mock"}}),
-        ["spec.engine.transport.backend: must be mock when spec.engine.runtime is mock (mock engines have no NIXL)"],
+        "mock engines over LIBFABRIC",
+        document({"engine": {"runtime": "mock", "transport": {"backend": "LIBFABRIC"}}}),
+        ["spec.engine.transport.backend: must be mock or UCX when spec.engine.runtime is mock (mock engines move KV over TCP or NIXL's UCX backend)"],
     ),
     (
         "mock engines with the upstream connector",

@@ -60,9 +60,9 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
         {"model": MODEL, "engine": {"runtime": "vllm", "transport": {"backend": "mock"}}},
     ),
-    "mock-runtime-requires-mock-transport": (
-        {"model": MODEL, "engine": {"runtime": "vllm", "transport": {"backend": "UCX"}}},
+    "mock-runtime-transport": (
         {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "UCX"}}},
+        {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "LIBFABRIC"}}},
     ),
     "mock-runtime-requires-builtin-connector": (
         {"model": MODEL, "mode": "pull", "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
