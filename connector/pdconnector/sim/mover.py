@@ -76,10 +76,15 @@ class MoverUnavailable(RuntimeError):
 
 def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, tp_size: int) -> KVMover:
     """The mover over the connector core's transport of that name."""
-    try:
-        from pdconnector.transport import mover as transport_mover  # noqa: PLC0415 - optional until the connector core ships it
-    except ImportError as error:
-        raise MoverUnavailable(
-            f"transport '{transport}' needs pdconnector.transport.mover (a KVMover over the connector core's worker), which is not installed: {error}"
-        ) from error
-    return transport_mover.create(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, tp_size=tp_size)
+    reason = mover_unavailable_reason(transport)
+    if reason is not None:
+        raise MoverUnavailable(reason)
+    raise MoverUnavailable(f"transport '{transport}' is not wired into the mock engine")
+
+
+def mover_unavailable_reason(transport: str) -> str | None:
+    """Why a mover over ``transport`` cannot be built here, or None when it can."""
+    return (
+        f"transport '{transport}': pdconnector.transport has no transport yet (the connector core's MockTransport/TCP or NIXL transport and "
+        "worker are needed to move blocks between engine processes)"
+    )

@@ -1,0 +1,45 @@
+"""A real deployment on loopback: 2 prefill + 2 decode mock engines, a co-located reference engine, routers per mode."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pdconnector.sim.cluster import LocalCluster
+from pdconnector.sim.mover import mover_unavailable_reason
+
+
+def _require_mover() -> None:
+    reason = mover_unavailable_reason("mock")
+    if reason is not None:
+        pytest.skip(f"mock engines cannot move KV yet: {reason}")
+
+
+def start_cluster(workdir, subnet: int, engine_args: list[str]) -> LocalCluster:
+    _require_mover()
+    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args)
+    try:
+        cluster.start()
+        cluster.start_router("push", "push")
+        cluster.start_router("pull", "pull")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def fast_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """Zero-latency engines: correctness and load."""
+    cluster = start_cluster(tmp_path_factory.mktemp("fast"), 60, ["--transfer-timeout", "5", "--lease", "5"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """Engines with a latency model, so faults can strike mid-request."""
+    args = ["--prefill-seconds-per-token", "0.002", "--decode-seconds-per-token", "0.02", "--transfer-timeout", "2", "--lease", "2"]
+    cluster = start_cluster(tmp_path_factory.mktemp("slow"), 100, args)
+    yield cluster
+    cluster.stop()

@@ -1,0 +1,126 @@
+"""Faults with real processes: each gives the client a clear error or a retry, and no engine keeps blocks."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def blocks_all_free(cluster) -> bool:
+    for engine in cluster.engines.values():
+        if not engine.alive:
+            continue
+        samples = engine.metrics()
+        if samples["pd_mock_kv_blocks_free"] != samples["pd_mock_kv_blocks_total"]:
+            return False
+    return True
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as response:
+            return response.status == 200 and json.loads(response.read())["ready"]
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def cluster(slow_cluster):
+    """The slow cluster, healed after each test: killed engines restarted and routers' health checks caught up."""
+    yield slow_cluster
+    for name, engine in slow_cluster.engines.items():
+        if not engine.alive:
+            slow_cluster.restart(name)
+    for router in slow_cluster.routers.values():
+        wait_until(lambda url=router.url: _all_healthy(url))
+    wait_until(lambda: blocks_all_free(slow_cluster))
+
+
+def _all_healthy(url: str) -> bool:
+    with urllib.request.urlopen(url + "/status", timeout=2) as response:
+        return all(b["healthy"] for b in json.loads(response.read())["backends"])
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster, mode):
+    router = client_for(cluster.routers[mode].url)
+    raw = router.completions.with_raw_response.create(model=MODEL, prompt="a long story", max_tokens=500, stream=True)
+    stream = raw.parse()
+    next(iter(stream))
+    cluster.engines[raw.headers["x-pd-decode"]].kill()
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:
+            pass
+    wait_until(lambda: blocks_all_free(cluster))
+
+
+def test_prefill_killed_before_transfer_gives_a_clear_error_and_frees_decode(cluster):
+    router = client_for(cluster.routers["push"].url)
+    prompt = " ".join(f"t{i % 1000}" for i in range(1500))  # 3 s of prefill at 2 ms per token
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            router.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        except openai.APIError as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_until(
+        lambda: any(
+            e.metrics()["pd_mock_kv_blocks_free"] < e.metrics()["pd_mock_kv_blocks_total"] for e in cluster.engines.values() if e.role == "prefill"
+        )
+    )
+    for engine in cluster.engines.values():
+        if engine.role == "prefill":
+            engine.kill()
+    caller.join(timeout=20)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], openai.APIStatusError) and outcome[0].status_code == 502
+    # Whichever side notices first: the router sees the prefill leg break, or decode reports its transfer failed.
+    assert "prefill leg failed" in str(outcome[0]) or "KV transfer failed" in str(outcome[0])
+    wait_until(lambda: blocks_all_free(cluster))
+
+
+def test_a_backend_refusing_connections_is_retried_then_ejected(cluster):
+    cluster.engines["decode-0"].kill()
+    cluster.engines["prefill-1"].kill()
+    for mode in ("push", "pull"):
+        router = client_for(cluster.routers[mode].url)
+        for index in range(6):
+            raw = router.completions.with_raw_response.create(model=MODEL, prompt=f"retry {index}", max_tokens=2)
+            assert raw.headers["x-pd-decode"] == "decode-1" and raw.headers["x-pd-prefill"] == "prefill-0"
+            assert raw.parse().choices[0].text
+
+
+def test_client_disconnect_frees_blocks_on_both_engines(cluster):
+    with httpx.Client(timeout=10) as http:
+        body = {"model": MODEL, "prompt": "talk for a while", "max_tokens": 500, "stream": True}
+        with http.stream("POST", cluster.routers["push"].url + "/v1/completions", json=body) as response:
+            decode = cluster.engines[response.headers["x-pd-decode"]]
+            lines = response.iter_lines()  # keep a reference: a discarded httpx line iterator closes the response
+            next(lines)
+            assert decode.metrics()["pd_mock_kv_blocks_free"] < decode.metrics()["pd_mock_kv_blocks_total"]
+    wait_until(lambda: blocks_all_free(cluster), timeout_s=3)
