@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from pdoperator.api.model import (
@@ -116,9 +117,10 @@ def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
     return args
 
 
-def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str) -> list[str]:
-    backend = spec.engine.transport.backend
-    args = [
+def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str, compat_hash: str) -> list[str]:
+    # The mock engine's transports: bytes over TCP, or NIXL (its UCX backend) over host memory.
+    transport = "mock" if spec.engine.transport.backend is TransportBackend.MOCK else "nixl"
+    return [
         "--role",
         role.value,
         "--port",
@@ -127,23 +129,30 @@ def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
         served_model_name(spec),
         "--engine-id",
         pod_engine_id,
+        "--side-channel-host",
+        "$(POD_IP)",
         "--side-channel-port",
         str(spec.engine.side_channel_port),
         "--tp-size",
         str(rs.tensor_parallel_size),
+        "--transport",
+        transport,
+        # Advertised on /health, so the router pairs only engines of the current generation.
+        "--compat-hash",
+        compat_hash,
+        "--transfer-timeout",
+        str(spec.engine.transfer_timeout_seconds),
     ]
-    if backend is TransportBackend.MOCK:
-        return [*args, "--transport", "mock"]
-    return [*args, "--transport", "nixl", "--nixl-backend", backend.value]
 
 
 def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container; ``$(POD_NAME)`` is expanded by the kubelet."""
     spec = pds.spec
     rs = role_spec(spec, role)
-    pod_engine_id = engine_id(spec, role, POD_NAME_REF, compatibility_hash(spec, defaults))
+    compat_hash = compatibility_hash(spec, defaults)
+    pod_engine_id = engine_id(spec, role, POD_NAME_REF, compat_hash)
     if spec.engine.runtime is Runtime.MOCK:
-        return ["pd-mock-engine"], [*_mock_args(spec, role, rs, pod_engine_id), *rs.extra_args]
+        return ["pd-mock-engine"], [*_mock_args(spec, role, rs, pod_engine_id, compat_hash), *rs.extra_args]
     return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [*_vllm_args(spec, role, rs, pod_engine_id), *rs.extra_args]
 
 
@@ -180,6 +189,10 @@ def _engine_env(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> li
     return env + [{"name": var.name, "value": var.value} for var in role_spec(spec, role).env]
 
 
+def _is_zero_quantity(quantity: str) -> bool:
+    return re.fullmatch(r"[+-]?0*\.?0*([eE][-+]?[0-9]+|[a-zA-Z]*)", quantity) is not None
+
+
 def _engine_resources(spec: PDServiceSpec, role: Role) -> dict[str, Any]:
     rs = role_spec(spec, role)
     amounts: dict[str, Any] = {}
@@ -191,7 +204,7 @@ def _engine_resources(spec: PDServiceSpec, role: Role) -> dict[str, Any]:
         amounts[GPU_RESOURCE] = gpus
     if (devices := efa_devices(spec, role)) > 0:
         amounts[EFA_RESOURCE] = devices
-    if spec.network.efa.enabled:
+    if spec.network.efa.enabled and not _is_zero_quantity(spec.network.efa.hugepages):
         amounts[HUGEPAGES_RESOURCE] = spec.network.efa.hugepages
     # Extended resources and hugepages must have requests == limits; cpu and memory
     # follow so the engines get the Guaranteed QoS class and are evicted last.

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from pdoperator.api.model import PDService
+from pdoperator.api.validation import EFA_RESERVED_ENV, MANAGED_FLAGS, RESERVED_ENV
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
 
 EFA_ON = {
@@ -78,7 +79,7 @@ def test_the_engine_port_setting_moves_the_server_the_container_port_and_the_ser
     assert service["spec"]["ports"][0]["port"] == 9000
 
 
-def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_and_side_channel(example_pds):
+def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_side_channel_and_compat_hash(example_pds):
     pds = example_pds("tiny-cpu")
     compat = compatibility_hash(pds.spec, RenderDefaults())
     for role in ("prefill", "decode"):
@@ -86,16 +87,27 @@ def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_and_side_channel(ex
         assert engine["command"] == ["pd-mock-engine"]
         assert engine["args"] == [
             "--role", role, "--port", "8000", "--model", "tiny-llama", "--engine-id", f"$(POD_NAME)-{compat}",
-            "--side-channel-port", "5600", "--tp-size", "1", "--transport", "mock",
+            "--side-channel-host", "$(POD_IP)", "--side-channel-port", "5600", "--tp-size", "1", "--transport", "mock",
+            "--compat-hash", compat, "--transfer-timeout", "60",
         ]  # fmt: skip
         # A mock engine loads no weights: no model volume, no Hugging Face settings.
         assert [m["mountPath"] for m in engine["volumeMounts"]] == ["/dev/shm"]
         assert "HF_HOME" not in env(pds, role)
 
 
-def test_mock_runtime_over_nixl_names_the_backend(example_pds, make_pds):
+def test_mock_runtime_over_a_nixl_backend_uses_the_nixl_transport(make_pds):
     pds = make_pds({"engine": {"runtime": "mock", "transport": {"backend": "UCX"}}, "prefill": {"resources": {"gpus": 0}}})
-    assert container(pds, "prefill")["args"][-4:] == ["--transport", "nixl", "--nixl-backend", "UCX"]
+    args = container(pds, "prefill")["args"]
+    assert args[args.index("--transport") + 1] == "nixl"
+
+
+def test_pd_mock_engine_accepts_the_rendered_command_line(example_pds):
+    from pdconnector.sim.main import build_parser  # noqa: PLC0415
+
+    for role in ("prefill", "decode"):
+        args = build_parser().parse_args(container(example_pds("tiny-cpu"), role)["args"])
+        assert args.role == role
+        assert args.compat_hash == compatibility_hash(example_pds("tiny-cpu").spec, RenderDefaults())
 
 
 # ---------------------------------------------------------------- KV connector
@@ -258,6 +270,14 @@ def test_efa_adds_devices_per_role_hugepages_libfabric_env_and_ipc_lock(make_pds
         assert kv_config(pds, role)["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
 
 
+def test_efa_without_hugepages_requests_none(make_pds):
+    for zero in ("0", "0Gi", "0.0"):
+        pds = make_pds({**EFA_ON, "network": {"efa": {"enabled": True, "hugepages": zero}}})
+        assert "hugepages-2Mi" not in container(pds, "prefill")["resources"]["limits"]
+    pds = make_pds({**EFA_ON, "network": {"efa": {"enabled": True, "hugepages": "10Mi"}}})
+    assert container(pds, "prefill")["resources"]["limits"]["hugepages-2Mi"] == "10Mi"
+
+
 def test_efa_privileged_replaces_ipc_lock(make_pds):
     pds = make_pds({**EFA_ON, "network": {"efa": {"enabled": True, "privileged": True}}})
     assert container(pds, "prefill")["securityContext"] == {"privileged": True}
@@ -314,3 +334,20 @@ def test_node_selector_and_tolerations_are_passed_through(example_pds):
     pod = statefulset(example_pds("qwen3-32b-push-efa"), "decode")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5en.48xlarge"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+# ---------------------------------------------------------------- the API's reserved names
+
+
+def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(variant, example_pds):
+    """extraArgs and env cannot override what rendering sets: validation rejects exactly these names."""
+    for pds in (variant[1], example_pds("tiny-cpu"), example_pds("qwen3-32b-push-efa")):
+        for role in ("prefill", "decode"):
+            engine = container(pds, role)
+            user_args = len(getattr(pds.spec, role).extra_args)
+            own_args = engine["args"][: len(engine["args"]) - user_args]
+            flags = {arg for arg in own_args if arg.startswith("--")}
+            assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(MANAGED_FLAGS[pds.spec.engine.runtime])
+            user_env = {var.name for var in getattr(pds.spec, role).env}
+            own_env = {var["name"] for var in engine["env"]} - user_env
+            assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
