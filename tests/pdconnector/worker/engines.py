@@ -1,0 +1,259 @@
+"""Test engines: one engine's TP ranks (a :class:`EngineTransfers`) over synthetic, guarded, tagged KV pools.
+
+The same :class:`Engine` runs inside the test process or inside an engine process
+(``engine_process.py``, driven through :class:`EngineProcess` with the same methods), so the
+in-process matrix and the cross-process runs share one implementation.
+
+Pools: every region sits between two guard runs that are never registered; prefill regions
+hold tagged content (``layout.synthetic``), decode regions start filled with ``DECODE_FILL``.
+A check compares the decode pools with an independently computed expectation (the prefill
+block ids as tags, written at decode's block ids into a copy filled the same way), so bytes
+written wrongly, bytes not written and bytes written outside the request all show up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, SsmSpec, write_tagged_blocks
+from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.rendezvous import RendezvousLimits
+from pdconnector.transport.base import MemoryRegion, Transport
+from pdconnector.transport.factory import create_transport
+from pdconnector.worker import EngineTransfers, WorkerConfig
+
+A, S = LayerKind.ATTENTION, LayerKind.SSM
+GUARD_BYTES = 256
+GUARD_FILL = 0x5A
+DECODE_FILL = 0xA5
+_ATTENTION = AttentionSpec(num_kv_heads=4, head_dim=8, dtype_bytes=2)
+_SSM_COMMON = {"conv_kernel": 4, "conv_dtype_bytes": 2, "state_dtype_bytes": 4}
+
+MODELS: dict[str, ModelSpec] = {
+    "dense": ModelSpec((A, A, A), block_size=16, attention=_ATTENTION),
+    # Hybrid Mamba2 (DS conv layout) with a kernel block half the logical block: attention moves physical blocks.
+    "mamba2": ModelSpec(
+        (S, A, S, A),
+        block_size=32,
+        kernel_block_size=16,
+        attention=_ATTENTION,
+        ssm=SsmSpec.mamba2(num_heads=8, head_dim=4, n_groups=4, state_size=4, **_SSM_COMMON),
+    ),
+    "gdn": ModelSpec(
+        (S, S, A, S),
+        block_size=32,
+        attention=_ATTENTION,
+        ssm=SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_SSM_COMMON),
+    ),
+    # Mamba1 moves its state only between equal TP sizes; two SSM groups and one attention group.
+    "mamba1": ModelSpec((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
+}
+
+
+def request_blocks(model: ModelSpec, num_blocks: int, num_tokens: int, seed: int) -> list[list[int]]:
+    """Distinct block ids per KV group for one request: attention groups one per started logical block, SSM groups one."""
+    groups = RankLayout(model, 1, 0, num_blocks).groups
+    counts = [-(-num_tokens // model.block_size) if g.kind is A else 1 for g in groups]
+    ids = np.random.default_rng(seed).permutation(num_blocks)[: sum(counts)].tolist()
+    out, start = [], 0
+    for count in counts:
+        out.append(sorted(ids[start : start + count]) if seed % 2 else ids[start : start + count])
+        start += count
+    return out
+
+
+class Engine:
+    """One engine: ``tp`` ranks, each with guarded pools and a transfer worker."""
+
+    def __init__(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> None:
+        self.model = MODELS[model]
+        self.tp = tp
+        self.layouts = [RankLayout(self.model, tp, rank, num_blocks) for rank in range(tp)]
+        self.buffers = [[np.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL, dtype=np.uint8) for r in lay.regions] for lay in self.layouts]
+        self.pools = [[buf[GUARD_BYTES:-GUARD_BYTES] for buf in bufs] for bufs in self.buffers]
+        for pools in self.pools:
+            for pool in pools:
+                pool[:] = DECODE_FILL
+        self._results: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self._changed = threading.Condition()
+        suffix = uuid.uuid4().hex[:8]
+
+        def factory(rank: int) -> Transport:
+            return create_transport(transport, f"{name}-r{rank}-{suffix}")  # type: ignore[arg-type]
+
+        regions = [[MemoryRegion(p.ctypes.data, p.nbytes) for p in pools] for pools in self.pools]
+        limits = limits or {}
+        config = WorkerConfig(
+            engine_id=name, side_channel_port=0, limits=RendezvousLimits(**limits), pull_lease_s=limits.get("registration_lease_s", 30.0)
+        )
+        self.transfers = EngineTransfers(
+            self.model, tp_size=tp, num_blocks=num_blocks, regions=regions, transport_factory=factory, config=config, on_result=self._wake
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+
+    def start(self) -> dict[str, Any]:
+        self.transfers.start()
+        return asdict(self.transfers.coordinates)
+
+    def close(self) -> None:
+        self.transfers.close()
+
+    # --- pools ----------------------------------------------------------------------------------------------------
+
+    def fill(self, blocks: list[list[int]], num_tokens: int) -> None:
+        """Write the tagged content of ``blocks`` (tags = the block ids) on every rank, as a prefill would compute it."""
+        for layout, pools in zip(self.layouts, self.pools, strict=True):
+            write_tagged_blocks(layout, pools, blocks, blocks, num_tokens=num_tokens)
+
+    def check(self, received: list[dict[str, Any]]) -> dict[str, int]:
+        """Compare every rank's pools with the expectation after the transfers in ``received`` ({dst, src, num_tokens}).
+
+        Returns the number of differing bytes inside the regions and outside them (guards)."""
+        wrong = guards = 0
+        for layout, pools, buffers in zip(self.layouts, self.pools, self.buffers, strict=True):
+            expected = [np.full(p.nbytes, DECODE_FILL, dtype=np.uint8) for p in pools]
+            for transfer in received:
+                write_tagged_blocks(layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"])
+            wrong += sum(int(np.count_nonzero(a != b)) for a, b in zip(expected, pools, strict=True))
+            guards += sum(int(np.count_nonzero(np.concatenate((buf[:GUARD_BYTES], buf[-GUARD_BYTES:])) != GUARD_FILL)) for buf in buffers)
+        return {"wrong_bytes": wrong, "guard_bytes": guards}
+
+    def reset(self) -> None:
+        for pools in self.pools:
+            for pool in pools:
+                pool[:] = DECODE_FILL
+
+    # --- transfers (every rank) -----------------------------------------------------------------------------------
+
+    def prefill_finished(self, transfer_id: str, blocks: list[list[int]], num_tokens: int, pull: bool = False) -> None:
+        for worker in self.transfers.workers:
+            worker.prefill_finished(transfer_id, blocks, num_tokens, pull=pull)
+
+    def expect_push(
+        self, transfer_id: str, *, prefill: dict[str, Any], blocks: list[list[int]], num_tokens: int, timeout_s: float, attempt: int = 0
+    ) -> None:
+        for worker in self.transfers.workers:
+            worker.expect_push(transfer_id, PrefillCoordinates(**prefill), blocks, num_tokens, timeout_s=timeout_s, attempt=attempt)
+
+    def read(
+        self, transfer_id: str, *, prefill: dict[str, Any], remote_blocks: list[list[int]], blocks: list[list[int]], num_tokens: int, timeout_s: float
+    ) -> None:
+        for worker in self.transfers.workers:
+            worker.read(transfer_id, PrefillCoordinates(**prefill), remote_blocks, blocks, num_tokens, timeout_s=timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        for worker in self.transfers.workers:
+            worker.cancel(transfer_id, "cancelled by the test")
+
+    def prewarm(self, prefill: dict[str, Any]) -> None:
+        self.transfers.client.prewarm(PrefillCoordinates(**prefill)).result(timeout=10)
+
+    def wait(self, transfer_id: str, timeout_s: float) -> list[dict[str, Any]]:
+        """Every rank's result for ``transfer_id``, waiting up to ``timeout_s`` for all of them (fewer if they do not come)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                self._collect()
+                results = self._results[transfer_id]
+                remaining = deadline - time.monotonic()
+                if len({r["rank"] for r in results}) >= self.tp or remaining <= 0:
+                    return [dict(r) for r in results]
+                self._changed.wait(min(remaining, 0.05))
+
+    def stats(self) -> list[dict[str, int]]:
+        return [worker.stats() for worker in self.transfers.workers]
+
+    def wait_stat(self, name: str, value: int, timeout_s: float) -> bool:
+        """Wait until every rank counted ``name`` at least ``value`` times."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(s.get(name, 0) >= value for s in self.stats()):
+                return True
+            time.sleep(0.005)
+        return False
+
+    def idle_cpu(self, seconds: float) -> float:
+        """CPU seconds this process spends over ``seconds`` of wall time while the test waits."""
+        start = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - start
+
+    def _collect(self) -> None:
+        for rank, worker in enumerate(self.transfers.workers):
+            for result in worker.results():
+                entry = {"rank": rank, "kind": result.kind.value, "outcome": result.outcome, "detail": result.detail, "nbytes": result.nbytes}
+                self._results[result.transfer_id].append(entry)
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+
+class EngineProcess:
+    """An :class:`Engine` in its own process; methods are forwarded as JSON lines over its stdin/stdout."""
+
+    PREFIX = "@@"
+
+    def __init__(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> None:
+        repo = Path(__file__).resolve().parents[3]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "connector")])}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.pdconnector.worker.engine_process"],
+            cwd=repo,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._call_raw("init", name=name, model=model, tp=tp, num_blocks=num_blocks, transport=transport, limits=limits, timeout_s=90)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda **kwargs: self._call_raw(method, **kwargs)
+
+    def _call_raw(self, method: str, timeout_s: float = 60, **kwargs: Any) -> Any:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"method": method, "kwargs": kwargs}) + "\n")
+        self.process.stdin.flush()
+        timer = threading.Timer(timeout_s, self.kill)
+        timer.start()
+        try:
+            for line in self.process.stdout:
+                if line.startswith(self.PREFIX):
+                    reply = json.loads(line[len(self.PREFIX) :])
+                    if "error" in reply:
+                        raise RuntimeError(f"engine process {method}: {reply['error']}")
+                    return reply["result"]
+        finally:
+            timer.cancel()
+        raise RuntimeError(f"engine process exited during {method} (exit code {self.process.poll()})")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(RuntimeError):
+                self._call_raw("close", timeout_s=15)
+        self.kill()
