@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from pdoperator.api.errors import FieldError, SpecError
+from pdoperator.api.errors import FieldError, SpecError, type_name
 
 # Nodes a document may expand to through YAML aliases ("billion laughs" protection).
 MAX_EXPANDED_NODES = 1_000_000
@@ -76,15 +76,11 @@ def _expanded_size(value: Any, memo: dict[int, int], active: set[int]) -> int:
     return total
 
 
-def _type_name(value: Any) -> str:
-    return {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(type(value), type(value).__name__)
-
-
 def _objects_of(document: Any, index: int) -> list[dict[str, Any]]:
     """The Kubernetes objects in one YAML document (a ``kind: List`` holds several)."""
     where = f"document {index}"
     if not isinstance(document, dict):
-        raise SpecError([FieldError(where, f"must be a mapping (a Kubernetes object), got {_type_name(document)}")])
+        raise SpecError([FieldError(where, f"must be a mapping (a Kubernetes object), got {type_name(document)}")])
     try:
         size = _expanded_size(document, {}, set())
     except ValueError as error:
@@ -94,7 +90,7 @@ def _objects_of(document: Any, index: int) -> list[dict[str, Any]]:
     if document.get("kind") == "List" and isinstance(document.get("items"), list):
         for position, item in enumerate(document["items"]):
             if not isinstance(item, dict):
-                raise SpecError([FieldError(f"{where}: items[{position}]", f"must be a mapping (a Kubernetes object), got {_type_name(item)}")])
+                raise SpecError([FieldError(f"{where}: items[{position}]", f"must be a mapping (a Kubernetes object), got {type_name(item)}")])
         return list(document["items"])
     return [document]
 

@@ -12,13 +12,13 @@ import difflib
 import json
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from pdoperator.api.errors import FieldError, SpecError, path_key
+from pdoperator.api.errors import FieldError, SpecError, path_key, type_name
 from pdoperator.api.model import (
     API_VERSION,
     DNS_SUBDOMAIN,
@@ -161,12 +161,17 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
+def _jsonable(value: Any) -> Any:
+    """What json cannot encode itself: mapping views (kopf bodies) as dicts, anything else (dates) as text."""
+    return dict(value) if isinstance(value, Mapping) else str(value)
+
+
 def _as_json(obj: Any) -> dict[str, Any]:
     """A JSON-clean copy of the object (keys as strings, dates as text); SpecError when impossible."""
-    if not isinstance(obj, dict):
-        raise SpecError([FieldError("document", f"must be a mapping (a Kubernetes object), got {type(obj).__name__}")])
+    if not isinstance(obj, Mapping):
+        raise SpecError([FieldError("document", f"must be a mapping (a Kubernetes object), got {type_name(obj)}")])
     try:
-        return json.loads(json.dumps(obj, default=str))
+        return json.loads(json.dumps(dict(obj), default=_jsonable))
     except (TypeError, ValueError) as error:
         raise SpecError([FieldError("document", f"is not representable as JSON: {error}")]) from None
     except RecursionError:

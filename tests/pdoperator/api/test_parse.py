@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import jsonschema
@@ -62,6 +63,12 @@ def test_nulls_are_pruned_like_the_api_server_does():
     assert parsed.spec.decode.tensor_parallel_size == 1
 
 
+def test_read_only_mapping_views_are_accepted():
+    """The operator may hand over a body view (kopf) rather than a dict."""
+    document = pdservice({"model": {"name": "m"}, "prefill": MappingProxyType({"tensorParallelSize": 1})})
+    assert parse_pdservice(MappingProxyType(document)).spec.prefill.tensor_parallel_size == 1
+
+
 def test_status_is_ignored():
     parsed = parse_pdservice({**pdservice({"model": {"name": "m"}}), "status": {"phase": "Ready", "anything": 1}})
     assert parsed.name == "svc"
@@ -70,9 +77,9 @@ def test_status_is_ignored():
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        ([1, 2], "document: must be a mapping (a Kubernetes object), got list"),
-        ("text", "document: must be a mapping (a Kubernetes object), got str"),
-        (None, "document: must be a mapping (a Kubernetes object), got NoneType"),
+        ([1, 2], "document: must be a mapping (a Kubernetes object), got a list"),
+        ("text", "document: must be a mapping (a Kubernetes object), got a string"),
+        (None, "document: must be a mapping (a Kubernetes object), got null"),
         ({("tuple", "key"): 1}, "document: is not representable as JSON: keys must be str, int, float, bool or None, not tuple"),
     ],
 )
