@@ -140,9 +140,9 @@ def main() -> int:
                 counts = children_by_instance(cluster, "burst")
                 return sum(1 for n in range(args.burst) if counts[f"burst-{n}"] == expected) == args.burst
 
-            eventually(all_children, "burst children", 600, 0.05)
+            eventually(all_children, "burst children", 600, 0.25)
             children_done = time.perf_counter() - burst_started
-            eventually(lambda: statuses_written(cluster, "burst") == args.burst, "burst statuses", 600, 0.05)
+            eventually(lambda: statuses_written(cluster, "burst") == args.burst, "burst statuses", 600, 0.25)
             status_done = time.perf_counter() - burst_started
         finally:
             code = operator.stop()

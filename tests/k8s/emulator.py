@@ -28,7 +28,8 @@ replaces the resource endpoints with behaviour close to a real kube-apiserver:
 - ``/api/v1/namespaces`` (list) and ``/api/v1/namespaces/NAME`` are routed to the namespaces
   resource (kmock's path parser takes them for a namespace scope).
 
-Not emulated: schema validation or defaulting of any kind (no CEL, no OpenAPI pruning), garbage
+Not emulated: protobuf bodies (answered 415; ``kubectl create namespace`` sends protobuf, ``kubectl
+apply`` sends JSON), schema validation or defaulting of any kind (no CEL, no OpenAPI pruning), garbage
 collection by ownerReferences, controllers (StatefulSets never get pods or status unless a test
 writes it), admission, authorization (every request is allowed: see ``rbac_requests``), table
 output (kubectl falls back to client-side printing), server-side apply field ownership.
@@ -202,6 +203,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     _revision: int = attrs.field(default=0, init=False)
     _events: list[WatchEvent] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
+    # Objects created through the API, per resource (kmock's store is one flat dict): lists stay cheap.
+    _by_resource: dict[kmock.resource, dict[tuple[str | None, str], kmock.Object]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -223,6 +226,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if resource is None:
             return await super().__call__(raw_request)
         data: Any = None
+        if body and "protobuf" in raw_request.headers.get("Content-Type", ""):
+            return ApiError(415, "UnsupportedMediaType", "the emulator speaks JSON and YAML only, not protobuf").response()
         if body:
             try:
                 data = json.loads(body)
@@ -369,6 +374,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 self.objects[key].create(obj)
             else:
                 self.objects[key] = obj
+                self._by_resource.setdefault(request.resource, {})[key[1:]] = self.objects[key]
             if request.resource == CRDS:
                 self._register_crd(obj)
             await self._emit(request.resource, "ADDED", obj)
@@ -481,11 +487,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     def _snapshot(self, request: rendering.Request, info: kmock.ResourceInfo) -> list[dict[str, Any]]:
         assert request.resource is not None
-        return [
-            obj.raw
-            for (resource, _, _), obj in self.objects.items()
-            if resource == request.resource and not obj.deleted and self._matching(request, info, obj.raw)
-        ]
+        candidates = self._by_resource.get(request.resource, {}).values()
+        return [obj.raw for obj in candidates if not obj.deleted and self._matching(request, info, obj.raw)]
 
     async def _list(self, request: rendering.Request, info: kmock.ResourceInfo) -> dict[str, Any]:
         assert request.resource is not None
@@ -511,17 +514,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 backlog = []
             revision = str(self._revision)
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request._raw_request)
-        for event in backlog:
-            await response.write(json.dumps(event).encode() + b"\n")
         if request.params.get("sendInitialEvents") == "true" and request.params.get("allowWatchBookmarks") == "true":
             bookmark = {
                 "kind": info.kind,
                 "apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
                 "metadata": {"resourceVersion": revision, "annotations": {"k8s.io/initial-events-end": "true"}},
             }
-            await response.write(json.dumps({"type": "BOOKMARK", "object": bookmark}).encode() + b"\n")
-        try:
+            backlog.append({"type": "BOOKMARK", "object": bookmark})
+        try:  # the client may go away at any point: that ends the watch
+            await response.prepare(request._raw_request)
+            for event in backlog:
+                await response.write(json.dumps(event).encode() + b"\n")
             async with asyncio.timeout(timeout):
                 while True:
                     events, cursor = self._events[cursor:], len(self._events)
@@ -541,8 +544,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     def live_objects(self, resource: str) -> list[dict[str, Any]]:
         """Current objects of one resource (``"apps/v1/statefulsets"``), for assertions."""
-        wanted = kmock.resource(resource)
-        return [obj.raw for (res, _, _), obj in list(self.objects.items()) if res == wanted and not obj.deleted]
+        return [obj.raw for obj in self._by_resource.get(kmock.resource(resource), {}).values() if not obj.deleted]
 
 
 def _action(method: enums.method, name: str | None, params: Mapping[str, str]) -> enums.action | None:

@@ -12,6 +12,7 @@ import json
 import pathlib
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -375,6 +376,10 @@ def test_kv_transfer_verified_follows_the_router_counts(env: Env) -> None:
 
 
 def test_a_restarted_operator_writes_nothing_and_duplicates_nothing(env: Env) -> None:
+    apply(env, tiny("resume", "team-j"))
+    wait_children(env, "team-j", "resume")
+    mark_ready(env, "team-j", "resume")
+    eventually(lambda: env.status("team-j", "resume").get("phase") == "Ready", "phase Ready")
     quiet(env)
     objects_before = {r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)}
     env.operator.stop()
@@ -401,6 +406,39 @@ def test_deleting_a_pdservice_completes_its_delete_handler_and_removes_the_child
     assert env.cluster.get(PDS, "team-g", "gone") is None
     assert eventually(lambda: env.children("team-g", "gone") == {}, "children deleted", timeout=5)
     eventually(lambda: any(e["reason"] == "ChildrenDeleted" for e in env.events("team-g", "gone")), "a ChildrenDeleted event")
+
+
+def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_and_a_liveness_endpoint(
+    env: Env, tmp_path: pathlib.Path, unused_tcp_port: int
+) -> None:
+    env.kubectl.apply(yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-h"}}))
+    env.operator.stop()
+    args = ["--namespace", "team-h", "--log-format", "json", "--liveness", f"http://127.0.0.1:{unused_tcp_port}/healthz"]
+    scoped = OperatorProcess(env.operator.kubeconfig, tmp_path / "scoped.log", args)
+    scoped.start()
+    try:
+        apply(env, tiny("inside", "team-h"))
+        apply(env, tiny("outside", "team-i"))
+        wait_children(env, "team-h", "inside")
+        health = eventually(lambda: _get(f"http://127.0.0.1:{unused_tcp_port}/healthz"), "the liveness endpoint")
+        assert health == 200
+        time.sleep(1)
+        assert env.children("team-i", "outside") == {}
+    finally:
+        scoped.stop()
+        env.operator.start()  # the module's operator picks "outside" up again
+    lines = [line for line in scoped.log().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is a JSON object
+    assert any(r.get("message", "").startswith("Handler 'reconcile' succeeded") for r in records)
+    wait_children(env, "team-i", "outside")
+
+
+def _get(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except OSError:
+        return None
 
 
 def test_every_request_the_operator_made_is_granted_by_its_rbac_rules(env: Env) -> None:

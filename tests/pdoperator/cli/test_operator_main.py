@@ -1,0 +1,82 @@
+"""``pd-operator`` command line: how its options reach kopf (kopf.run is replaced; no cluster needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+import pytest
+from pdoperator.cli import operator_main
+from pdoperator.reconcile.kube import KubernetesApi
+
+
+@pytest.fixture
+def kopf_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: calls.append({"configure": kwargs}))
+    monkeypatch.setattr(KubernetesApi, "from_environment", classmethod(lambda cls, user_agent, timeout_seconds: object()))
+    return calls
+
+
+def run_kwargs(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    (kwargs,) = [c for c in calls if "configure" not in c]
+    return kwargs
+
+
+def test_namespaces_scope_kopf_and_one_replica_runs_standalone(kopf_calls: list[dict[str, Any]]) -> None:
+    assert operator_main.main(["--namespace", "team-a", "--namespace=team-b"]) == 0
+    kwargs = run_kwargs(kopf_calls)
+    assert (kwargs["clusterwide"], kwargs["namespaces"]) == (False, ["team-a", "team-b"])
+    assert (kwargs["standalone"], kwargs["peering_name"]) == (True, None)
+    assert isinstance(kwargs["registry"], kopf.OperatorRegistry)
+
+
+def test_all_namespaces_with_peering_and_liveness(kopf_calls: list[dict[str, Any]]) -> None:
+    assert operator_main.main(["--all-namespaces", "--peering", "pd-operator", "--liveness", "http://0.0.0.0:8080/healthz"]) == 0
+    kwargs = run_kwargs(kopf_calls)
+    assert (kwargs["clusterwide"], kwargs["namespaces"]) == (True, [])
+    assert (kwargs["standalone"], kwargs["peering_name"]) == (False, "pd-operator")
+    assert kwargs["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
+
+
+def test_no_scope_means_all_namespaces(kopf_calls: list[dict[str, Any]]) -> None:
+    operator_main.main([])
+    assert run_kwargs(kopf_calls)["clusterwide"] is True
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("json", kopf.LogFormat.JSON), ("plain", kopf.LogFormat.PLAIN), ("full", kopf.LogFormat.FULL)])
+def test_log_format_and_verbosity_reach_kopf_logging(kopf_calls: list[dict[str, Any]], flag: str, expected: kopf.LogFormat) -> None:
+    operator_main.main(["--log-format", flag, "--verbose"])
+    (configure,) = [c["configure"] for c in kopf_calls if "configure" in c]
+    assert configure == {"verbose": True, "log_format": expected}
+
+
+def test_namespace_and_all_namespaces_are_mutually_exclusive(kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        operator_main.main(["--namespace", "a", "--all-namespaces"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert kopf_calls == []
+
+
+def test_a_non_positive_interval_is_rejected_with_a_message(kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    assert operator_main.main(["--kv-check-interval", "0"]) == 2
+    assert "--kv-check-interval" in capsys.readouterr().err
+    assert kopf_calls == []
+
+
+def test_without_any_kubernetes_configuration_it_exits_with_a_message(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: pytest.fail("kopf must not start"))
+    monkeypatch.setattr(kopf, "configure", lambda **kwargs: None)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    assert operator_main.main([]) == 1
+    assert "no Kubernetes configuration" in capsys.readouterr().err
+
+
+def test_the_router_image_comes_from_the_chart_environment() -> None:
+    assert operator_main.render_defaults("cluster.local", {"PD_OPERATOR_ROUTER_IMAGE": "r:1"}).router_image == "r:1"
+    assert operator_main.render_defaults("example.org", {}).cluster_domain == "example.org"
