@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pdoperator.api import GROUP, KIND, SpecError, load_documents, parse_pdservice
+from pdoperator.api.errors import path_key
 
 STDIN = "-"
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
@@ -38,7 +39,7 @@ def _label(document: dict[str, Any], index: int) -> str:
     namespace = (metadata.get("namespace") if isinstance(metadata, dict) else None) or "default"
     if not isinstance(name, str) or not name:
         return f"document {index}"
-    return f"{namespace}/{name}"
+    return f"{path_key(str(namespace))}/{path_key(name)}"
 
 
 def _is_other_kind(document: dict[str, Any]) -> bool:
@@ -71,7 +72,8 @@ def validate_file(filename: str, out: TextIO, err: TextIO) -> int:
     for index, document in enumerate(documents, start=1):
         label = _label(document, index)
         if _is_other_kind(document):
-            print(f"SKIP {shown}: {label}: {document.get('apiVersion')} {document.get('kind')} is not a PDService", file=out)
+            kind = f"{document.get('apiVersion')} {document.get('kind')}"
+            print(f"SKIP {shown}: {label}: {path_key(kind)} is not a PDService", file=out)
             continue
         pdservices += 1
         try:

@@ -131,3 +131,12 @@ def test_stdin_and_real_process_exit_codes_without_tracebacks(tmp_path):
         "<stdin>: yaml: position 0: unacceptable character #x0000: control characters are not allowed",
         f"{tmp_path / 'nope'}: cannot read: No such file or directory",
     ]
+
+
+def test_names_that_would_break_the_output_lines_are_quoted(capsys, tmp_path):
+    other = 'apiVersion: v1\nkind: "Con\\nfigMap"\nmetadata: {name: "a\\nb"}\n---\n'
+    path = write(tmp_path, "odd.yaml", other + GOOD.replace("name: good", 'name: "x\\ny"'))
+    status, out, err = run_validate(capsys, path)
+    assert status == 1
+    assert out == [f'SKIP {path}: default/"a\\nb": "v1 Con\\nfigMap" is not a PDService']
+    assert err[0].startswith(f'{path}: ml/"x\\ny": metadata.name: must start with a lowercase letter')
