@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pdoperator.cli import validate
 
 REPO = Path(__file__).resolve().parents[3]
@@ -140,3 +143,17 @@ def test_names_that_would_break_the_output_lines_are_quoted(capsys, tmp_path):
     assert status == 1
     assert out == [f'SKIP {path}: default/"a\\nb": "v1 Con\\nfigMap" is not a PDService']
     assert err[0].startswith(f'{path}: ml/"x\\ny": metadata.name: must start with a lowercase letter')
+
+
+_YAML_TOKENS = [*"{}[]:,-&*!|>'\"#%@?<= \n\tabk01.", "spec", "model", "name", "apiVersion", "\n  ", "---\n"]
+_YAMLISH = st.lists(st.sampled_from(_YAML_TOKENS), max_size=60).map("".join)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(content=st.binary(max_size=120) | _YAMLISH.map(str.encode) | _YAMLISH.map(lambda text: (GOOD + text).encode()))
+def test_any_file_content_gives_an_exit_status_not_a_traceback(tmp_path, content):
+    path = tmp_path / "fuzz.yaml"
+    path.write_bytes(content)
+    out, err = io.StringIO(), io.StringIO()
+    assert validate.validate_file(str(path), out, err) in (0, 1)
+    assert out.getvalue() or err.getvalue()
