@@ -1,32 +1,37 @@
-"""An engine process for the cross-process tests: hosts one :class:`Engine` and answers JSON-line calls on stdin."""
+"""An engine process for the cross-process tests: hosts :class:`Engine` s by name and answers JSON-line calls on stdin."""
 
 from __future__ import annotations
 
 import json
 import sys
 import traceback
+from typing import Any
 
-from tests.pdconnector.worker.engines import Engine, EngineProcess
+from tests.pdconnector.worker.engines import Engine, EngineHost
 
 
 def main() -> None:
-    engine: Engine | None = None
+    engines: dict[str, Engine] = {}
     for line in sys.stdin:
         call = json.loads(line)
-        method, kwargs = call["method"], call["kwargs"]
+        name, method, kwargs = call["engine"], call["method"], call["kwargs"]
         try:
+            result: Any = None
             if method == "init":
-                engine = Engine(**kwargs)
-                result = None
+                engines[kwargs["name"]] = Engine(**kwargs)
+            elif method == "exit":
+                for engine in engines.values():
+                    engine.close()
             else:
-                assert engine is not None, "init first"
-                result = getattr(engine, method)(**kwargs)
+                result = getattr(engines[name], method)(**kwargs)
+                if method == "close":
+                    del engines[name]
             reply = {"result": result}
         except Exception as error:
             reply = {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}
-        sys.stdout.write(EngineProcess.PREFIX + json.dumps(reply) + "\n")
+        sys.stdout.write(EngineHost.PREFIX + json.dumps(reply) + "\n")
         sys.stdout.flush()
-        if method == "close":
+        if method == "exit":
             return
 
 

@@ -202,12 +202,12 @@ class Engine:
             self._changed.notify_all()
 
 
-class EngineProcess:
-    """An :class:`Engine` in its own process; methods are forwarded as JSON lines over its stdin/stdout."""
+class EngineHost:
+    """A process hosting :class:`Engine` s (one NIXL/UCX start-up per process, many engines); calls go as JSON lines over stdin/stdout."""
 
     PREFIX = "@@"
 
-    def __init__(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> None:
+    def __init__(self) -> None:
         repo = Path(__file__).resolve().parents[3]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "connector")])}
         self.process = subprocess.Popen(
@@ -219,22 +219,20 @@ class EngineProcess:
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        self._call_raw("init", name=name, model=model, tp=tp, num_blocks=num_blocks, transport=transport, limits=limits, timeout_s=90)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def __getattr__(self, method: str) -> Any:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda **kwargs: self._call_raw(method, **kwargs)
+    def create(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> RemoteEngine:
+        self.call("", "init", rpc_timeout_s=90, name=name, model=model, tp=tp, num_blocks=num_blocks, transport=transport, limits=limits)
+        return RemoteEngine(self, name, tp)
 
-    def _call_raw(self, method: str, timeout_s: float = 60, **kwargs: Any) -> Any:
+    def call(self, engine: str, method: str, rpc_timeout_s: float = 60, **kwargs: Any) -> Any:
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(json.dumps({"method": method, "kwargs": kwargs}) + "\n")
+        self.process.stdin.write(json.dumps({"engine": engine, "method": method, "kwargs": kwargs}) + "\n")
         self.process.stdin.flush()
-        timer = threading.Timer(timeout_s, self.kill)
+        timer = threading.Timer(rpc_timeout_s, self.kill)
         timer.start()
         try:
             for line in self.process.stdout:
@@ -254,6 +252,20 @@ class EngineProcess:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            with contextlib.suppress(RuntimeError):
-                self._call_raw("close", timeout_s=15)
+            with contextlib.suppress(RuntimeError, OSError):
+                self.call("", "exit", rpc_timeout_s=30)
         self.kill()
+
+
+class RemoteEngine:
+    """An :class:`Engine` inside an :class:`EngineHost`: the same methods, keyword arguments only."""
+
+    def __init__(self, host: EngineHost, name: str, tp: int) -> None:
+        self.host = host
+        self.name = name
+        self.tp = tp
+
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda **kwargs: self.host.call(self.name, method, **kwargs)
