@@ -548,12 +548,14 @@ class TransferWorker:
         self._reads[request.transfer_id] = reading
         assert self._transport is not None
         notification = encode(read_done_message(request.transfer_id, 0, rank, d_tp))
+        sources = writers_for(rank, engine.tp_size, d_tp)
+        # Every source rank holds the blocks for this READ: all of them are told if it fails, posted or not.
+        reading.agents.update({p: engine.ranks[p].agent_name for p in sources})
         try:
-            for p in writers_for(rank, engine.tp_size, d_tp):
+            for p in sources:
                 source = engine.rank_layout(self.layout.model, p)
                 plan = plan_transfer(source, self.layout, request.remote_block_ids, request.block_ids, num_tokens=request.num_tokens)
                 remote, local = plan.to_descriptors(engine.ranks[p].region_base_addresses, self._region_addrs)
-                reading.agents[p] = engine.ranks[p].agent_name
                 reading.handles[p] = self._transport.read(engine.ranks[p].agent_name, local, remote, notification)
                 self._count("reads_posted")
                 reading.nbytes += plan.nbytes

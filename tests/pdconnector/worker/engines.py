@@ -57,6 +57,8 @@ MODELS: dict[str, ModelSpec] = {
         attention=_ATTENTION,
         ssm=SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_SSM_COMMON),
     ),
+    # The dense model with wider heads: a decode engine of a different model than its prefill engine.
+    "dense_wide": ModelSpec((A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)),
     # Mamba1 moves its state only between equal TP sizes; two SSM groups and one attention group.
     "mamba1": ModelSpec((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
 }
