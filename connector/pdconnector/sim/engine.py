@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import numpy as np
-
 from pdconnector.protocol.params import (
     RECEIVED_KEY,
     TRANSFER_ID_KEY,
@@ -24,7 +22,7 @@ from pdconnector.protocol.params import (
     TransferRequest,
 )
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.model import generate, prompt_kv
+from pdconnector.sim.model import generate, prefill
 from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool
 
@@ -59,7 +57,6 @@ class EngineSettings:
     engine_id: str
     latency: LatencyModel = LatencyModel()
     transfer_timeout_s: float = 30.0
-    lease_s: float = 30.0
 
 
 @dataclass
@@ -97,10 +94,10 @@ class MockEngine:
                 receipt = await self._import(transfer, blocks, len(prompt))
                 return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), receipt, _received(receipt))
             await self.settings.latency.prefill(len(prompt))
-            self.pool.write(blocks, prompt_kv(prompt, self.pool.bytes_per_token))
+            prefill(self.pool, blocks, prompt)
             if transfer is None:
                 return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), None, None)
-            first = generate(self.pool.read(blocks, len(prompt)), 1)
+            first = generate(self.pool.token_bytes(blocks, len(prompt)), 1)
             params = self._export(transfer, blocks, len(prompt))
             blocks = []  # the mover owns them now
             return Generation(len(prompt), _iterate(first), None, params)
@@ -141,13 +138,9 @@ class MockEngine:
         def release(outcome: ExportOutcome) -> None:
             self.metrics.held_blocks.dec(len(blocks))
             self.metrics.transfers.labels("export", outcome.value).inc()
-            if outcome is ExportOutcome.SENT:
-                self.metrics.transfer_bytes.labels("export").inc(num_tokens * self.pool.bytes_per_token)
             self.pool.free(blocks)
 
-        self.mover.export_blocks(
-            transfer.transfer_id, mode=transfer.mode, block_ids=blocks, num_tokens=num_tokens, release=release, lease_s=self.settings.lease_s
-        )
+        self.mover.export_blocks(transfer.transfer_id, mode=transfer.mode, block_ids=blocks, num_tokens=num_tokens, release=release)
         if transfer.mode is TransferMode.PUSH:
             return None
         here = self.mover.side_channel()
@@ -166,8 +159,7 @@ class MockEngine:
 
     async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int, *, free_after: bool) -> AsyncIterator[int]:
         try:
-            kv: np.ndarray = self.pool.read(blocks, num_tokens)
-            for token in generate(kv, max_tokens):
+            for token in generate(self.pool.token_bytes(blocks, num_tokens), max_tokens):
                 await self.settings.latency.decode_step()
                 yield token
         finally:

@@ -32,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compat-hash", default=None, help="advertised on /health so the router pairs only compatible engines")
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-bytes-per-token", type=int, default=256)
     parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV")
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format)
     role = Role(args.role)
-    pool = KVPool(args.num_blocks, args.block_size, args.kv_bytes_per_token)
+    pool = KVPool(args.num_blocks, args.block_size, args.tp_size)
     mover = None
     if role is not Role.BOTH:
         try:
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine_id=args.engine_id,
                 host=args.side_channel_host,
                 side_channel_port=args.side_channel_port,
-                tp_size=args.tp_size,
+                lease_s=args.lease,
             )
         except MoverUnavailable as error:
             print(f"pd-mock-engine: {error}", file=sys.stderr)
@@ -65,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         engine_id=args.engine_id,
         latency=LatencyModel(args.prefill_seconds_per_token, args.decode_seconds_per_token),
         transfer_timeout_s=args.transfer_timeout,
-        lease_s=args.lease,
     )
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
     log.info("pd-mock-engine starting", extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport})

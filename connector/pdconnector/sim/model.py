@@ -1,16 +1,19 @@
-"""The mock model: deterministic KV from a prompt, and output tokens computed from the KV bytes.
+"""The mock model: deterministic KV from a prompt, and output tokens computed from the KV bytes an engine holds.
 
-KV of token i depends on every token up to i (a hash chain), like real attention state. Output tokens are a function
-of the KV bytes the decoding engine actually holds, so a transfer that delivers wrong or missing bytes changes the
-text, while a correct transfer gives exactly the tokens of a co-located run.
+Prefill writes each block's pages as content tagged by a hash of the prompt up to the end of that block (so blocks of
+a shared prefix are identical, as real KV is); the connector core's layout decides where every byte goes. Output
+tokens are a hash of the K/V bytes of the prompt's tokens as read back from the engine's own pools, so a transfer
+that delivers wrong or missing bytes changes the text, and a correct one gives exactly the tokens of a co-located run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 
-import numpy as np
+from pdconnector.layout import write_tagged_blocks
+from pdconnector.sim.pool import KVPool
 
 VOCAB_SIZE = 1024
 _WORD = re.compile(r"\S+")
@@ -44,20 +47,35 @@ def chat_prompt(messages: list[dict[str, object]]) -> str:
     return "\n".join([*lines, "assistant:"])
 
 
-def prompt_kv(token_ids: list[int], bytes_per_token: int) -> np.ndarray:
-    """KV rows, one per prompt token, ``bytes_per_token`` bytes each."""
-    kv = np.empty((len(token_ids), bytes_per_token), dtype=np.uint8)
-    state = b"pd-mock"
-    for position, token in enumerate(token_ids):
-        state = hashlib.blake2b(state + token.to_bytes(4, "little"), digest_size=32).digest()
-        row = hashlib.shake_256(state).digest(bytes_per_token)
-        kv[position] = np.frombuffer(row, dtype=np.uint8)
-    return kv
+def block_tags(tokens: Sequence[int], block_size: int) -> list[int]:
+    """One tag per block: a hash of the prompt up to the end of that block."""
+    tags = []
+    digest = hashlib.blake2b(digest_size=8)
+    for start in range(0, len(tokens), block_size):
+        for token in tokens[start : start + block_size]:
+            digest.update(token.to_bytes(4, "little"))
+        tags.append(int.from_bytes(digest.copy().digest(), "little") >> 24)  # 40 bits: what the layout's tagging expects
+    return tags
 
 
-def generate(kv: np.ndarray, count: int) -> list[int]:
+def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
+    """Compute the prompt's KV into ``blocks`` on every TP rank."""
+    tags = block_tags(tokens, pool.block_size)
+    for layout, buffers in zip(pool.layouts, pool.buffers, strict=True):
+        write_tagged_blocks(layout, buffers, [list(blocks)], [tags], num_tokens=len(tokens))
+
+
+def generate(kv: bytes, count: int) -> list[int]:
     """``count`` output token ids determined by the prompt's KV bytes."""
-    digest = hashlib.blake2b(np.ascontiguousarray(kv).tobytes(), digest_size=32).digest()
+    digest = hashlib.blake2b(kv, digest_size=32).digest()
     return [
         int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE for step in range(count)
     ]
+
+
+def reference_tokens(tokens: Sequence[int], count: int, block_size: int = 16) -> list[int]:
+    """What any correct engine answers for this prompt (computed in a scratch pool, as a co-located engine would)."""
+    pool = KVPool(num_blocks=-(-len(tokens) // block_size), block_size=block_size)
+    blocks = pool.allocate(len(tokens))
+    prefill(pool, blocks, tokens)
+    return generate(pool.token_bytes(blocks, len(tokens)), count)

@@ -52,9 +52,9 @@ class KVMover(Protocol):
     async def close(self) -> None: ...
 
     def export_blocks(
-        self, transfer_id: str, *, mode: TransferMode, block_ids: list[int], num_tokens: int, release: Callable[[ExportOutcome], None], lease_s: float
+        self, transfer_id: str, *, mode: TransferMode, block_ids: list[int], num_tokens: int, release: Callable[[ExportOutcome], None]
     ) -> None:
-        """Prefill: hold ``block_ids`` for a decode engine; call ``release`` exactly once when taken or when the lease ends."""
+        """Prefill: hold ``block_ids`` for a decode engine; call ``release`` exactly once when taken or when the mover's lease ends."""
         ...
 
     async def import_pushed(
@@ -74,17 +74,26 @@ class MoverUnavailable(RuntimeError):
     pass
 
 
-def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, tp_size: int) -> KVMover:
-    """The mover over the connector core's transport of that name."""
+def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float) -> KVMover:
+    """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``: NIXL)."""
     reason = mover_unavailable_reason(transport)
     if reason is not None:
         raise MoverUnavailable(reason)
-    raise MoverUnavailable(f"transport '{transport}' is not wired into the mock engine")
+    from pdconnector.sim.worker_mover import WorkerMover  # noqa: PLC0415 - keeps NIXL out of co-located engines
+
+    return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s)
 
 
 def mover_unavailable_reason(transport: str) -> str | None:
     """Why a mover over ``transport`` cannot be built here, or None when it can."""
-    return (
-        f"transport '{transport}': pdconnector.transport has no transport yet (the connector core's MockTransport/TCP or NIXL transport and "
-        "worker are needed to move blocks between engine processes)"
-    )
+    try:
+        import pdconnector.sim.worker_mover  # noqa: F401, PLC0415 - the connector core's worker and transports
+    except ImportError as error:
+        return f"the connector core's transfer worker or transports cannot be imported: {error}"
+    if transport == "mock":
+        return None
+    if transport == "nixl":
+        from pdconnector.transport import nixl_unavailable_reason  # noqa: PLC0415
+
+        return nixl_unavailable_reason()
+    return f"unknown transport {transport!r}; expected 'mock' or 'nixl'"

@@ -1,8 +1,9 @@
-"""The mock model: deterministic, prefix-consistent KV; output tokens that depend on every KV byte."""
+"""The mock model: deterministic, prefix-consistent KV; output tokens that depend on every KV byte of the prompt."""
 
 from __future__ import annotations
 
-from pdconnector.sim.model import VOCAB_SIZE, chat_prompt, detokenize, generate, prompt_kv, tokenize
+from pdconnector.sim.model import VOCAB_SIZE, block_tags, chat_prompt, detokenize, generate, prefill, reference_tokens, tokenize
+from pdconnector.sim.pool import KVPool
 
 
 def test_generated_text_round_trips_through_the_tokenizer():
@@ -15,18 +16,25 @@ def test_other_words_map_to_stable_ids_in_the_vocabulary():
     assert all(0 <= t < VOCAB_SIZE for t in tokenize("hello world t99999"))
 
 
-def test_kv_of_a_prefix_is_the_prefix_of_the_kv():
-    tokens = [3, 1, 4, 1, 5, 9]
-    assert (prompt_kv(tokens[:4], 32) == prompt_kv(tokens, 32)[:4]).all()
-    assert not (prompt_kv([2, *tokens[1:]], 32)[1:] == prompt_kv(tokens, 32)[1:]).all()
+def test_block_tags_depend_on_the_whole_prefix():
+    tokens = list(range(40))
+    assert block_tags(tokens[:32], 16) == block_tags(tokens, 16)[:2]
+    assert block_tags([99, *tokens[1:]], 16)[2] != block_tags(tokens, 16)[2]
 
 
-def test_generation_is_deterministic_and_changes_with_a_single_flipped_kv_byte():
-    kv = prompt_kv([10, 20, 30], 64)
-    assert generate(kv, 8) == generate(kv.copy(), 8)
-    corrupted = kv.copy()
-    corrupted[2, 63] ^= 1
-    assert generate(corrupted, 8) != generate(kv, 8)
+def test_output_depends_on_every_prompt_token():
+    tokens = list(range(20))
+    assert reference_tokens(tokens, 6) == reference_tokens(list(tokens), 6)
+    assert reference_tokens(tokens, 6) != reference_tokens([*tokens[:-1], 999], 6)
+
+
+def test_a_single_flipped_kv_byte_changes_the_output():
+    pool = KVPool(num_blocks=4, block_size=16)
+    blocks = pool.allocate(20)
+    prefill(pool, blocks, list(range(20)))
+    before = generate(pool.token_bytes(blocks, 20), 8)
+    pool.buffers[0][1][blocks[1] * pool.layouts[0].regions[1].page_bytes] ^= 1  # first byte of the second block, layer 1
+    assert generate(pool.token_bytes(blocks, 20), 8) != before
 
 
 def test_chat_template_is_fixed():

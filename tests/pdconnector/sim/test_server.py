@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pdconnector.protocol.params import TransferMode, mint_transfer_id, prefill_leg_params
 from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.model import chat_prompt, generate, prompt_kv, tokenize
+from pdconnector.sim.model import chat_prompt, reference_tokens, tokenize
 from pdconnector.sim.pool import KVPool
 from pdconnector.sim.server import create_engine_app
 
@@ -22,7 +22,7 @@ async def engine_client():
     clients = []
 
     async def make(role: Role = Role.BOTH, num_blocks: int = 64, decode_s: float = 0.0) -> tuple[TestClient, KVPool]:
-        pool = KVPool(num_blocks, 4, 32)
+        pool = KVPool(num_blocks, 4)
         engine = MockEngine(
             EngineSettings(role=role, engine_id="e0", latency=LatencyModel(decode_s_per_token=decode_s)), pool, None, EngineMetrics(pool)
         )
@@ -37,7 +37,7 @@ async def engine_client():
 
 
 def expected(tokens: list[int], count: int) -> list[int]:
-    return generate(prompt_kv(tokens, 32), count)
+    return reference_tokens(tokens, count, block_size=4)
 
 
 async def test_completion_output_is_computed_from_the_prompt_kv(engine_client):

@@ -9,7 +9,7 @@ import urllib.request
 import aiohttp
 import openai
 import pytest
-from pdconnector.sim.model import chat_prompt, generate, prompt_kv, tokenize
+from pdconnector.sim.model import chat_prompt, reference_tokens, tokenize
 
 MODEL = "tiny"
 
@@ -49,7 +49,7 @@ def test_completion_equals_colocated_and_is_served_by_distinct_engines(fast_clus
 def test_chat_equals_colocated(fast_cluster, mode, stream):
     router = client_for(fast_cluster.routers[mode].url)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hello {mode} {stream}"}]
-    expected = "".join(f" t{t}" for t in generate(prompt_kv(tokenize(chat_prompt(messages)), 256), 7))
+    expected = "".join(f" t{t}" for t in reference_tokens(tokenize(chat_prompt(messages)), 7))
     answer = router.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, stream=stream)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices) if stream else answer.choices[0].message.content
     assert text == expected
@@ -92,5 +92,5 @@ def test_load_2000_requests_at_concurrency_64_loses_and_duplicates_nothing(fast_
     for request_id, code, body in results:
         index = int(request_id.removeprefix("load-"))
         assert code == 200, body
-        assert body["choices"][0]["token_ids"] == generate(prompt_kv(tokenize(f"load request number {index}"), 256), 4)
+        assert body["choices"][0]["token_ids"] == reference_tokens(tokenize(f"load request number {index}"), 4)
     assert_no_blocks_held(fast_cluster)
