@@ -3,17 +3,20 @@ threads (one worker and one transport per rank), over real NIXL (UCX, host memor
 
 Matrix (the full TP x layout matrix runs in-process in test_transfers.py):
 NIXL: dense and hybrid Mamba2 (DS) at P1xD1, P1xD2, P2xD1, P2xD4; mock: dense P2xD4, Mamba2 P1xD2, GDN P4xD2, Mamba1 P2xD2.
-Each case: push with the registration first, push with the prefill first, then pull.
+Each case: push with the registration first, push with the prefill first, then pull. Then, over NIXL: a killed peer
+process on either side, and the idle CPU of engine processes holding NIXL agents.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
-from tests.pdconnector.worker.engines import EngineHost
+from tests.pdconnector.worker.engines import MODELS, EngineHost, RemoteEngine, request_blocks
 from tests.pdconnector.worker.scenarios import Pair, pull, push_both_orders
 
 NIXL_CASES = [("nixl", model, p, d) for model in ("dense", "mamba2") for p, d in ((1, 1), (1, 2), (2, 1), (2, 4))]
@@ -50,6 +53,71 @@ def test_engine_processes_move_every_byte_by_push_and_pull(
         push_both_orders(pair)
         decode.reset()
         pull(pair)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _push_setup(prefill: RemoteEngine, decode: RemoteEngine, transfer_id: str, timeout_s: float) -> tuple[list[list[int]], int, float]:
+    """Start both engines and have decode register a push; returns prefill's blocks, the token count and when decode was asked."""
+    spec = MODELS["dense"]
+    num_tokens = spec.block_size * 2 + 1
+    src = request_blocks(spec, BLOCKS[0], num_tokens, seed=21)
+    dst = request_blocks(spec, BLOCKS[1], num_tokens, seed=22)
+    coords = prefill.start()
+    decode.start()
+    prefill.fill(blocks=src, num_tokens=num_tokens)
+    asked = time.monotonic()
+    decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=num_tokens, timeout_s=timeout_s)
+    return src, num_tokens, asked
+
+
+def test_decode_fails_within_its_deadline_when_the_prefill_process_is_killed(hosts: tuple[EngineHost, EngineHost]) -> None:
+    victim = EngineHost()
+    decode = hosts[1].create("decode-survivor", "dense", tp=1, num_blocks=BLOCKS[1], transport="nixl")
+    try:
+        prefill = victim.create("prefill-victim", "dense", tp=2, num_blocks=BLOCKS[0], transport="nixl")
+        _, _, asked = _push_setup(prefill, decode, "tx-victim-p", timeout_s=4.0)
+        assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=10)
+        victim.kill()
+        results = decode.wait(transfer_id="tx-victim-p", timeout_s=20)
+        assert [(r["kind"], r["outcome"]) for r in results] == [("failed_recving", "timeout")], results
+        assert time.monotonic() - asked < 4.0 + 1.5
+        assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}
+    finally:
+        decode.close()
+        victim.kill()
+
+
+def test_prefill_frees_its_blocks_promptly_when_the_decode_process_is_killed(hosts: tuple[EngineHost, EngineHost]) -> None:
+    victim = EngineHost()
+    prefill = hosts[0].create("prefill-survivor", "dense", tp=1, num_blocks=BLOCKS[0], transport="nixl", limits={"write_timeout_s": 3.0})
+    try:
+        decode = victim.create("decode-victim", "dense", tp=2, num_blocks=BLOCKS[1], transport="nixl")
+        src, num_tokens, _ = _push_setup(prefill, decode, "tx-victim-d", timeout_s=30.0)
+        assert prefill.wait_stat(name="registrations_received", value=2, timeout_s=10)
+        victim.kill()
+        prefill.prefill_finished(transfer_id="tx-victim-d", blocks=src, num_tokens=num_tokens)
+        start = time.monotonic()
+        results = prefill.wait(transfer_id="tx-victim-d", timeout_s=20)
+        assert [(r["kind"], r["outcome"]) for r in results] == [("finished_sending", "failed")], results
+        assert time.monotonic() - start < 3.0 + 1.5  # at worst the write timeout
+    finally:
+        prefill.close()
+        victim.kill()
+
+
+def test_idle_engine_processes_with_nixl_agents_burn_almost_no_cpu(hosts: tuple[EngineHost, EngineHost]) -> None:
+    prefill = hosts[0].create("prefill-idle", "mamba2", tp=2, num_blocks=BLOCKS[0], transport="nixl")
+    decode = hosts[1].create("decode-idle", "mamba2", tp=2, num_blocks=BLOCKS[1], transport="nixl")
+    try:
+        coords = prefill.start()
+        decode.start()
+        push_both_orders(Pair(prefill, decode, coords, "mamba2", (2, 2), BLOCKS))
+        # Both processes idle at once, each measuring its own CPU time over 2 s (NIXL's busy progress thread would cost ~2 s each).
+        with ThreadPoolExecutor(2) as pool:
+            cpu = list(pool.map(lambda engine: engine.idle_cpu(seconds=2.0), (prefill, decode)))
+        assert max(cpu) < 0.3, cpu
     finally:
         decode.close()
         prefill.close()
