@@ -85,8 +85,8 @@ def check_peer(local_layout: RankLayout, peer: EngineInfo, *, peer_is_prefill: b
     differences = layout_differences(layout_summary(local_layout.model), peer.layout)
     if differences:
         raise IncompatiblePeer(f"engine {peer.engine_id} has an incompatible KV layout: " + "; ".join(differences))
-    remote = peer.rank_layout(local_layout.model, 0)
     try:
+        remote = peer.rank_layout(local_layout.model, 0)
         if peer_is_prefill:
             check_compatible(remote, local_layout)
         else:

@@ -1,0 +1,57 @@
+"""Prefill's pull-mode holds: blocks wait for every decode rank that READs them, a plain abort or the lease."""
+
+from __future__ import annotations
+
+import pytest
+from pdconnector.protocol.messages import AbortMessage, decode, encode
+from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
+from pdconnector.worker.pull import PullHolds, read_done_message, read_done_tp
+
+BLOCKS = PrefillBlocks("tx-1", ((1, 2),), 20)
+
+
+def holds(rank: int = 0, tp: int = 1) -> PullHolds:
+    table = PullHolds(prefill_rank=rank, prefill_tp_size=tp, lease_s=10.0)
+    table.hold(BLOCKS, now=0.0)
+    return table
+
+
+def test_read_done_travels_as_an_abort_that_names_decode_tp() -> None:
+    message = decode(encode(read_done_message("tx-1", 0, 3, 4)))
+    assert isinstance(message, AbortMessage) and read_done_tp(message) == 4
+    assert read_done_tp(AbortMessage(transfer_id="tx-1", attempt=0, decode_rank=0, detail="timed out")) is None
+
+
+def test_blocks_are_released_once_every_reading_decode_rank_is_done() -> None:
+    table = holds(rank=1, tp=2)  # decode TP 4: prefill rank 1 is read by decode ranks 2 and 3
+    assert table.abort_received(read_done_message("tx-1", 0, 2, 4)) is None
+    assert table.abort_received(read_done_message("tx-1", 0, 0, 4)) is None  # not one of this rank's readers
+    released = table.abort_received(read_done_message("tx-1", 0, 3, 4))
+    assert released is not None and released.outcome is Outcome.WRITTEN and released.blocks == BLOCKS
+    assert "tx-1" not in table
+
+
+def test_one_reader_suffices_when_decode_tp_is_smaller() -> None:
+    table = holds(rank=3, tp=4)
+    released = table.abort_received(read_done_message("tx-1", 0, 1, 2))
+    assert released is not None and released.outcome is Outcome.WRITTEN
+
+
+def test_a_plain_abort_releases_at_once() -> None:
+    released = holds().abort_received(AbortMessage(transfer_id="tx-1", attempt=0, decode_rank=0, detail="READ failed"))
+    assert released is not None and released.outcome is Outcome.CANCELLED and "READ failed" in released.detail
+
+
+def test_the_lease_releases_unread_blocks() -> None:
+    table = holds()
+    assert table.expire(9.9) == []
+    (released,) = table.expire(10.0)
+    assert released.outcome is Outcome.EXPIRED and len(table) == 0
+
+
+def test_unknown_transfers_and_double_holds() -> None:
+    table = holds()
+    assert table.abort_received(read_done_message("tx-other", 0, 0, 1)) is None
+    assert table.cancel("tx-other", "x") is None
+    with pytest.raises(ValueError, match="reported finished twice"):
+        table.hold(BLOCKS, now=1.0)
