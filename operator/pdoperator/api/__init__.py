@@ -10,7 +10,6 @@ from pdoperator.api.documents import load_documents
 from pdoperator.api.errors import FieldError, SpecError
 from pdoperator.api.model import (
     API_VERSION,
-    DEFAULT_ENGINE_IMAGE,
     DEFAULT_ENGINE_PORT,
     DEFAULT_ROUTER_PORT,
     DEFAULT_SIDE_CHANNEL_PORT,
@@ -59,7 +58,6 @@ from pdoperator.api.validation import MANAGED_FLAGS, RESERVED_ENV, validate_spec
 
 __all__ = [
     "API_VERSION",
-    "DEFAULT_ENGINE_IMAGE",
     "DEFAULT_ENGINE_PORT",
     "DEFAULT_ROUTER_PORT",
     "DEFAULT_SIDE_CHANNEL_PORT",

@@ -26,7 +26,6 @@ SHORT_NAMES = ("pds",)
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_ROUTER_PORT = 8000
-DEFAULT_ENGINE_IMAGE = "vllm/vllm-openai:v0.32.0"
 
 
 class ApiModel(BaseModel):
@@ -333,7 +332,17 @@ class EngineSpec(ApiModel):
         Runtime,
         Field(description="vllm: the vLLM OpenAI server. mock: the pd-mock-engine stand-in for GPU-free clusters."),
     ] = Runtime.VLLM
-    image: Annotated[str, Field(description="Engine container image.", min_length=1, max_length=512)] = DEFAULT_ENGINE_IMAGE
+    image: Annotated[
+        str | None,
+        Field(
+            description=(
+                "Engine container image; unset uses the operator's configured default: the pd-engine image "
+                "(vLLM + NIXL + pdconnector) for runtime vllm, the operator image for runtime mock."
+            ),
+            min_length=1,
+            max_length=512,
+        ),
+    ] = None
     connector: Annotated[
         ConnectorImpl,
         Field(description="builtin: pd-operator's KV connector. vllm: upstream vLLM's NixlConnector (pull) or NixlPushConnector (push)."),

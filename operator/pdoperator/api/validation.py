@@ -198,9 +198,12 @@ def _quantity(text: str) -> Decimal | None:
     return amount if amount.is_finite() and abs(amount) <= _MAX_QUANTITY else None
 
 
-def _check_resources(role: str, resources: RoleResources) -> list[FieldError]:
+def _check_resources(role: str, resources: RoleResources, hugepages_requested: bool) -> list[FieldError]:
     errors = []
     path = f"spec.{role}.resources"
+    if hugepages_requested and resources.cpu is None and resources.memory is None:
+        reason = "Kubernetes rejects pods that request hugepages without a cpu or memory request"
+        errors.append(FieldError(path, f"must set cpu or memory when spec.network.efa requests hugepages ({reason})"))
     for field, text, example in (("cpu", resources.cpu, "500m or 2"), ("memory", resources.memory, "1Gi"), ("shmSize", resources.shm_size, "16Gi")):
         amount = None if text is None else _quantity(text)
         if text is not None and (amount is None or amount <= 0):
@@ -228,12 +231,14 @@ def validate_metadata(name: str, namespace: str) -> list[FieldError]:
 def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
     """Every semantic problem of a structurally valid spec: CEL rules first, then the checks CEL cannot express."""
     errors = [FieldError(path, rule.message) for path, rule in cel_rule_violations(spec)]
+    hugepages = _quantity(spec.network.efa.hugepages)
+    hugepages_requested = spec.network.efa.enabled and hugepages is not None and hugepages > 0
     for role in ROLES:
         role_spec: RoleSpec = getattr(spec, role)
         errors += _check_extra_args(role, role_spec.extra_args, spec.engine.runtime)
         errors += _check_env(role, role_spec, spec.network.efa.enabled)
         errors += _check_node_selector(role, role_spec.node_selector)
-        errors += _check_resources(role, role_spec.resources)
+        errors += _check_resources(role, role_spec.resources, hugepages_requested)
     errors += _check_hugepages(spec.network.efa.hugepages)
     return errors
 

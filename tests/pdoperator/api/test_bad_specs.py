@@ -10,7 +10,12 @@ from pdoperator.api import API_VERSION, SpecError, parse_pdservice
 
 DELETE = object()
 HYBRID = {"name": "m", "architecture": "hybrid-ssm"}
-EFA_LIBFABRIC = {"network": {"efa": {"enabled": True, "prefillDevices": 2, "decodeDevices": 2}}, "engine": {"transport": {"backend": "LIBFABRIC"}}}
+EFA_LIBFABRIC = {
+    "network": {"efa": {"enabled": True, "prefillDevices": 2, "decodeDevices": 2}},
+    "engine": {"transport": {"backend": "LIBFABRIC"}},
+    "prefill": {"resources": {"memory": "64Gi"}},
+    "decode": {"resources": {"cpu": "8"}},
+}
 MOCK_ENGINE = {"engine": {"runtime": "mock", "transport": {"backend": "mock"}}}
 
 
@@ -179,7 +184,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "EFA over UCX",
-        document({"network": {"efa": {"enabled": True, "prefillDevices": 16, "decodeDevices": 16}}}),
+        document(_merge(EFA_LIBFABRIC, {"engine": {"transport": {"backend": "UCX"}}})),
         ["spec.engine.transport.backend: must be LIBFABRIC when spec.network.efa.enabled is true (UCX on EFA silently falls back to TCP)"],
     ),
     (
@@ -315,7 +320,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "libfabric provider through env with EFA on",
-        document({**EFA_LIBFABRIC, "decode": {"env": [{"name": "FI_PROVIDER", "value": "tcp"}]}}),
+        document(_merge(EFA_LIBFABRIC, {"decode": {"env": [{"name": "FI_PROVIDER", "value": "tcp"}]}})),
         ["spec.decode.env[0].name: FI_PROVIDER is set by the operator; the operator sets it when spec.network.efa.enabled is true"],
     ),
     (
@@ -355,6 +360,14 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         [
             "spec.decode.resources.shmSize: must not exceed spec.decode.resources.memory "
             "(the memory-backed /dev/shm counts against the memory limit; shmSize defaults to 16Gi)"
+        ],
+    ),
+    (
+        "EFA hugepages without cpu or memory on a role",
+        document(_merge(EFA_LIBFABRIC, {"decode": {"resources": {"cpu": DELETE}}})),
+        [
+            "spec.decode.resources: must set cpu or memory when spec.network.efa requests hugepages "
+            "(Kubernetes rejects pods that request hugepages without a cpu or memory request)"
         ],
     ),
     (

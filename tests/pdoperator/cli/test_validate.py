@@ -36,7 +36,7 @@ kind: PDService
 metadata: {name: bad2}
 spec:
   model: {name: m, architecture: hybrid-ssm}
-  network: {efa: {enabled: true, prefillDevices: 1, decodeDevices: 1}}
+  network: {efa: {enabled: true, prefillDevices: 1, decodeDevices: 1, hugepages: "0"}}
   ssm: {family: mamba2}
 """
 
