@@ -115,10 +115,13 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resolve_ro
         except KubeApiError as e:
             raise kopf.TemporaryError(str(e), delay=options.retry_delay_seconds) from e
 
-    async def child_changed(body: kopf.Body, type: str | None, namespace: str | None, **_: Any) -> None:
+    async def child_changed(body: kopf.Body, type: str | None, namespace: str | None, resource: kopf.Resource, **_: Any) -> None:
         owner = controller_owner(body)
         if owner is None or namespace is None or type is None:
             return  # not ours, or the initial listing (resume handlers cover what happened while the operator was away)
+        meta = body.get("metadata", {})
+        if type != "DELETED" and reconciler.is_own_write(resource.plural, namespace, meta.get("name", ""), meta.get("resourceVersion")):
+            return
         started = time.monotonic()
         try:
             outcome = await reconciler.request(namespace, owner)

@@ -79,6 +79,8 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._pending: set[Key] = set()
         self._kv: dict[Key, _KVState] = {}
+        # resourceVersion of each child as the operator last wrote it: the watch echoes every write back.
+        self._written: dict[tuple[str, str, str], str] = {}
 
     def _lock(self, key: Key) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -89,6 +91,10 @@ class Reconciler:
         """Bring children and status to the spec (create/update/resume). Raises InvalidSpecError for a rejected spec."""
         async with self._lock(_key(body)):
             return await self._reconcile(body, Trigger.SPEC)
+
+    def is_own_write(self, plural: str, namespace: str, name: str, resource_version: str | None) -> bool:
+        """Whether a child event only echoes the operator's own last write (nothing to reconcile)."""
+        return resource_version is not None and self._written.get((plural, namespace, name)) == resource_version
 
     async def request(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile after a child changed; calls arriving while one waits for the lock are absorbed by it."""
@@ -116,6 +122,8 @@ class Reconciler:
             await self._apply(actions, key[0])
             self._kv.pop(key, None)
         self._locks.pop(key, None)
+        for action in actions:
+            self._written.pop((action.kind.plural, key[0], action.name), None)
         names = [describe(a) for a in actions]
         if names:
             self._record_event(body, "Normal", "ChildrenDeleted", "; ".join(names))
@@ -177,6 +185,8 @@ class Reconciler:
         for kind, obj in applied:
             name = obj["metadata"]["name"]
             live[kind] = [o for o in live[kind] if o["metadata"]["name"] != name] + ([obj] if obj else [])
+            if version := obj["metadata"].get("resourceVersion"):
+                self._written[(kind.plural, pds.namespace, name)] = version
         if actions:
             self._record_event(body, "Normal", _reason(trigger, had_children), "; ".join(describe(a) for a in actions))
 

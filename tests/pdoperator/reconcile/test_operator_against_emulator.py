@@ -128,6 +128,7 @@ def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             router.server.shutdown()
             print(operator.log()[-6000:])  # shown by pytest when a test failed
     assert code == 0, f"the operator exited with {code}"
+    assert "failed with an exception" not in operator.log(), "a handler raised (see the log above)"
 
 
 def _watching_pdservices(cluster: EmulatedCluster) -> bool:

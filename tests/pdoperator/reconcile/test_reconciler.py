@@ -277,3 +277,14 @@ async def test_a_restarted_operator_takes_the_router_counts_as_a_baseline() -> N
 
 def _kv(api: FakeKubeApi) -> dict[str, Any]:
     return next(c for c in fresh(api)["status"]["conditions"] if c["type"] == "KVTransferVerified")
+
+
+async def test_child_events_that_echo_the_operators_own_writes_are_recognised() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    sts = api.obj(STATEFULSETS, "default", "tiny-decode")
+    assert subject.is_own_write("statefulsets", "default", "tiny-decode", sts["metadata"]["resourceVersion"])
+    await api.patch(STATEFULSETS, "default", "tiny-decode", {"spec": {"replicas": 4}})  # someone else
+    edited = api.obj(STATEFULSETS, "default", "tiny-decode")["metadata"]["resourceVersion"]
+    assert not subject.is_own_write("statefulsets", "default", "tiny-decode", edited)
