@@ -63,7 +63,7 @@ from pdconnector.protocol.rendezvous import (
     StartWrite,
     WriteKey,
 )
-from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, Transport, TransportError
+from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, RankInfo, check_peer, fingerprint, layout_summary
 from pdconnector.worker.pull import PullHolds, read_done_message
 from pdconnector.worker.side_channel import SideChannelClient
@@ -170,6 +170,7 @@ class _Handshaking:
 class _PushWait:
     attempt: int
     writers: dict[int, str]  # prefill rank -> agent name, for aborts
+    prefill: PrefillCoordinates
 
 
 @dataclass
@@ -348,15 +349,27 @@ class TransferWorker:
     def _loop(self, transport: Transport) -> None:
         delay = self.config.min_poll_s
         while not self._stop.is_set():
-            progressed = self._drain_inbox(delay)
-            if self._stop.is_set():
-                return
-            now = time.monotonic()
-            progressed |= self._on_notifications(transport.take_notifications(), now)
-            progressed |= self._poll_transfers(now)
-            progressed |= self._poll_handshakes(now)
-            progressed |= self._expire(now)
+            try:
+                progressed = self._drain_inbox(delay)
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                progressed |= self._on_notifications(self._take_notifications(transport), now)
+                progressed |= self._poll_transfers(now)
+                progressed |= self._poll_handshakes(now)
+                progressed |= self._expire(now)
+            except Exception:
+                # A bug in one transfer's handling must not stop every other transfer's deadlines.
+                log.exception("transfer worker rank %d: step failed", self.layout.tp_rank)
+                progressed = False
             delay = self._next_delay(delay, progressed)
+
+    def _take_notifications(self, transport: Transport) -> list[tuple[str, bytes]]:
+        try:
+            return transport.take_notifications()
+        except TransportError as error:
+            log.warning("transfer worker rank %d: polling notifications failed: %s", self.layout.tp_rank, error)
+            return []
 
     def _drain_inbox(self, timeout: float) -> bool:
         try:
@@ -509,7 +522,7 @@ class TransferWorker:
         except ValueError as error:
             self._fail_recv(request.transfer_id, FailureReason.CAPACITY, str(error))
             return
-        self._pushes[request.transfer_id] = _PushWait(request.attempt, writers)
+        self._pushes[request.transfer_id] = _PushWait(request.attempt, writers, request.prefill)
         assert self._rank_info is not None
         try:
             message = RegistrationMessage(
@@ -570,15 +583,21 @@ class TransferWorker:
         if reason is None:
             self._report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes))
             return
+        if self._side_channel is not None:
+            self._side_channel.invalidate(reading.request.prefill)
         abort = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
         for agent in reading.agents.values():
             self._send(agent, abort)
         self._fail_recv(transfer_id, reason, detail)
 
     def _end_push(self, transfer_id: str, *, abort: bool, detail: str = "") -> None:
+        """Forget a push this rank waited for; ``abort``: it failed on this side, so tell the writers to free and
+        re-handshake next time (the peer may have restarted under the same coordinates)."""
         waiting = self._pushes.pop(transfer_id, None)
         if waiting is None or not abort:
             return
+        if self._side_channel is not None:
+            self._side_channel.invalidate(waiting.prefill)
         message = AbortMessage(transfer_id=transfer_id, attempt=waiting.attempt, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
         for agent in waiting.writers.values():
             self._send(agent, message)
@@ -635,7 +654,7 @@ class TransferWorker:
         assert self._transport is not None
         progressed = self._retry_stranded()
         for key, handle in list(self._writes.items()):
-            status = self._transport.state(handle)
+            status = self._state(handle)
             if not status.finished:
                 continue
             del self._writes[key]
@@ -648,7 +667,7 @@ class TransferWorker:
         for transfer_id, reading in list(self._reads.items()):
             failed = None
             for p, handle in list(reading.handles.items()):
-                status = self._transport.state(handle)
+                status = self._state(handle)
                 if status.state is TransferState.DONE:
                     del reading.handles[p]
                     self._release(handle)
@@ -728,6 +747,13 @@ class TransferWorker:
             log.warning("notification to %s not sent: %s", agent, error)
             return False
         return True
+
+    def _state(self, handle: TransferHandle) -> TransferStatus:
+        assert self._transport is not None
+        try:
+            return self._transport.state(handle)
+        except TransportError as error:
+            return TransferStatus(TransferState.FAILED, f"polling failed: {error}")
 
     def _release(self, handle: TransferHandle) -> None:
         assert self._transport is not None
