@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdconnector.router.config import RouterConfig, dump_router_config
 
-STARTUP_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 60.0  # NIXL agents take seconds to create on a busy machine
 
 
 def common_free_port(hosts: list[str]) -> int:
@@ -70,11 +70,16 @@ class Process:
             self.popen.kill()
             self.popen.wait(timeout=10)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if the process has not exited within ``timeout_s``."""
+        self.terminate()
+        if self.popen is not None:
             try:
-                self.popen.wait(timeout=5)
+                self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -194,5 +199,9 @@ class LocalCluster:
         self._launch([engine])
 
     def stop(self) -> None:
-        for process in [*self.routers.values(), *self.engines.values()]:
-            process.stop()
+        processes = [*self.routers.values(), *self.engines.values()]
+        for process in processes:  # all at once: shutdowns overlap instead of adding up
+            process.terminate()
+        deadline = time.monotonic() + 5.0
+        for process in processes:
+            process.stop(timeout_s=max(0.1, deadline - time.monotonic()))

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         handler_cancellation=True,
         print=None,
         access_log=None,
+        shutdown_timeout=5.0,
     )
     return 0
 

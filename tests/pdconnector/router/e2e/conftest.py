@@ -9,17 +9,17 @@ from pdconnector.sim.cluster import LocalCluster
 from pdconnector.sim.mover import mover_unavailable_reason
 
 
-def _require_mover() -> None:
-    reason = mover_unavailable_reason("mock")
+def _require_mover(transport: str) -> None:
+    reason = mover_unavailable_reason(transport)
     if reason is not None:
-        pytest.skip(f"mock engines cannot move KV yet: {reason}")
+        pytest.skip(f"mock engines cannot move KV over {transport}: {reason}")
 
 
-def start_cluster(workdir, subnet: int, engine_args: list[str]) -> LocalCluster:
-    _require_mover()
-    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args)
+def start_cluster(workdir, subnet: int, engine_args: list[str], transport: str = "mock", colocated: bool = True) -> LocalCluster:
+    _require_mover(transport)
+    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args, transport=transport)
     try:
-        cluster.start()
+        cluster.start(colocated=colocated)
         cluster.start_router("push", "push")
         cluster.start_router("pull", "pull")
     except BaseException:
@@ -41,5 +41,13 @@ def slow_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     """Engines with a latency model, so faults can strike mid-request."""
     args = ["--prefill-seconds-per-token", "0.002", "--decode-seconds-per-token", "0.02", "--transfer-timeout", "2", "--lease", "2"]
     cluster = start_cluster(tmp_path_factory.mktemp("slow"), 100, args)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """The same deployment moving KV with NIXL (UCX over host memory) instead of the TCP mock transport."""
+    cluster = start_cluster(tmp_path_factory.mktemp("nixl"), 140, ["--transfer-timeout", "10", "--lease", "10"], transport="nixl", colocated=False)
     yield cluster
     cluster.stop()
