@@ -411,9 +411,12 @@ class TransferWorker:
             case _Cancel(transfer_id=transfer_id, detail=detail):
                 self._cancel(transfer_id, detail, now)
             case _ExpectPush() | _Read():
-                self._begin_decode(command, now)
+                self._begin_decode(command)
             case _AddPeers(engine=engine):
-                self._load_engine(engine)
+                try:
+                    self._load_engine(engine)
+                except TransportError as error:
+                    log.warning("cannot load the agents of announced engine %s: %s", engine.engine_id, error)
             case _Wake():
                 pass
 
@@ -467,7 +470,7 @@ class TransferWorker:
 
     # --- decode: handshake, registration, reads ---------------------------------------------------------------------
 
-    def _begin_decode(self, request: _ExpectPush | _Read, now: float) -> None:
+    def _begin_decode(self, request: _ExpectPush | _Read) -> None:
         transfer_id = request.transfer_id
         if transfer_id in self._reads or (isinstance(request, _Read) and (transfer_id in self._handshaking or transfer_id in self._pushes)):
             self._fail_recv(transfer_id, FailureReason.INVALID_REGISTRATION, f"transfer {transfer_id} is already being received")
@@ -718,6 +721,7 @@ class TransferWorker:
         stale = set(self._engine_agents.get(engine.engine_id, ())) - set(names)
         for name in stale:
             self._forget_peer(name)
+            self._count("peers_dropped")
         self._engine_agents[engine.engine_id] = names
 
     def _load_peer(self, metadata: bytes) -> str:

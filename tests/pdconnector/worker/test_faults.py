@@ -313,3 +313,25 @@ def test_idle_workers_burn_almost_no_cpu(engines: tuple[Engine, Engine, dict[str
     prefill.prefill_finished(transfer_id="tx-warm", blocks=SRC, num_tokens=TOKENS)
     assert _one(decode.wait(transfer_id="tx-warm", timeout_s=5))[0] == "finished_recving"
     assert decode.idle_cpu(seconds=2.0) < 0.3
+
+
+def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again_and_its_old_agent_dropped(
+    engines: tuple[Engine, Engine, dict[str, Any]],
+) -> None:
+    prefill, decode, coords = engines
+    decode.expect_push(transfer_id="tx-before", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10)
+    prefill.prefill_finished(transfer_id="tx-before", blocks=SRC, num_tokens=TOKENS)
+    assert _one(decode.wait(transfer_id="tx-before", timeout_s=5))[0] == "finished_recving"
+    prefill.close()
+    restarted = Engine("prefill-f", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock")  # same engine id, new agents and port
+    try:
+        new_coords = restarted.start()
+        restarted.fill(blocks=SRC, num_tokens=TOKENS)
+        decode.reset()
+        decode.expect_push(transfer_id="tx-after", prefill=new_coords, blocks=DST, num_tokens=TOKENS, timeout_s=10)
+        restarted.prefill_finished(transfer_id="tx-after", blocks=SRC, num_tokens=TOKENS)
+        assert _one(decode.wait(transfer_id="tx-after", timeout_s=5)) == ("finished_recving", "received")
+        assert decode.check(received=[{"dst": DST, "src": SRC, "num_tokens": TOKENS}]) == {"wrong_bytes": 0, "guard_bytes": 0}
+        assert decode.transfers.workers[0].stats()["peers_dropped"] == 1
+    finally:
+        restarted.close()
