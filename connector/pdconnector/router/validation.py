@@ -66,6 +66,8 @@ def _check_messages(body: dict[str, Any]) -> None:
         if not isinstance(message.get("role"), str):
             raise bad_request(f"'{where}.role' must be a string", f"{where}.role")
         content = message.get("content")
+        if content is None and message["role"] == "assistant":
+            continue  # an assistant turn that only called tools
         if not isinstance(content, str) and not (isinstance(content, list) and all(isinstance(part, dict) for part in content)):
             raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
 

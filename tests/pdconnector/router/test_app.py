@@ -118,3 +118,9 @@ async def test_config_file_changes_are_applied_live_and_broken_files_ignored(clu
     assert await decode_names() == ["d1"]
     for _ in range(3):
         assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).headers["x-pd-decode"] == "d1"
+
+
+async def test_assistant_turn_without_content_is_accepted(cluster, make_router):
+    client = await make_router()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    assert (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})).status == 200
