@@ -4,7 +4,8 @@
     pd-operator --namespace team-a --namespace team-b # only these (Role per namespace)
     pd-operator -A --peering pd-operator              # several replicas: one active, the others standby
 
-Without ``--peering`` the operator runs standalone (one replica). Kubernetes access comes from
+Without ``--peering`` the operator runs standalone (one replica). With it, every replica draws a
+random peering priority: kopf keeps only the highest live one active. Kubernetes access comes from
 the pod's service account, else from the current kubeconfig context.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[], metavar="NS", help="serve this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace (the default)")
     parser.add_argument("--peering", metavar="NAME", help="kopf peering object for several replicas (one active); standalone without it")
+    parser.add_argument("--priority", type=int, metavar="N",
+                        help="peering priority; the highest live one is active (default: random, so replicas never tie)")  # fmt: skip
     parser.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
     parser.add_argument("--log-format", choices=sorted(LOG_FORMATS), default="full", help="log line format")
@@ -55,6 +59,12 @@ def render_defaults(cluster_domain: str, environ: dict[str, str]) -> RenderDefau
     if router_image:
         return RenderDefaults(cluster_domain=cluster_domain, router_image=router_image)
     return RenderDefaults(cluster_domain=cluster_domain)
+
+
+def peering_priority(requested: int | None) -> int:
+    """kopf pauses every operator of a peering whose top priority is shared, so replicas draw distinct ones:
+    the highest live replica works, the others stand by and take over when its keep-alive expires."""
+    return requested if requested is not None else secrets.randbelow(2**31 - 1) + 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespaces=args.namespaces,
         standalone=args.peering is None,
         peering_name=args.peering,
+        priority=peering_priority(args.priority) if args.peering else None,
         liveness_endpoint=args.liveness,
     )
     return 0

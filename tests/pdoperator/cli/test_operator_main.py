@@ -28,7 +28,7 @@ def test_namespaces_scope_kopf_and_one_replica_runs_standalone(kopf_calls: list[
     assert operator_main.main(["--namespace", "team-a", "--namespace=team-b"]) == 0
     kwargs = run_kwargs(kopf_calls)
     assert (kwargs["clusterwide"], kwargs["namespaces"]) == (False, ["team-a", "team-b"])
-    assert (kwargs["standalone"], kwargs["peering_name"]) == (True, None)
+    assert (kwargs["standalone"], kwargs["peering_name"], kwargs["priority"]) == (True, None, None)
     assert isinstance(kwargs["registry"], kopf.OperatorRegistry)
 
 
@@ -38,6 +38,12 @@ def test_all_namespaces_with_peering_and_liveness(kopf_calls: list[dict[str, Any
     assert (kwargs["clusterwide"], kwargs["namespaces"]) == (True, [])
     assert (kwargs["standalone"], kwargs["peering_name"]) == (False, "pd-operator")
     assert kwargs["liveness_endpoint"] == "http://0.0.0.0:8080/healthz"
+    assert 1 <= kwargs["priority"] < 2**31  # drawn at random: replicas never tie (kopf would pause them all)
+
+
+def test_an_explicit_peering_priority_is_kept(kopf_calls: list[dict[str, Any]]) -> None:
+    operator_main.main(["--peering", "p", "--priority", "7"])
+    assert run_kwargs(kopf_calls)["priority"] == 7
 
 
 def test_no_scope_means_all_namespaces(kopf_calls: list[dict[str, Any]]) -> None:

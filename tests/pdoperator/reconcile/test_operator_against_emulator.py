@@ -427,7 +427,7 @@ def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_and_a_l
         assert env.children("team-i", "outside") == {}
     finally:
         scoped.stop()
-        env.operator.start()  # the module's operator picks "outside" up again
+        restart(env)  # the module's operator picks "outside" up again
     lines = [line for line in scoped.log().splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # every line is a JSON object
     assert any(r.get("message", "").startswith("Handler 'reconcile' succeeded") for r in records)
@@ -440,6 +440,53 @@ def _get(url: str) -> int | None:
             return response.status
     except OSError:
         return None
+
+
+KOPF_PEERING = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: clusterkopfpeerings.kopf.dev}
+spec:
+  scope: Cluster
+  group: kopf.dev
+  names: {kind: ClusterKopfPeering, plural: clusterkopfpeerings, singular: clusterkopfpeering}
+  versions:
+  - {name: v1, served: true, storage: true, schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}}
+"""
+
+
+def test_peered_replicas_keep_one_active_and_the_standby_takes_over_when_it_leaves(env: Env, tmp_path: pathlib.Path) -> None:
+    env.kubectl.apply(KOPF_PEERING)
+    eventually(lambda: env.kubectl.run("get", "crd", "clusterkopfpeerings.kopf.dev", check=False).returncode == 0, "the peering CRD")
+    env.kubectl.apply(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "pd-operator"}}))
+    env.operator.stop()
+    high = OperatorProcess(env.operator.kubeconfig, tmp_path / "high.log", ["-A", "--peering", "pd-operator", "--priority", "20"])
+    low = OperatorProcess(env.operator.kubeconfig, tmp_path / "low.log", ["-A", "--peering", "pd-operator", "--priority", "10", "--verbose"])
+    try:
+        high.start()
+        eventually(lambda: "Resuming is processed" in high.log(), "the first replica to work", timeout=30)
+        low.start()
+        eventually(lambda: "Pausing the watch-stream for pdservices" in low.log(), "the low-priority replica to stand by", timeout=30)
+        peers = env.kubectl.get_json("clusterkopfpeering", "pd-operator")["status"]
+        assert sorted(peer["priority"] for peer in peers.values()) == [10, 20]
+        apply(env, tiny("peered", "team-k"))
+        wait_children(env, "team-k", "peered")
+        high.stop()
+        eventually(lambda: "Resuming operations after the pause" in low.log(), "the standby to take over", timeout=30)
+        standby_part = low.log().split("Resuming operations after the pause")[0]
+        assert "Handler 'reconcile'" not in standby_part  # nothing was handled while standing by
+        eventually(lambda: "Handler 'reconcile'" in low.log(), "the new active replica to work", timeout=30)
+    finally:
+        high.stop()
+        low.stop()
+        restart(env)
+
+
+def restart(env: Env) -> None:
+    """Start the module's operator again and wait until it watches PDServices."""
+    mark = env.request_count()
+    env.operator.start()
+    eventually(lambda: _watching_pdservices_since(env, mark), "the operator to watch PDServices again", timeout=30)
 
 
 def test_every_request_the_operator_made_is_granted_by_its_rbac_rules(env: Env) -> None:
