@@ -13,7 +13,7 @@ import pathlib
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -409,20 +409,25 @@ def test_deleting_a_pdservice_completes_its_delete_handler_and_removes_the_child
     eventually(lambda: any(e["reason"] == "ChildrenDeleted" for e in env.events("team-g", "gone")), "a ChildrenDeleted event")
 
 
-def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_and_a_liveness_endpoint(
-    env: Env, tmp_path: pathlib.Path, unused_tcp_port: int
+def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_liveness_and_metrics(
+    env: Env, tmp_path: pathlib.Path, unused_tcp_port_factory: Callable[[], int]
 ) -> None:
     env.kubectl.apply(yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-h"}}))
     env.operator.stop()
-    args = ["--namespace", "team-h", "--log-format", "json", "--liveness", f"http://127.0.0.1:{unused_tcp_port}/healthz"]
+    health_port, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    args = ["--namespace", "team-h", "--log-format", "json", "--liveness", f"http://127.0.0.1:{health_port}/healthz"]
+    args += ["--metrics-port", str(metrics_port)]
     scoped = OperatorProcess(env.operator.kubeconfig, tmp_path / "scoped.log", args)
     scoped.start()
     try:
         apply(env, tiny("inside", "team-h"))
         apply(env, tiny("outside", "team-i"))
         wait_children(env, "team-h", "inside")
-        health = eventually(lambda: _get(f"http://127.0.0.1:{unused_tcp_port}/healthz"), "the liveness endpoint")
+        health = eventually(lambda: _get(f"http://127.0.0.1:{health_port}/healthz"), "the liveness endpoint")
         assert health == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert 'pd_operator_child_writes_total{action="create",kind="StatefulSet"} 2.0' in metrics
         time.sleep(1)
         assert env.children("team-i", "outside") == {}
     finally:

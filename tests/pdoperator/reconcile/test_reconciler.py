@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pdoperator.api.model import ConditionStatus, PDService
 from pdoperator.reconcile.kinds import CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
+from pdoperator.reconcile.kube import KubeApiError
 from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts
 from pdoperator.reconcile.reconciler import InvalidSpecError, Reconciler
 from pdoperator.render import RenderDefaults
@@ -288,3 +289,25 @@ async def test_child_events_that_echo_the_operators_own_writes_are_recognised() 
     await api.patch(STATEFULSETS, "default", "tiny-decode", {"spec": {"replicas": 4}})  # someone else
     edited = api.obj(STATEFULSETS, "default", "tiny-decode")["metadata"]["resourceVersion"]
     assert not subject.is_own_write("statefulsets", "default", "tiny-decode", edited)
+
+
+class ImmutableStatefulSets(FakeKubeApi):
+    """Rejects StatefulSet patches the way the API server rejects changes to immutable fields."""
+
+    async def patch(self, kind, namespace, name, patch, subresource=None):
+        if kind == STATEFULSETS and subresource is None:
+            self.writes.append(("patch", kind.kind, name))
+            raise KubeApiError(422, "Invalid", "spec: Forbidden: updates to statefulset spec for fields other than ...")
+        return await super().patch(kind, namespace, name, patch, subresource)
+
+
+async def test_a_child_whose_change_is_rejected_as_immutable_is_replaced() -> None:
+    api = ImmutableStatefulSets()
+    subject = reconciler(api)
+    await subject.reconcile(make(api))
+    await subject.reconcile(edit_spec(api, decode__replicas=2))
+    assert ("delete", "StatefulSet", "tiny-decode") in api.writes
+    api.writes.clear()
+    await subject.request("default", "tiny")  # its DELETED event
+    assert api.writes[0] == ("create", "StatefulSet", "tiny-decode")
+    assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["replicas"] == 2
