@@ -29,7 +29,6 @@ from tests.pdconnector.vllm import harness
 BLOCK_SIZE = 128  # vLLM's CPU default; prompt lengths straddle it
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
 MAX_TOKENS = 8
-STEADY_ROUNDS = 3
 IDLE_WINDOW_S = 10.0
 
 
@@ -51,7 +50,7 @@ def compare(references: dict[int, harness.Completion], outputs: dict[int, harnes
     return {n: harness.output_differences(references[n], outputs[n]) for n in outputs}
 
 
-def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion]) -> dict[str, Any]:
+def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion], rounds: int) -> dict[str, Any]:
     pair = harness.launch_upstream_pair(harness.UpstreamConnector.PULL, model_dir, log_dir, extra_env=env)
     figures: dict[str, Any] = {}
     with harness.running_servers(pair.prefill, pair.decode):
@@ -60,7 +59,7 @@ def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references
 
         requests: list[dict[str, Any]] = []
         outputs: dict[int, harness.Completion] = {}
-        for round_index in range(STEADY_ROUNDS):
+        for round_index in range(rounds):
             for n in PROMPT_LENGTHS:
                 # Round 0 uses the reference prompts; later rounds use fresh prompts (no reuse of any cache).
                 prompt = prompt_of(n) if round_index == 0 else prompt_of(n, salt=round_index)
@@ -82,7 +81,7 @@ def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references
                 print(f"  pull round {round_index} n={n}: {requests[-1]}", flush=True)
         figures["requests"] = requests
         figures["first_request_total_s"] = requests[0]["total_s"]
-        steady = [r for r in requests if r["round"] > 0]
+        steady = [r for r in requests if r["round"] > 0] or requests[1:]
         figures["steady_median"] = {
             key: statistics.median(r[key] for r in steady) for key in ("total_s", "prefill_leg_s", "decode_leg_s", "local_on_decode_s")
         }
@@ -96,9 +95,10 @@ def measure_push(model_dir: Path, log_dir: Path, env: dict[str, str], references
     figures: dict[str, Any] = {}
     with harness.running_servers(pair.prefill, pair.decode):
         figures["engine_start_s"] = {"prefill": pair.prefill.ready_after_s, "decode": pair.decode.ready_after_s}
-        prefill_params, decode_params = harness.upstream_push_params(pair)
         attempts = []
         for index, n in enumerate((BLOCK_SIZE + 1, BLOCK_SIZE + 1, 1)):
+            request_id = f"push-baseline-{index}"
+            prefill_params, decode_params = harness.upstream_push_params(pair, request_id)
             started = time.monotonic()
             attempt: dict[str, Any] = {"prompt_tokens": n}
             try:
@@ -109,7 +109,7 @@ def measure_push(model_dir: Path, log_dir: Path, env: dict[str, str], references
                     max_tokens=MAX_TOKENS,
                     prefill_params=prefill_params,
                     decode_params=decode_params,
-                    request_id=f"push-baseline-{index}",
+                    request_id=request_id,
                     timeout_s=timeout_s,
                 )
                 attempt.update(ok=True, differences=harness.output_differences(references[n], result.decode), decode_leg_s=result.decode.elapsed_s)
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--model", choices=[m.value for m in harness.TinyModel], default=harness.TinyModel.DENSE.value)
     parser.add_argument("--skip-pull", action="store_true")
     parser.add_argument("--skip-push", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="pull rounds over all prompt lengths (round 0 = reference prompts)")
     parser.add_argument("--push-timeout", type=float, default=120.0, help="per push request (both legs), seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="model and engine logs (default: a temp dir)")
     args = parser.parse_args()
@@ -145,7 +146,7 @@ def main() -> None:
     references, report["colocated"] = measure_colocated(model_dir, log_dir, env)
     print(f"colocated: {report['colocated']}", flush=True)
     if not args.skip_pull:
-        report["upstream_pull"] = measure_pull(model_dir, log_dir, env, references)
+        report["upstream_pull"] = measure_pull(model_dir, log_dir, env, references, args.rounds)
         pull = report["upstream_pull"]
         print(f"upstream pull: start {pull['engine_start_s']}, idle cores {pull['idle_cores']}", flush=True)
         print(f"  first P/D request {pull['first_request_total_s']:.2f} s, steady medians {pull['steady_median']}", flush=True)

@@ -1,12 +1,12 @@
-"""Real vLLM CPU engines for connector tests: tiny dummy-weight models, servers, requests.
+"""Real vLLM CPU engines for connector tests: tiny models, servers, requests, comparisons.
 
 The engines are real ``vllm.entrypoints.openai.api_server`` processes on loopback
-ports. Models are written by the tests (config + word-level tokenizer) and loaded
-with ``--load-format dummy``; dummy weights are deterministic across processes, so
-a co-located engine and a prefill/decode pair compute the same function and their
-outputs can be compared token for token.
+ports. Models are written by the tests: config, seeded random safetensors weights and
+a word-level tokenizer (``t0`` .. ``t1023``). The same weights load in every process,
+so a co-located engine and a prefill/decode pair compute the same function and
+their outputs can be compared token for token and logprob for logprob.
 
-Everything that starts a process also stops it: ``VllmServer`` kills its whole
+Everything that starts a process also stops it: ``VllmServer`` terminates its whole
 process group (API server, engine core, workers) on ``stop()`` and on ``__exit__``.
 """
 
@@ -405,8 +405,10 @@ def complete(
             payload = json.loads(response.read())
     except urllib.error.HTTPError as error:
         raise CompletionError(url, error.code, error.read().decode(errors="replace")) from error
-    except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
-        raise CompletionError(url, None, f"no answer within {timeout_s:.0f} s: {error}") from error
+    except TimeoutError as error:
+        raise CompletionError(url, None, f"no answer within {timeout_s:.0f} s") from error
+    except (urllib.error.URLError, ConnectionError) as error:
+        raise CompletionError(url, None, f"cannot reach the engine: {error}") from error
     return parse_completion(payload, time.monotonic() - started)
 
 
@@ -543,9 +545,13 @@ def process_group_cpu_seconds(pgid: int) -> float:
 
 def idle_cpu_fraction(servers: Sequence[VllmServer], window_s: float) -> dict[str, float]:
     """CPU cores used by each idle server over ``window_s`` (1.0 = one core busy the whole time)."""
+    started = time.monotonic()
     before = {server.name: process_group_cpu_seconds(server.process.pid) for server in servers}
     time.sleep(window_s)
-    return {server.name: (process_group_cpu_seconds(server.process.pid) - before[server.name]) / window_s for server in servers}
+    after = {server.name: process_group_cpu_seconds(server.process.pid) for server in servers}
+    # On a saturated machine the scans themselves take a while: divide by the time really elapsed.
+    elapsed = time.monotonic() - started
+    return {name: (after[name] - before[name]) / elapsed for name in before}
 
 
 # ---------------------------------------------------------------- upstream connectors
@@ -609,12 +615,18 @@ def launch_upstream_pair(
     )
 
 
-def upstream_push_params(pair: EnginePair) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(prefill leg, decode leg) ``kv_transfer_params`` for upstream NixlPushConnector."""
+def upstream_push_params(pair: EnginePair, request_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(prefill leg, decode leg) ``kv_transfer_params`` for upstream NixlPushConnector.
+
+    Both legs must be sent with ``X-Request-Id: request_id``: upstream pairs them by the engine-internal id
+    ``cmpl-<request_id>-<index>-<random>`` with its random suffix stripped. Without ``remote_request_id``
+    upstream's decode engine core dies with a KeyError (seen on vLLM 0.32.0).
+    """
     prefill = {"do_remote_decode": True, "do_remote_prefill": False}
     decode = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
+        "remote_request_id": f"cmpl-{request_id}-0",
         "remote_engine_id": pair.prefill_engine_id,
         "remote_host": LOOPBACK,
         "remote_port": pair.prefill_side_channel_port,
