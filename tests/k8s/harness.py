@@ -87,7 +87,7 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def eventually(check: Callable[[], T], what: str, timeout: float = 15.0, interval: float = 0.1) -> T:
+def eventually(check: Callable[[], T], what: str, timeout: float = 30.0, interval: float = 0.1) -> T:
     """Poll ``check`` until it returns a truthy value (returned) or the deadline passes (AssertionError naming ``what``)."""
     deadline = time.monotonic() + timeout
     last: Any = None
