@@ -1,0 +1,206 @@
+"""The transport contract: registered memory, one-sided WRITE/READ with a completion notification,
+plain notifications, polled completion.
+
+Thread rule: an agent is confined to one thread (NIXL agents are created without internal locking
+and without a progress thread). The thread that constructs a transport owns it; every public
+method raises :class:`TransportError` when called from another thread. Ownership moves only by an
+explicit hand-off, :meth:`Transport.bind_to_current_thread`, called by the new owner after the old
+owner has stopped using the agent (e.g. construct on the engine thread, hand over to the transfer
+worker through a queue).
+
+Progress rule: nothing happens in the background on behalf of a NIXL agent. Its owner must call
+:meth:`Transport.progress` (or :meth:`Transport.take_notifications`, :meth:`Transport.state`)
+regularly while peers may transfer into it or it has transfers in flight: that is what completes
+incoming transfers and connection set-up. Poll with back-off when idle instead of spinning.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import wraps
+from typing import Concatenate, ParamSpec, TypeVar
+
+import numpy as np
+
+# A notification carries a registration or a completion id; anything near this size is a bug upstream.
+MAX_NOTIFICATION_BYTES = 1 << 20
+
+
+class TransportError(Exception):
+    """A transport call that cannot be carried out: unknown peer, invalid descriptors, wrong thread, closed agent."""
+
+
+class Device(StrEnum):
+    """Memory kind of a registered region, named as NIXL names them."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A contiguous range of memory an agent exposes to its peers."""
+
+    addr: int
+    nbytes: int
+    device: Device = Device.DRAM
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.addr <= 0:
+            raise TransportError(f"MemoryRegion.addr must be a positive address, got {self.addr}")
+        if self.nbytes <= 0:
+            raise TransportError(f"MemoryRegion.nbytes must be positive, got {self.nbytes}")
+        if self.device_id < 0:
+            raise TransportError(f"MemoryRegion.device_id must be >= 0, got {self.device_id}")
+        object.__setattr__(self, "device", Device(self.device))
+
+
+class Operation(StrEnum):
+    WRITE = "WRITE"
+    READ = "READ"
+
+
+class TransferState(StrEnum):
+    IN_PROGRESS = "IN_PROGRESS"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    state: TransferState
+    error: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not TransferState.IN_PROGRESS
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """Names one posted transfer of one agent; pass it back to ``state`` and ``release``."""
+
+    id: int
+    peer: str
+    operation: Operation
+    num_descriptors: int
+    nbytes: int
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T", bound="Transport")
+
+
+def confined(method: Callable[Concatenate[_T, _P], _R]) -> Callable[Concatenate[_T, _P], _R]:
+    """Guard a public method: owner thread only, and not after ``close``."""
+
+    @wraps(method)
+    def guarded(self: _T, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._check_usable(method.__name__)
+        return method(self, *args, **kwargs)
+
+    return guarded
+
+
+class Transport(ABC):
+    """One agent: registered memory, peers, transfers and notifications. Subclasses guard every
+    public method with :func:`confined`."""
+
+    def __init__(self, name: str) -> None:
+        if not name or len(name) > 256:
+            raise TransportError(f"agent name must be 1..256 characters, got {name!r}")
+        self.name = name
+        self._owner = threading.get_ident()
+        self._closed = False
+
+    def bind_to_current_thread(self) -> None:
+        """Hand the agent over to the calling thread (the previous owner must no longer use it)."""
+        self._owner = threading.get_ident()
+
+    def _check_usable(self, method: str) -> None:
+        if threading.get_ident() != self._owner:
+            raise TransportError(
+                f"{type(self).__name__} {self.name!r}: {method}() called from thread {threading.get_ident()} but the agent is confined "
+                f"to thread {self._owner}; hand it over with bind_to_current_thread()"
+            )
+        if self._closed:
+            raise TransportError(f"{type(self).__name__} {self.name!r}: {method}() called after close()")
+
+    @abstractmethod
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Expose memory to peers. Register before handing out :meth:`metadata`; all regions of
+        one agent share one device kind."""
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer passes to :meth:`add_peer` to reach this agent (address and registered regions)."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata (replacing an earlier copy under the same name); returns its name."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer and disconnect from it; its in-flight transfers end FAILED."""
+
+    @abstractmethod
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+        """Post one WRITE of every ``local`` descriptor into the matching ``remote`` descriptor.
+
+        Descriptors are ``(N, 3)`` int64 rows ``[addr, nbytes, device_id]``; row ``i`` of both
+        arrays has the same length. ``notification`` (if not empty) reaches the peer's
+        :meth:`take_notifications` once, after all bytes landed. An empty descriptor list only
+        delivers the notification. Raises :class:`TransportError` for invalid requests (unknown
+        peer, malformed descriptors, memory outside the registered regions); failures on the
+        wire (peer gone, rejected) show up as a FAILED :meth:`state`.
+        """
+
+    @abstractmethod
+    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+        """Post one READ of every ``remote`` descriptor into the matching ``local`` descriptor;
+        ``notification`` reaches the peer once the bytes were read. Same rules as :meth:`write`."""
+
+    @abstractmethod
+    def state(self, handle: TransferHandle) -> TransferStatus:
+        """Poll a transfer (also makes progress). DONE and FAILED are final."""
+
+    @abstractmethod
+    def release(self, handle: TransferHandle) -> None:
+        """Free a transfer's resources; releasing one still in progress tries to cancel it and
+        raises :class:`TransportError` (handle kept) if the transfer cannot be stopped."""
+
+    @abstractmethod
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a standalone notification."""
+
+    @abstractmethod
+    def progress(self) -> None:
+        """Drive incoming transfers and collect notifications; call regularly from the owner thread."""
+
+    @abstractmethod
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """Every ``(peer name, message)`` received since the last call, in arrival order per peer."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tear the agent down; further calls raise :class:`TransportError`. Idempotent."""
+
+    def __enter__(self: _T) -> _T:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def check_notification(message: bytes) -> bytes:
+    if not isinstance(message, bytes | bytearray | memoryview):
+        raise TransportError(f"notification must be bytes, got {type(message).__name__}")
+    if len(message) > MAX_NOTIFICATION_BYTES:
+        raise TransportError(f"notification of {len(message)} bytes exceeds the limit of {MAX_NOTIFICATION_BYTES} bytes")
+    return bytes(message)
