@@ -283,3 +283,11 @@ def test_a_killed_peer_process_fails_the_next_transfer_within_a_deadline(child: 
         local.release(handle)
     with pytest.raises(TransportError):
         local.notify(name, b"anyone-there")
+
+
+def test_an_idle_connected_agent_does_not_burn_cpu(child: tuple[PeerProcess, Transport, Buffer, str]) -> None:
+    # Guards against NIXL's UCX progress thread, which polls with a zero timeout (about one core per agent).
+    peer, local, buffer, name = child
+    handle = local.write(name, buffer.descs([(0, 1024)]), descs_at(peer.addr, [(0, 1024)]), b"warm-up")
+    assert finish(local, handle).state is TransferState.DONE
+    assert peer.idle_cpu_seconds(2.0) < 0.5
