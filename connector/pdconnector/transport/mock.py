@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -197,7 +197,9 @@ class MockTransport(Transport):
         for sock in inbound:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(_JOIN_TIMEOUT_S)
 
     # -- owner-thread helpers -----------------------------------------------------------------
@@ -253,10 +255,13 @@ class MockTransport(Transport):
 
     # -- any thread ---------------------------------------------------------------------------
 
-    def _spawn(self, target: object, role: str) -> threading.Thread:
+    def _spawn(self, target: Callable[[], None], role: str) -> threading.Thread:
         thread = threading.Thread(target=target, name=f"mock-transport-{self.name}-{role}", daemon=True)
         thread.start()
-        self._threads.append(thread)
+        with self._lock:
+            # Connections come and go over an agent's life; keep only threads that may still need joining.
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
         return thread
 
     def _fail_link(self, link: _Link, reason: str) -> None:

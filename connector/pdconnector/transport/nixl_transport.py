@@ -8,8 +8,8 @@ the owner's calls (``state``, ``progress``, ``take_notifications``), which must 
 Each transfer is built with ``initialize_xfer`` from the caller's descriptor arrays. Measured here
 (two agents, host memory, median of 30): building the request costs 7-12 us for 1-64 descriptors,
 34-95 us for 1024 and ~400 us for 16384; preparing both lists with ``prep_xfer_dlist`` and then
-``make_prepped_xfer`` costs 10-50 % more when the lists are used once, and preparing once and
-reusing saves only ~15 % at 16384 descriptors, while the transfer itself costs 10-100x more.
+``make_prepped_xfer`` costs 10-50 % more when the lists are used once, and even lists prepared once
+and reused save only 15-20 % at 16384 descriptors, while the transfer itself costs 10-100x more.
 """
 
 from __future__ import annotations
@@ -269,9 +269,9 @@ class NixlTransport(Transport):
         self._regions.check(local, "local", self.name)
         handle = TransferHandle(next(self._ids), peer, operation, int(local.shape[0]), int(local[:, 1].sum()))
         transfer = _Transfer(handle, None, _IN_PROGRESS)
-        self._transfers[handle.id] = transfer
         if local.shape[0] == 0:
             transfer.status = self._notify_only(peer, notification)
+            self._transfers[handle.id] = transfer
             return handle
         try:
             transfer.xfer = self._agent.initialize_xfer(
@@ -282,17 +282,17 @@ class NixlTransport(Transport):
                 notification,
             )
         except Exception as error:
-            del self._transfers[handle.id]
-            if type(error).__name__ == "nixlRemoteDisconnectError":
-                transfer.status = TransferStatus(TransferState.FAILED, f"peer {peer!r} is disconnected: {_describe(error)}")
-                self._transfers[handle.id] = transfer
-                return handle
-            # NIXL answers NOT_FOUND when no backend holds a registration covering every descriptor;
-            # the local side was checked above, so the remote descriptors are at fault.
-            raise TransportError(
-                f"NIXL agent {self.name!r}: cannot build {operation.value} to {peer!r} "
-                f"(remote descriptors outside the memory {peer!r} registered?): {_describe(error)}"
-            ) from None
+            if type(error).__name__ != "nixlRemoteDisconnectError":
+                # NIXL answers NOT_FOUND when no backend holds a registration covering every descriptor;
+                # the local side was checked above, so the remote descriptors are at fault.
+                raise TransportError(
+                    f"NIXL agent {self.name!r}: cannot build {operation.value} to {peer!r} "
+                    f"(remote descriptors outside the memory {peer!r} registered?): {_describe(error)}"
+                ) from None
+            transfer.status = TransferStatus(TransferState.FAILED, f"peer {peer!r} is disconnected: {_describe(error)}")
+        self._transfers[handle.id] = transfer
+        if transfer.xfer is None:
+            return handle
         try:
             state = self._agent.transfer(transfer.xfer)
         except Exception as error:
