@@ -19,7 +19,7 @@ from pdoperator.api import SpecError, parse_pdservice
 from pdoperator.api.model import Condition, ConditionType, PDService
 from pdoperator.render import RenderDefaults, Role, child_name
 
-from .children import Action, Create, Delete, Patch, children_selector, describe, desired_children, plan
+from .children import Action, Create, Patch, children_selector, describe, desired_children, plan
 from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
 from .kube import KubeApi, KubeApiError
 from .kvtransfer import UNREACHABLE, RouterStatusError, TransferCounts, Verdict, as_condition, unreachable_verdict, verdict
@@ -212,17 +212,21 @@ class Reconciler:
         return dict(zip(CHILD_KINDS, lists, strict=True))
 
     async def _apply(self, actions: list[Action], namespace: str) -> list[tuple[ResourceKind, dict[str, Any]]]:
-        """Run the plan in order; returns the objects as the server answered (empty dict for deleted ones)."""
-        results: list[tuple[ResourceKind, dict[str, Any]]] = []
-        for action in actions:
-            if isinstance(action, Create):
-                results.append((action.kind, await self._create(action.kind, namespace, action.body)))
-            elif isinstance(action, Patch):
-                results.append((action.kind, await self._patch(action, namespace)))
-            elif isinstance(action, Delete):
-                await self._api.delete(action.kind, namespace, action.name)
-                results.append((action.kind, {}))
-        return results
+        """Run the plan; returns the objects as the server answered (empty dict for deleted ones).
+
+        The writes touch distinct objects and Kubernetes tolerates any order (a StatefulSet may
+        exist before its Service), so they run concurrently: a first rollout costs one round trip,
+        not one per child.
+        """
+        return list(await asyncio.gather(*(self._run(action, namespace) for action in actions)))
+
+    async def _run(self, action: Action, namespace: str) -> tuple[ResourceKind, dict[str, Any]]:
+        if isinstance(action, Create):
+            return action.kind, await self._create(action.kind, namespace, action.body)
+        if isinstance(action, Patch):
+            return action.kind, await self._patch(action, namespace)
+        await self._api.delete(action.kind, namespace, action.name)
+        return action.kind, {}
 
     async def _create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
