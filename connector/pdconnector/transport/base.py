@@ -10,8 +10,11 @@ worker through a queue).
 
 Progress rule: nothing happens in the background on behalf of a NIXL agent. Its owner must call
 :meth:`Transport.progress` (or :meth:`Transport.take_notifications`, :meth:`Transport.state`)
-regularly while peers may transfer into it or it has transfers in flight: that is what completes
-incoming transfers and connection set-up. Poll with back-off when idle instead of spinning.
+regularly while peers may transfer into it, it has transfers in flight or it has just sent
+notifications (NIXL sends them asynchronously): that is what completes incoming transfers,
+outgoing notifications and connection set-up. Found here: a NIXL agent whose owner stops
+progressing while a peer connects can leave that peer's endpoint permanently disconnected. Poll
+with back-off when idle instead of spinning.
 """
 
 from __future__ import annotations
