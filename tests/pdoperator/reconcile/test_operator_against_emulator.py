@@ -316,8 +316,9 @@ def test_an_invalid_spec_is_reported_once_with_the_field_and_touches_no_children
 
 def test_a_valid_pdservice_made_invalid_keeps_its_children_as_they_are(env: Env) -> None:
     apply(env, tiny("turns-bad", "team-d"))
-    before = wait_children(env, "team-d", "turns-bad")
+    wait_children(env, "team-d", "turns-bad")
     quiet(env)
+    before = env.children("team-d", "turns-bad")
     env.kubectl.run("patch", "pds", "turns-bad", "-n", "team-d", "--type=merge", "-p", '{"spec":{"engine":{"runtime":"vllm"}}}')
     eventually(lambda: env.status("team-d", "turns-bad").get("phase") == "Invalid", "phase Invalid")
     after = env.children("team-d", "turns-bad")
