@@ -4,19 +4,24 @@ Validates and renders every example PDService of the repository and prints, per
 example, what the operator would run: mode, model, replicas x TP per role, GPUs and EFA
 devices per pod, connector, transport and the objects rendered, by kind. When the
 ``kubernetes-validate`` tool is installed (the dev extra), every rendered object is also
-checked against the Kubernetes 1.35 schemas, offline.
+checked against the Kubernetes 1.35 schemas, offline. Then it runs the tiny example
+locally (`pdctl up`) in push and in pull mode, sends requests through the router, shows
+which prefill and decode instance served each and how many KV bytes moved, and stops it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdoperator.api.model import ConnectorImpl, PDService, Runtime
+from pdoperator.api.model import ConnectorImpl, Mode, PDService, Runtime
+from pdoperator.local import LocalRunError
+from pdoperator.local.tour import format_report, tour_mode
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
 from pdoperator.render.engine import (
     BUILTIN_CONNECTOR_CLASS,
@@ -30,6 +35,8 @@ from pdoperator.render.identity import engine_image, role_spec
 from pdoperator.render.names import ENGINE_ROLES
 
 from .render import InputError, load_pdservices
+
+LOCAL_RUN_EXAMPLE = "tiny-cpu.yaml"
 
 KUBERNETES_VERSION = "1.35.0"
 # The repository checkout this package runs from: operator/pdoperator/cli/demo.py -> repo root.
@@ -165,6 +172,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--examples", type=Path, default=REPO_EXAMPLES, metavar="DIR", help=f"directory of PDService examples (default: {REPO_EXAMPLES})"
     )
+    parser.add_argument(
+        "--local-run",
+        metavar="NAME",
+        default=LOCAL_RUN_EXAMPLE,
+        help=f"example file in DIR to run locally in push and pull mode after rendering ('' skips it; default {LOCAL_RUN_EXAMPLE})",
+    )
+
+
+def local_run(path: Path) -> tuple[bool, list[str]]:
+    """`pdctl up` the example in each mode, send requests through the router, report who served them, `pdctl down`."""
+    try:
+        (source,) = load_pdservices(str(path))
+    except (InputError, ValueError) as error:
+        return False, [f"{path}: cannot run locally: {error}"]
+    lines = [f"Local run of {source.pds.namespace}/{source.pds.name} ({_display_path(path)}): router and mock engines on loopback"]
+    with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as state_root:
+        for mode in Mode:
+            try:
+                report = tour_mode(source.pds, mode, Path(state_root) / mode.value)
+            except (LocalRunError, OSError, RuntimeError, TimeoutError, KeyError, ValueError) as error:
+                return False, [*lines, f"  {mode.value} mode failed: {error}"]
+            lines += format_report(report)
+    return True, lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,4 +214,8 @@ def run(args: argparse.Namespace) -> int:
         failed += not ok
         print("\n".join(lines), end="\n\n")
     print(f"{len(files)} examples: {len(files) - failed} ok, {failed} failed")
+    if args.local_run:
+        ok, lines = local_run(directory / args.local_run)
+        failed += not ok
+        print("", *lines, sep="\n")
     return 0 if failed == 0 else 1

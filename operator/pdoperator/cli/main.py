@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("validate", "validate PDService manifests; errors name the field (exit 1 on an invalid spec)"),
     "render": ("render", "print the manifests the operator would apply, as YAML"),
     "crd": ("crd", "print the PDService CRD generated from pdoperator.api"),
+    "up": ("up", "run a PDService on this machine as local processes (mock engines), print its endpoint"),
+    "down": ("down", "stop what pdctl up started"),
     "demo": ("demo", "the main job on the embedded default: validate and render every example and summarise"),
 }
 

@@ -32,7 +32,7 @@ def block(out: str, example: str) -> str:
 
 
 def test_demo_summarises_every_repository_example_and_exits_0():
-    code, out, err = pdctl("demo")
+    code, out, err = pdctl("demo", "--local-run", "")
     assert (code, err) == (0, "")
     for path in EXAMPLES.glob("*.yaml"):
         assert f"{path.name}: PDService" in out
@@ -40,7 +40,7 @@ def test_demo_summarises_every_repository_example_and_exits_0():
 
 
 def test_demo_shows_mode_model_replicas_tp_gpus_efa_connector_transport_and_objects():
-    _, out, _ = pdctl("demo", "--examples", str(EXAMPLES))
+    _, out, _ = pdctl("demo", "--examples", str(EXAMPLES), "--local-run", "")
     qwen = block(out, "qwen3-32b-push-efa.yaml")
     assert "PDService inference/qwen3-32b: ok" in qwen
     assert re.search(r"mode\s+push", qwen)
@@ -66,7 +66,7 @@ def test_an_invalid_example_is_reported_with_its_field_and_fails_the_demo(tmp_pa
     bad["spec"]["decode"]["tensorParallelSize"] = 0
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     (tmp_path / "notes.txt").write_text("not an example")
-    code, out, _ = pdctl("demo", "--examples", str(tmp_path))
+    code, out, _ = pdctl("demo", "--examples", str(tmp_path), "--local-run", "")
     assert code == 1
     assert "bad.yaml: INVALID" in out
     assert "spec.decode.tensorParallelSize" in out
@@ -85,7 +85,23 @@ def test_a_missing_or_empty_examples_directory_exits_1(tmp_path):
 
 def test_the_installed_pdctl_runs_the_demo_from_any_directory(tmp_path):
     pdctl_script = Path(sys.executable).parent / "pdctl"
-    result = subprocess.run([str(pdctl_script), "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([str(pdctl_script), "demo", "--local-run", ""], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "3 examples: 3 ok, 0 failed" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_the_readme_main_job_runs_the_tiny_example_locally_in_both_modes():
+    """`make demo`, the README's first command: render every example, then serve requests through a local P/D run."""
+    result = subprocess.run(["make", "--no-print-directory", "demo"], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for mode in ("push", "pull"):
+        section = out[out.index(f"  {mode} mode via http://127.") :]
+        rows = [line.split() for line in section.splitlines()[2:5]]
+        assert [(row[2], row[3]) for row in rows] == [("tiny-prefill-0", "tiny-decode-0")] * 3
+        assert all(int(row[4]) > 0 for row in rows), "every request moved KV bytes"
+        assert "router verified 3 transfers, 0 served without one" in section
+    push_texts = [line.split(maxsplit=5)[5] for line in out[out.index("  push mode") :].splitlines()[2:5]]
+    pull_texts = [line.split(maxsplit=5)[5] for line in out[out.index("  pull mode") :].splitlines()[2:5]]
+    assert push_texts == pull_texts, "both modes generate the same tokens from the same transferred KV"

@@ -1,0 +1,157 @@
+"""From rendered manifests to local processes: what `pdctl up` runs instead of a cluster.
+
+The plan takes the very manifests the operator would apply and turns each pod into a
+process: the container's command and arguments with the downward-API variables expanded
+(``$(POD_NAME)``, ``$(POD_IP)``...), the router's ConfigMap with pod DNS names replaced by
+the processes' addresses. Each "pod" gets its own loopback address (127.x.y.z) so every
+engine keeps the ports the spec gives it, exactly as pods of a StatefulSet share ports
+on distinct pod IPs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdconnector.router.config import dump_router_config, parse_router_config
+
+from pdoperator.api import PDService, Runtime
+from pdoperator.render import LABEL_ROLE, Role
+
+ROUTER_CONFIG_FILE = "router.yaml"
+_VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_FIELD_REFS = ("metadata.name", "metadata.namespace", "status.podIP", "metadata.uid")
+
+
+class LocalRunError(ValueError):
+    """The PDService cannot run as local processes; the message says why."""
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """One pod of the PDService as a local process."""
+
+    name: str
+    role: Role
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    host: str
+    http_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """Everything `pdctl up` starts, in start order (engines before the router)."""
+
+    name: str
+    namespace: str
+    processes: tuple[LocalProcess, ...]
+    router_config: str
+
+    @property
+    def endpoint(self) -> str:
+        return next(process.url for process in self.processes if process.role is Role.ROUTER)
+
+
+def loopback_subnet(namespace: str, name: str) -> str:
+    """A loopback /24 of this PDService's own (127.a.b.0), so two local runs never share addresses."""
+    digest = hashlib.sha256(f"{namespace}/{name}".encode()).digest()
+    return f"127.{1 + digest[0] % 254}.{digest[1]}"
+
+
+def expand(text: str, variables: Mapping[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, anything else stays."""
+    parts = text.split("$$")
+    return "$".join(_VARIABLE.sub(lambda match: variables.get(match.group(1), match.group(0)), part) for part in parts)
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def _pod_env(container: dict[str, Any], fields: Mapping[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet would compute it: downward-API fields, then values in order."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        field_ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if field_ref is not None:
+            env[item["name"]] = fields[field_ref]
+        elif "value" in item:
+            env[item["name"]] = expand(item["value"], env)
+        else:
+            raise LocalRunError(f"env {item['name']} of {container['name']} comes from a Secret or ConfigMap, which a local run cannot read")
+    return env
+
+
+def _executable(argv: list[str]) -> list[str]:
+    """Console scripts and python3 resolve to this interpreter's environment, wherever pdctl was started from."""
+    bin_dir = Path(sys.executable).parent
+    if argv[0] in {"python3", "python"}:
+        return [sys.executable, *argv[1:]]
+    script = bin_dir / argv[0]
+    return [str(script), *argv[1:]] if script.exists() else argv
+
+
+def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int) -> list[LocalProcess]:
+    role = Role(statefulset["metadata"]["labels"][LABEL_ROLE])
+    container = _container(statefulset)
+    http_port = next(port["containerPort"] for port in container["ports"] if port["name"] == "http")
+    processes = []
+    for index in range(statefulset["spec"]["replicas"]):
+        pod_name = f"{statefulset['metadata']['name']}-{index}"
+        host = f"{subnet}.{first_host + index}"
+        fields = dict(
+            zip(
+                _FIELD_REFS,
+                (pod_name, statefulset["metadata"]["namespace"], host, str(uuid.uuid5(uuid.NAMESPACE_DNS, pod_name))),
+                strict=True,
+            )
+        )
+        env = _pod_env(container, fields)
+        argv = [expand(arg, env) for arg in [*container["command"], *container.get("args", [])]]
+        processes.append(LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port))
+    return processes
+
+
+def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: Path) -> LocalPlan:
+    """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced."""
+    if pds.spec.engine.runtime is not Runtime.MOCK:
+        raise LocalRunError(
+            f"spec.engine.runtime is {pds.spec.engine.runtime.value}: a local run starts mock engines only "
+            "(set spec.engine.runtime: mock and spec.engine.transport.backend: mock, as examples/tiny-cpu.yaml does)"
+        )
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for manifest in manifests:
+        by_kind.setdefault(manifest["kind"], []).append(manifest)
+    subnet = loopback_subnet(pds.namespace, pds.name)
+    engines: list[LocalProcess] = []
+    for offset, statefulset in zip((10, 130), by_kind["StatefulSet"], strict=True):
+        engines += _engine_processes(statefulset, subnet, offset)
+
+    config = parse_router_config(by_kind["ConfigMap"][0]["data"][ROUTER_CONFIG_FILE])
+    addresses = {engine.name: engine.host for engine in engines}
+    local_config = config.model_copy(
+        update={
+            role: getattr(config, role).model_copy(
+                update={"backends": [b.model_copy(update={"host": addresses[b.name]}) for b in getattr(config, role).backends]}
+            )
+            for role in ("prefill", "decode")
+        }
+    )
+    router_host = f"{subnet}.1"
+    container = _container(by_kind["Deployment"][0])
+    argv = [*container["command"], *container.get("args", [])]
+    argv[argv.index("--config") + 1] = str(state_dir / ROUTER_CONFIG_FILE)
+    argv += ["--host", router_host, "--port", str(pds.spec.router.port), "--health-interval", "0.5"]
+    router = LocalProcess(f"{pds.name}-router", Role.ROUTER, tuple(_executable(argv)), {}, router_host, pds.spec.router.port)
+    return LocalPlan(pds.name, pds.namespace, (*engines, router), dump_router_config(local_config))
