@@ -2,14 +2,14 @@
 
 The server answers with every rank's agent and regions and loads announcing peers into every
 rank's worker; the client (shared by the ranks) announces this engine when it looks a peer up.
-Ranks start concurrently (agent creation dominates start-up) and the server only answers once
-all of them are registered.
+Ranks start one after the other (a process's first NIXL agent pays the library's start-up; later
+ones take milliseconds, and no agent is created concurrently with another) and the server
+answers "not ready" until all of them are registered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from pdconnector.layout import ModelSpec, RankLayout
@@ -69,8 +69,7 @@ class EngineTransfers:
         return PrefillCoordinates(self.engine_id, self.config.host, self.server.port, self.tp_size)
 
     def start(self) -> EngineInfo:
-        with ThreadPoolExecutor(max_workers=self.tp_size) as pool:
-            ranks = tuple(pool.map(TransferWorker.start, self.workers))
+        ranks = tuple(worker.start() for worker in self.workers)
         self._info = EngineInfo(self.engine_id, self.tp_size, layout_summary(self.model), ranks)
         return self._info
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from typing import Any
+
+from pdconnector.transport.nixl_transport import NixlTransport
 
 from tests.pdconnector.worker.engines import Engine, EngineHost
 
@@ -19,6 +22,8 @@ def main() -> None:
             result: Any = None
             if method == "init":
                 engines[kwargs["name"]] = Engine(**kwargs)
+            elif method == "warm_nixl":
+                NixlTransport(f"warm-{os.getpid()}").close()
             elif method == "exit":
                 for engine in engines.values():
                     engine.close()

@@ -230,8 +230,14 @@ class EngineHost:
         self.call("", "init", rpc_timeout_s=90, name=name, model=model, tp=tp, num_blocks=num_blocks, transport=transport, limits=limits)
         return RemoteEngine(self, name, tp)
 
-    def call(self, engine: str, method: str, rpc_timeout_s: float = 60, **kwargs: Any) -> Any:
+    def warm_nixl(self) -> None:
+        """Pay NIXL's one-off start-up (plugin loading, UCX set-up: seconds, far more on a loaded machine) before any test's clock runs."""
+        self.call("", "warm_nixl", rpc_timeout_s=300)
+
+    def call(self, engine: str, method: str, rpc_timeout_s: float = 120, **kwargs: Any) -> Any:
         assert self.process.stdin is not None and self.process.stdout is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"engine process {self.pid} already exited (code {self.process.returncode}); cannot call {method}")
         self.process.stdin.write(json.dumps({"engine": engine, "method": method, "kwargs": kwargs}) + "\n")
         self.process.stdin.flush()
         timer = threading.Timer(rpc_timeout_s, self.kill)

@@ -145,7 +145,7 @@ def test_decode_fails_at_its_deadline_and_prefill_frees_blocks_of_the_abandoned_
     time.sleep(0.2)
     prefill.prefill_finished(transfer_id="tx-slow", blocks=SRC, num_tokens=TOKENS)
     results, elapsed = _timed_wait(prefill, "tx-slow", 5)
-    assert _one(results) == ("finished_sending", "cancelled") and elapsed < 1.0
+    assert _one(results) == ("finished_sending", "cancelled") and elapsed < 2.0
     assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}
 
 
@@ -272,7 +272,7 @@ def test_prefill_cancel_tells_a_registered_decode_at_once(engines: tuple[Engine,
     assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=5)
     prefill.cancel(transfer_id="tx-cancel")
     results, elapsed = _timed_wait(decode, "tx-cancel", 5)
-    assert _one(results) == ("failed_recving", "cancelled") and elapsed < 1.0
+    assert _one(results) == ("failed_recving", "cancelled") and elapsed < 2.0
     prefill.prefill_finished(transfer_id="tx-cancel", blocks=SRC, num_tokens=TOKENS)
     assert _one(prefill.wait(transfer_id="tx-cancel", timeout_s=5)) == ("finished_sending", "cancelled")
 

@@ -28,6 +28,8 @@ BLOCKS = (32, 48)
 def hosts() -> Iterator[tuple[EngineHost, EngineHost]]:
     prefill, decode = EngineHost(), EngineHost()
     try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(EngineHost.warm_nixl, (prefill, decode)))
         yield prefill, decode
     finally:
         prefill.stop()
@@ -74,6 +76,7 @@ def _push_setup(prefill: RemoteEngine, decode: RemoteEngine, transfer_id: str, t
 
 def test_decode_fails_within_its_deadline_when_the_prefill_process_is_killed(hosts: tuple[EngineHost, EngineHost]) -> None:
     victim = EngineHost()
+    victim.warm_nixl()
     decode = hosts[1].create("decode-survivor", "dense", tp=1, num_blocks=BLOCKS[1], transport="nixl")
     try:
         prefill = victim.create("prefill-victim", "dense", tp=2, num_blocks=BLOCKS[0], transport="nixl")
@@ -91,6 +94,7 @@ def test_decode_fails_within_its_deadline_when_the_prefill_process_is_killed(hos
 
 def test_prefill_frees_its_blocks_promptly_when_the_decode_process_is_killed(hosts: tuple[EngineHost, EngineHost]) -> None:
     victim = EngineHost()
+    victim.warm_nixl()
     prefill = hosts[0].create("prefill-survivor", "dense", tp=1, num_blocks=BLOCKS[0], transport="nixl", limits={"write_timeout_s": 3.0})
     try:
         decode = victim.create("decode-victim", "dense", tp=2, num_blocks=BLOCKS[1], transport="nixl")
