@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pd-operator"
 KUBERNETES_VERSION = "1.35.0"
 # Kinds that are not built into Kubernetes and so have no offline schema in kubernetes-validate.
-CUSTOM_KINDS = {"PDService", "ServiceMonitor"}
+CUSTOM_KINDS = {"PDService", "ServiceMonitor", "ClusterKopfPeering", "KopfPeering"}
 
 
 def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -144,11 +144,28 @@ def test_default_images_follow_the_app_version_and_reach_the_operator(helm: Path
     assert env["PD_OPERATOR_ENGINE_IMAGE"] == f"ghcr.io/pd-operator/pd-engine:{version}"
 
 
-def test_more_than_one_replica_turns_on_peering(helm: Path) -> None:
-    (single,) = by_kind(render(helm), "Deployment")
-    (several,) = by_kind(render(helm, "replicaCount=3"), "Deployment")
+def test_more_than_one_replica_turns_on_peering_with_a_peering_object_kopf_can_update(helm: Path) -> None:
+    single_docs = render(helm)
+    (single,) = by_kind(single_docs, "Deployment")
     assert not [arg for arg in single["spec"]["template"]["spec"]["containers"][0]["args"] if arg.startswith("--peering")]
+    assert not by_kind(single_docs, "ClusterKopfPeering")
+    docs = render(helm, "replicaCount=3")
+    (several,) = by_kind(docs, "Deployment")
     assert "--peering=pdo-pd-operator" in several["spec"]["template"]["spec"]["containers"][0]["args"]
+    (peering,) = by_kind(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "pdo-pd-operator"
+    namespaced = render(helm, "replicaCount=2", "watchNamespaces={team-a,team-b}")
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(namespaced, "KopfPeering")) == ["team-a", "team-b"]
+
+
+def test_chart_ships_the_kopf_peering_crds_the_rbac_rules_name() -> None:
+    crds = list(yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text()))
+    plurals = {crd["spec"]["names"]["plural"] for crd in crds}
+    rules = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
+    granted = {resource for scope in rules.values() for rule in scope if rule["apiGroups"] == ["kopf.dev"] for resource in rule["resources"]}
+    assert plurals == granted == {"clusterkopfpeerings", "kopfpeerings"}
+    for crd in crds:
+        kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
 
 
 def test_metrics_service_and_service_monitor_only_when_enabled(helm: Path) -> None:

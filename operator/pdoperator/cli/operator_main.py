@@ -16,7 +16,8 @@ import logging
 import os
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import kopf
 import prometheus_client
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
     parser.add_argument("--log-format", choices=sorted(LOG_FORMATS), default="full", help="log line format")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--cluster-domain", default=RenderDefaults.cluster_domain, help="cluster DNS domain of Service names")
+    parser.add_argument("--cluster-domain", help=f"cluster DNS domain of Service names (default: {RenderDefaults.cluster_domain})")
     parser.add_argument("--kv-check-interval", type=float, default=HandlerSettings.kv_check_interval_seconds, metavar="SECONDS",
                         help="how often each PDService's router /status is read for KVTransferVerified")  # fmt: skip
     parser.add_argument("--router-status-url", metavar="TEMPLATE",
@@ -53,12 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def render_defaults(cluster_domain: str, environ: dict[str, str]) -> RenderDefaults:
-    """Installation-wide rendering inputs; the Helm chart passes the router image through the environment."""
-    router_image = environ.get("PD_OPERATOR_ROUTER_IMAGE")
-    if router_image:
-        return RenderDefaults(cluster_domain=cluster_domain, router_image=router_image)
-    return RenderDefaults(cluster_domain=cluster_domain)
+def render_defaults(cluster_domain: str | None, environ: Mapping[str, str]) -> RenderDefaults:
+    """Installation-wide rendering inputs: the Helm chart passes the default images through the environment."""
+    defaults = RenderDefaults.from_environ(environ)
+    return defaults if cluster_domain is None else replace(defaults, cluster_domain=cluster_domain)
 
 
 def peering_priority(requested: int | None) -> int:

@@ -86,3 +86,7 @@ def test_without_any_kubernetes_configuration_it_exits_with_a_message(
 def test_the_router_image_comes_from_the_chart_environment() -> None:
     assert operator_main.render_defaults("cluster.local", {"PD_OPERATOR_ROUTER_IMAGE": "r:1"}).router_image == "r:1"
     assert operator_main.render_defaults("example.org", {}).cluster_domain == "example.org"
+    assert operator_main.render_defaults(None, {}).cluster_domain == "cluster.local"
+    chart_env = {"PD_OPERATOR_ENGINE_IMAGE": "e:1", "PD_OPERATOR_MOCK_ENGINE_IMAGE": "m:1", "PD_OPERATOR_CLUSTER_DOMAIN": "corp.local"}
+    from_chart = operator_main.render_defaults(None, chart_env)
+    assert (from_chart.engine_image, from_chart.mock_engine_image, from_chart.cluster_domain) == ("e:1", "m:1", "corp.local")
