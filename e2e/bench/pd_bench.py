@@ -1,0 +1,190 @@
+"""Push vs pull under load: a QPS x input-length sweep through the router with `vllm bench serve`, and its two figures.
+
+    .venv/bin/python e2e/bench/pd_bench.py                          # local run of examples/tiny-cpu.yaml, push and pull
+    .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME  # any running router (local, port-forwarded)
+    .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench      # redraw the figures from saved runs
+
+The local run starts the tiny example with `pdctl up` (mock engines moving real KV bytes over the
+mock transport) with a latency model on the engines, once per mode. Each run of `vllm bench serve`
+(random token prompts through a word-level tokenizer, so input lengths are exact) writes one JSON
+file; the sweep then draws TTFT vs QPS and TPOT vs QPS (one line per label and input length) as
+PNG and prints a markdown table (also written to summary.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "tiny-cpu.yaml"
+RESULT_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "completed", "failed")
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    input_len: int
+    qps: float
+    result: dict[str, float]
+
+    @property
+    def filename(self) -> str:
+        return f"{self.label}-in{self.input_len}-qps{self.qps:g}.json"
+
+
+def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, output_len: int, qps: float, prompts: int) -> dict[str, float]:
+    """One `vllm bench serve` run (its own client, in-process) against ``base_url``."""
+    from vllm.benchmarks.serve import add_cli_args, main  # noqa: PLC0415 - importing vLLM takes seconds
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        [
+            *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", base_url, "--model", model),
+            *("--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(input_len)),
+            *("--random-output-len", str(output_len), "--num-prompts", str(prompts), "--request-rate", str(qps)),
+            *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0"),
+        ]
+    )
+    result = main(args)
+    return {key: float(result[key]) for key in RESULT_KEYS}
+
+
+def tiny_with(mode: str, prefill_s_per_token: float, decode_s_per_token: float) -> dict[str, object]:
+    document = yaml.safe_load(TINY.read_text())
+    document["spec"]["mode"] = mode
+    document["spec"]["prefill"]["extraArgs"] = ["--prefill-seconds-per-token", str(prefill_s_per_token)]
+    document["spec"]["decode"]["extraArgs"] = ["--decode-seconds-per-token", str(decode_s_per_token)]
+    return document
+
+
+def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
+    from pdoperator.api import parse_pdservice  # noqa: PLC0415
+    from pdoperator.local import down, plan_local_run, up  # noqa: PLC0415
+    from pdoperator.render import RenderDefaults, render_pdservice  # noqa: PLC0415
+
+    runs = []
+    for mode in args.modes:
+        pds = parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
+        state_dir = args.out / "state" / mode
+        plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), state_dir)
+        up(plan, state_dir)
+        try:
+            runs += sweep(f"mock-{mode}", plan.endpoint, pds.spec.model.name, tokenizer, args)
+        finally:
+            down(state_dir)
+    return runs
+
+
+def sweep(label: str, base_url: str, model: str, tokenizer: Path, args: argparse.Namespace) -> list[Run]:
+    runs = []
+    for input_len in args.input_lens:
+        for qps in args.qps:
+            prompts = max(args.min_prompts, round(qps * args.seconds))
+            run = Run(label, input_len, qps, bench_serve(base_url, model, tokenizer, input_len=input_len, output_len=args.output_len, qps=qps, prompts=prompts))
+            runs.append(run)
+            (args.out / run.filename).write_text(json.dumps({"label": label, "input_len": input_len, "qps": qps, **run.result}, indent=2))
+            print(f"{label:<16} in={input_len:<5} qps={qps:<5g} TTFT p50 {run.result['p50_ttft_ms']:8.1f} ms  TPOT p50 "
+                  f"{run.result['p50_tpot_ms']:7.2f} ms  done {run.result['completed']:.0f} failed {run.result['failed']:.0f}")  # fmt: skip
+    return runs
+
+
+def load_runs(directory: Path) -> list[Run]:
+    runs = []
+    for path in sorted(directory.glob("*-in*-qps*.json")):
+        data = json.loads(path.read_text())
+        runs.append(Run(data["label"], int(data["input_len"]), float(data["qps"]), {key: data[key] for key in RESULT_KEYS}))
+    return runs
+
+
+def plot(runs: Sequence[Run], out: Path) -> list[Path]:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    written = []
+    for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token")):
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        for label, input_len in sorted({(run.label, run.input_len) for run in runs}):
+            series = sorted((run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"]) for run in runs
+                            if (run.label, run.input_len) == (label, input_len))  # fmt: skip
+            qps, p50, p99 = zip(*series, strict=True)
+            line = axes.plot(qps, p50, marker="o", label=f"{label}, {input_len} in (p50)")[0]
+            axes.plot(qps, p99, marker="x", linestyle="--", color=line.get_color(), alpha=0.6, label=f"{label}, {input_len} in (p99)")
+        axes.set(xlabel="request rate (QPS)", ylabel=f"{metric.upper()} (ms)", title=f"{title} vs QPS")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+        figure.tight_layout()
+        path = out / f"{metric}_vs_qps.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def table(runs: Sequence[Run]) -> str:
+    lines = [
+        "| label | input tokens | QPS | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | req/s | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in sorted(runs, key=lambda r: (r.input_len, r.qps, r.label)):
+        r = run.result
+        lines.append(f"| {run.label} | {run.input_len} | {run.qps:g} | {r['p50_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | "
+                     f"{r['p50_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['request_throughput']:.2f} | {r['failed']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def numbers(text: str) -> list[float]:
+    return [float(item) for item in text.split(",")]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "bench", help="directory of results and figures")
+    parser.add_argument("--router", help="benchmark this running router instead of starting the tiny example locally")
+    parser.add_argument("--label", default="router", help="label of --router runs in files and figures")
+    parser.add_argument("--model", default="tiny-llama", help="served model name (with --router)")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=["push", "pull"], help="local run: modes to sweep")
+    parser.add_argument("--qps", type=numbers, default=[2, 8, 32], help="request rates, comma-separated")
+    parser.add_argument("--input-lens", type=lambda text: [int(n) for n in numbers(text)], default=[128, 1024], help="prompt lengths")
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=8.0, help="target duration of one run (prompts = QPS x seconds)")
+    parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument("--prefill-s-per-token", type=float, default=0.0001, help="local run: mock prefill latency model")
+    parser.add_argument("--decode-s-per-token", type=float, default=0.004, help="local run: mock decode latency model")
+    parser.add_argument("--plot-only", type=Path, metavar="DIR", help="only redraw figures and the table from DIR's JSON files")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        args.out = args.plot_only
+        runs = load_runs(args.out)
+    else:
+        from pdconnector.sim.tokenizer import write_word_tokenizer  # noqa: PLC0415
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        tokenizer = write_word_tokenizer(args.out / "tokenizer")
+        runs = sweep(args.label, args.router, args.model, tokenizer, args) if args.router else sweep_local(args, tokenizer)
+    if not runs:
+        print(f"no runs in {args.out}", file=sys.stderr)
+        return 1
+    figures = plot(runs, args.out)
+    summary = table(runs)
+    (args.out / "summary.md").write_text(summary + "\n")
+    print(summary)
+    print("figures: " + ", ".join(str(path) for path in figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
