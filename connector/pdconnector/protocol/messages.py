@@ -7,8 +7,8 @@ told so plainly instead of failing on some field. ``decode`` refuses frames abov
 malformed or hostile notification ends in a ``ProtocolError`` naming the field
 and never in a crash or an oversized allocation.
 
-Directions: decode sends ``RegistrationMessage`` and ``AbortMessage`` to prefill;
-prefill sends ``CompletionMessage`` (as the notification of its WRITE, so it lands
+Directions: decode sends ``RegistrationMessage``, ``AbortMessage`` and (pull, as its READ's
+notification) ``ReadDoneMessage`` to prefill; prefill sends ``CompletionMessage`` (as the notification of its WRITE, so it lands
 after the data) and ``FailureMessage`` to decode.
 """
 
@@ -139,7 +139,20 @@ class AbortMessage(_Message, tag="abort"):
     detail: Detail = ""
 
 
-Message = RegistrationMessage | CompletionMessage | FailureMessage | AbortMessage
+class ReadDoneMessage(_Message, tag="read_done"):
+    """Decode rank -> prefill rank, as a pull READ's notification: this rank has its share; prefill may free
+    once every decode rank reading from it (which it derives from ``decode_tp_size``) said so."""
+
+    decode_rank: TpRank
+    decode_tp_size: TpSize
+    bytes_read: Count
+
+    def __post_init__(self) -> None:
+        if self.decode_rank >= self.decode_tp_size:
+            raise ProtocolError("decode_rank", f"{self.decode_rank} is not below decode_tp_size {self.decode_tp_size}")
+
+
+Message = RegistrationMessage | CompletionMessage | FailureMessage | AbortMessage | ReadDoneMessage
 
 
 class _Identity(msgspec.Struct):

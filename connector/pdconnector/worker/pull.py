@@ -5,32 +5,18 @@ In pull mode decode READs prefill's blocks and the READ's notification tells pre
 decode ranks ``targets_for(prefill_rank, P_TP, D_TP)``; it frees its blocks once each of them said
 so, when a decode rank gives up (an abort), or when the lease runs out. Pure logic, clock passed in.
 
-The read-done notice travels as an :class:`AbortMessage` ("decode is done with this attempt: stop
-and free") whose detail names decode's TP size, which prefill needs to know how many readers to
-wait for; the protocol has no dedicated message for it yet.
+The read-done notice is a :class:`ReadDoneMessage` naming decode's TP size, from which prefill knows
+how many readers to wait for; an :class:`AbortMessage` (decode gave up) releases at once.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from pdconnector.layout import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
-from pdconnector.protocol.messages import AbortMessage
+from pdconnector.protocol.messages import AbortMessage, ReadDoneMessage
 from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
-
-_READ_DONE = re.compile(r"^read done by decode TP (\d{1,4})$")
-
-
-def read_done_message(transfer_id: str, attempt: int, decode_rank: int, decode_tp_size: int) -> AbortMessage:
-    return AbortMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=decode_rank, detail=f"read done by decode TP {decode_tp_size}")
-
-
-def read_done_tp(message: AbortMessage) -> int | None:
-    """Decode's TP size if ``message`` reports a finished READ, None for a plain abort."""
-    match = _READ_DONE.match(message.detail)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -74,14 +60,16 @@ class PullHolds:
         self._deadlines.push(now + self.lease_s, blocks.transfer_id)
 
     def abort_received(self, message: AbortMessage) -> Released | None:
+        if message.transfer_id not in self._holds:
+            return None
+        return self._release(message.transfer_id, Outcome.CANCELLED, f"decode rank {message.decode_rank} aborted: {message.detail}")
+
+    def read_done_received(self, message: ReadDoneMessage) -> Released | None:
         hold = self._holds.get(message.transfer_id)
         if hold is None:
             return None
-        decode_tp = read_done_tp(message)
-        if decode_tp is None:
-            return self._release(message.transfer_id, Outcome.CANCELLED, f"decode rank {message.decode_rank} aborted: {message.detail}")
         try:
-            readers = set(targets_for(self.prefill_rank, self.prefill_tp_size, decode_tp))
+            readers = set(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
         except ValueError as error:
             return self._release(message.transfer_id, Outcome.FAILED, str(error))
         if message.decode_rank in readers:

@@ -45,6 +45,7 @@ from pdconnector.protocol.messages import (
     FailureMessage,
     FailureReason,
     ProtocolError,
+    ReadDoneMessage,
     RegistrationMessage,
     Side,
     decode,
@@ -65,7 +66,7 @@ from pdconnector.protocol.rendezvous import (
 )
 from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, RankInfo, check_peer, fingerprint, layout_summary
-from pdconnector.worker.pull import PullHolds, read_done_message
+from pdconnector.worker.pull import PullHolds, Released
 from pdconnector.worker.side_channel import SideChannelClient
 
 log = logging.getLogger(__name__)
@@ -563,7 +564,6 @@ class TransferWorker:
         reading = _Reading(request, {}, {})
         self._reads[request.transfer_id] = reading
         assert self._transport is not None
-        notification = encode(read_done_message(request.transfer_id, 0, rank, d_tp))
         sources = writers_for(rank, engine.tp_size, d_tp)
         # Every source rank holds the blocks for this READ: all of them are told if it fails, posted or not.
         reading.agents.update({p: engine.ranks[p].agent_name for p in sources})
@@ -572,7 +572,8 @@ class TransferWorker:
                 source = engine.rank_layout(self.layout.model, p)
                 plan = plan_transfer(source, self.layout, request.remote_block_ids, request.block_ids, num_tokens=request.num_tokens)
                 remote, local = plan.to_descriptors(engine.ranks[p].region_base_addresses, self._region_addrs)
-                reading.handles[p] = self._transport.read(engine.ranks[p].agent_name, local, remote, notification)
+                done = ReadDoneMessage(transfer_id=request.transfer_id, attempt=0, decode_rank=rank, decode_tp_size=d_tp, bytes_read=plan.nbytes)
+                reading.handles[p] = self._transport.read(engine.ranks[p].agent_name, local, remote, encode(done))
                 self._count("reads_posted")
                 reading.nbytes += plan.nbytes
         except (ValueError, TransportError) as error:
@@ -609,9 +610,7 @@ class TransferWorker:
 
     def _cancel(self, transfer_id: str, detail: str, now: float) -> None:
         self._apply(self._table.cancel(transfer_id, detail, now), now)
-        released = self._holds.cancel(transfer_id, detail)
-        if released is not None:
-            self._report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
+        self._report_released(self._holds.cancel(transfer_id, detail))
         if self._handshaking.pop(transfer_id, None) is not None:
             self._fail_recv(transfer_id, FailureReason.CANCELLED, detail)
         if self._tracker.cancel(transfer_id) is not None:
@@ -638,13 +637,18 @@ class TransferWorker:
                     self._apply(self._table.registration_received(message, now), now)
                 case AbortMessage():
                     released = self._holds.abort_received(message)
-                    if released is not None:
-                        self._report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
-                    else:
+                    if released is None:
                         self._apply(self._table.abort_received(message, now), now)
+                    self._report_released(released)
+                case ReadDoneMessage():
+                    self._report_released(self._holds.read_done_received(message))
                 case CompletionMessage() | FailureMessage():
                     self._tracker.on_message(message)
         return bool(notifications)
+
+    def _report_released(self, released: Released | None) -> None:
+        if released is not None:
+            self._report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
 
     def _refuse(self, sender: str, frame: bytes, error: ProtocolError) -> None:
         log.warning("refused a notification from %s: %s", sender, error)
@@ -693,7 +697,7 @@ class TransferWorker:
             self._apply(events, now)
             progressed |= bool(events)
         for released in self._holds.expire(now):
-            self._report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
+            self._report_released(released)
             progressed = True
         for transfer_id, reading in list(self._reads.items()):
             if reading.request.deadline <= now:

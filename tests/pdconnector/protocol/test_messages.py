@@ -13,6 +13,7 @@ from pdconnector.protocol.messages import (
     FailureMessage,
     FailureReason,
     ProtocolError,
+    ReadDoneMessage,
     RegistrationMessage,
     Side,
     decode,
@@ -102,7 +103,17 @@ failures = st.builds(
     detail=st.text(max_size=100),
 )
 aborts = st.builds(AbortMessage, transfer_id=ids, attempt=attempts, decode_rank=st.integers(0, 1023), detail=st.text(max_size=100))
-messages = st.one_of(registrations(), completions(), failures, aborts)
+read_dones = st.integers(1, 1024).flatmap(
+    lambda tp: st.builds(
+        ReadDoneMessage,
+        transfer_id=ids,
+        attempt=attempts,
+        decode_rank=st.integers(0, tp - 1),
+        decode_tp_size=st.just(tp),
+        bytes_read=st.integers(0, 2**40),
+    )
+)
+messages = st.one_of(registrations(), completions(), failures, aborts, read_dones)
 
 
 @settings(max_examples=300, deadline=None)

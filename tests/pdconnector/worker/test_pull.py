@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pdconnector.protocol.messages import AbortMessage, decode, encode
+from pdconnector.protocol.messages import AbortMessage, ProtocolError, ReadDoneMessage, decode, encode
 from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
-from pdconnector.worker.pull import PullHolds, read_done_message, read_done_tp
+from pdconnector.worker.pull import PullHolds
 
 BLOCKS = PrefillBlocks("tx-1", ((1, 2),), 20)
 
@@ -16,24 +16,29 @@ def holds(rank: int = 0, tp: int = 1) -> PullHolds:
     return table
 
 
-def test_read_done_travels_as_an_abort_that_names_decode_tp() -> None:
+def read_done_message(transfer_id: str, attempt: int, decode_rank: int, decode_tp_size: int) -> ReadDoneMessage:
+    return ReadDoneMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=decode_rank, decode_tp_size=decode_tp_size, bytes_read=64)
+
+
+def test_read_done_names_decode_tp_and_round_trips() -> None:
     message = decode(encode(read_done_message("tx-1", 0, 3, 4)))
-    assert isinstance(message, AbortMessage) and read_done_tp(message) == 4
-    assert read_done_tp(AbortMessage(transfer_id="tx-1", attempt=0, decode_rank=0, detail="timed out")) is None
+    assert isinstance(message, ReadDoneMessage) and (message.decode_rank, message.decode_tp_size) == (3, 4)
+    with pytest.raises(ProtocolError, match="decode_rank"):
+        read_done_message("tx-1", 0, 4, 4)
 
 
 def test_blocks_are_released_once_every_reading_decode_rank_is_done() -> None:
     table = holds(rank=1, tp=2)  # decode TP 4: prefill rank 1 is read by decode ranks 2 and 3
-    assert table.abort_received(read_done_message("tx-1", 0, 2, 4)) is None
-    assert table.abort_received(read_done_message("tx-1", 0, 0, 4)) is None  # not one of this rank's readers
-    released = table.abort_received(read_done_message("tx-1", 0, 3, 4))
+    assert table.read_done_received(read_done_message("tx-1", 0, 2, 4)) is None
+    assert table.read_done_received(read_done_message("tx-1", 0, 0, 4)) is None  # not one of this rank's readers
+    released = table.read_done_received(read_done_message("tx-1", 0, 3, 4))
     assert released is not None and released.outcome is Outcome.WRITTEN and released.blocks == BLOCKS
     assert "tx-1" not in table
 
 
 def test_one_reader_suffices_when_decode_tp_is_smaller() -> None:
     table = holds(rank=3, tp=4)
-    released = table.abort_received(read_done_message("tx-1", 0, 1, 2))
+    released = table.read_done_received(read_done_message("tx-1", 0, 1, 2))
     assert released is not None and released.outcome is Outcome.WRITTEN
 
 
@@ -51,7 +56,7 @@ def test_the_lease_releases_unread_blocks() -> None:
 
 def test_unknown_transfers_and_double_holds() -> None:
     table = holds()
-    assert table.abort_received(read_done_message("tx-other", 0, 0, 1)) is None
+    assert table.read_done_received(read_done_message("tx-other", 0, 0, 1)) is None
     assert table.cancel("tx-other", "x") is None
     with pytest.raises(ValueError, match="reported finished twice"):
         table.hold(BLOCKS, now=1.0)
