@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.pdconnector.vllm.harness import TinyModel, VllmServer, launch_server, stop_all, write_tiny_model
+from tests.pdconnector.vllm.harness import EngineLauncher, TinyModel, VllmServer, launch_server, stop_all, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +33,13 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine-logs")
 
 
-EngineLauncher = Callable[..., VllmServer]
-
-
-def _launcher(log_dir: Path) -> Iterator[EngineLauncher]:
+@pytest.fixture
+def launch_engine(engine_log_dir: Path) -> Iterator[EngineLauncher]:
+    """``launch_engine(name, model_dir, **launch_server kwargs)``: starts a server (not yet healthy); stopped after the test."""
     started: list[VllmServer] = []
 
     def launch(name: str, model_dir: Path, **kwargs: Any) -> VllmServer:
-        server = launch_server(name, model_dir, log_dir, **kwargs)
+        server = launch_server(name, model_dir, engine_log_dir, **kwargs)
         started.append(server)
         return server
 
@@ -48,15 +47,3 @@ def _launcher(log_dir: Path) -> Iterator[EngineLauncher]:
         yield launch
     finally:
         stop_all(started)
-
-
-@pytest.fixture
-def launch_engine(engine_log_dir: Path) -> Iterator[EngineLauncher]:
-    """``launch_engine(name, model_dir, **launch_server kwargs)``: starts a server (not yet healthy); stopped after the test."""
-    yield from _launcher(engine_log_dir)
-
-
-@pytest.fixture(scope="module")
-def launch_module_engine(engine_log_dir: Path) -> Iterator[EngineLauncher]:
-    """Like ``launch_engine`` but the servers live until the test module ends (share a slow start-up)."""
-    yield from _launcher(engine_log_dir)

@@ -273,6 +273,10 @@ class VllmServer:
         self.stop()
 
 
+# What the ``launch_engine`` fixture hands a test: ``launch(name, model_dir, **launch_server kwargs)``.
+EngineLauncher = Callable[..., "VllmServer"]
+
+
 def launch_server(
     name: str,
     model_dir: Path,

@@ -13,8 +13,8 @@ from tests.pdconnector.vllm.harness import (
     HYBRID_CONFIG,
     Completion,
     CompletionError,
+    EngineLauncher,
     EngineStartError,
-    launch_server,
     output_differences,
     parse_completion,
     process_group_cpu_seconds,
@@ -106,12 +106,10 @@ def test_concurrent_calls_return_in_order_and_surface_the_first_failure() -> Non
 
 
 @pytest.mark.slow
-def test_a_server_that_exits_while_starting_is_reported_with_its_log(tmp_path: Path) -> None:
+def test_a_server_that_exits_while_starting_is_reported_with_its_log(tmp_path: Path, launch_engine: EngineLauncher) -> None:
     # A bad model directory makes vLLM's API server exit on argument validation, before any engine starts.
-    server = launch_server("broken", tmp_path / "no-such-model", tmp_path)
-    try:
-        with pytest.raises(EngineStartError, match="broken exited"):
-            server.wait_healthy(timeout_s=120)
-    finally:
-        server.stop()
+    server = launch_engine("broken", tmp_path / "no-such-model")
+    with pytest.raises(EngineStartError, match=r"(?s)broken exited with \d+ while starting:.*no-such-model"):
+        server.wait_healthy(timeout_s=120)
+    server.stop()
     assert not server.is_running()
