@@ -88,7 +88,8 @@ def sweep(label: str, base_url: str, model: str, tokenizer: Path, args: argparse
     for input_len in args.input_lens:
         for qps in args.qps:
             prompts = max(args.min_prompts, round(qps * args.seconds))
-            run = Run(label, input_len, qps, bench_serve(base_url, model, tokenizer, input_len=input_len, output_len=args.output_len, qps=qps, prompts=prompts))
+            result = bench_serve(base_url, model, tokenizer, input_len=input_len, output_len=args.output_len, qps=qps, prompts=prompts)
+            run = Run(label, input_len, qps, result)
             runs.append(run)
             (args.out / run.filename).write_text(json.dumps({"label": label, "input_len": input_len, "qps": qps, **run.result}, indent=2))
             print(f"{label:<16} in={input_len:<5} qps={qps:<5g} TTFT p50 {run.result['p50_ttft_ms']:8.1f} ms  TPOT p50 "
