@@ -37,8 +37,10 @@ def prompt_of(length: int, salt: int = 0) -> list[int]:
     return [(7 * salt + 13 * i + length) % harness.VOCAB_SIZE for i in range(length)]
 
 
-def measure_colocated(model_dir: Path, log_dir: Path, env: dict[str, str]) -> tuple[dict[int, harness.Completion], dict[str, Any]]:
-    with harness.start_server("colocated", model_dir, log_dir, env=env) as server:
+def measure_colocated(
+    model_dir: Path, log_dir: Path, env: dict[str, str], startup_timeout_s: float
+) -> tuple[dict[int, harness.Completion], dict[str, Any]]:
+    with harness.start_server("colocated", model_dir, log_dir, env=env, startup_timeout_s=startup_timeout_s) as server:
         figures: dict[str, Any] = {"engine_start_s": server.ready_after_s}
         references = {n: harness.complete(server.url, prompt_of(n), max_tokens=MAX_TOKENS) for n in PROMPT_LENGTHS}
         figures["local_request_s"] = {n: references[n].elapsed_s for n in PROMPT_LENGTHS}
@@ -50,10 +52,12 @@ def compare(references: dict[int, harness.Completion], outputs: dict[int, harnes
     return {n: harness.output_differences(references[n], outputs[n]) for n in outputs}
 
 
-def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion], rounds: int) -> dict[str, Any]:
+def measure_pull(
+    model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion], rounds: int, *, startup_timeout_s: float
+) -> dict[str, Any]:
     pair = harness.launch_upstream_pair(harness.UpstreamConnector.PULL, model_dir, log_dir, extra_env=env)
     figures: dict[str, Any] = {}
-    with harness.running_servers(pair.prefill, pair.decode):
+    with harness.running_servers(pair.prefill, pair.decode, startup_timeout_s=startup_timeout_s):
         figures["engine_start_s"] = {"prefill": pair.prefill.ready_after_s, "decode": pair.decode.ready_after_s}
         figures["idle_cores"] = harness.idle_cpu_fraction([pair.prefill, pair.decode], IDLE_WINDOW_S)
 
@@ -90,10 +94,12 @@ def measure_pull(model_dir: Path, log_dir: Path, env: dict[str, str], references
     return figures
 
 
-def measure_push(model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion], timeout_s: float) -> dict[str, Any]:
+def measure_push(
+    model_dir: Path, log_dir: Path, env: dict[str, str], references: dict[int, harness.Completion], timeout_s: float, *, startup_timeout_s: float
+) -> dict[str, Any]:
     pair = harness.launch_upstream_pair(harness.UpstreamConnector.PUSH, model_dir, log_dir, extra_env=env)
     figures: dict[str, Any] = {}
-    with harness.running_servers(pair.prefill, pair.decode):
+    with harness.running_servers(pair.prefill, pair.decode, startup_timeout_s=startup_timeout_s):
         figures["engine_start_s"] = {"prefill": pair.prefill.ready_after_s, "decode": pair.decode.ready_after_s}
         attempts = []
         for index, n in enumerate((BLOCK_SIZE + 1, BLOCK_SIZE + 1, 1)):
@@ -130,6 +136,7 @@ def main() -> None:
     parser.add_argument("--model", choices=[m.value for m in harness.TinyModel], default=harness.TinyModel.DENSE.value)
     parser.add_argument("--skip-pull", action="store_true")
     parser.add_argument("--skip-push", action="store_true")
+    parser.add_argument("--startup-timeout", type=float, default=harness.DEFAULT_STARTUP_TIMEOUT_S, help="per engine start, seconds")
     parser.add_argument("--rounds", type=int, default=3, help="pull rounds over all prompt lengths (round 0 = reference prompts)")
     parser.add_argument("--push-timeout", type=float, default=120.0, help="per push request (both legs), seconds")
     parser.add_argument("--workdir", type=Path, default=None, help="model and engine logs (default: a temp dir)")
@@ -143,16 +150,16 @@ def main() -> None:
     print(f"workdir {workdir}", flush=True)
 
     report: dict[str, Any] = {"model": kind.value, "prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS}
-    references, report["colocated"] = measure_colocated(model_dir, log_dir, env)
+    references, report["colocated"] = measure_colocated(model_dir, log_dir, env, args.startup_timeout)
     print(f"colocated: {report['colocated']}", flush=True)
     if not args.skip_pull:
-        report["upstream_pull"] = measure_pull(model_dir, log_dir, env, references, args.rounds)
+        report["upstream_pull"] = measure_pull(model_dir, log_dir, env, references, args.rounds, startup_timeout_s=args.startup_timeout)
         pull = report["upstream_pull"]
         print(f"upstream pull: start {pull['engine_start_s']}, idle cores {pull['idle_cores']}", flush=True)
         print(f"  first P/D request {pull['first_request_total_s']:.2f} s, steady medians {pull['steady_median']}", flush=True)
         print(f"  differences vs co-located: {pull['differences_vs_colocated']}", flush=True)
     if not args.skip_push:
-        report["upstream_push"] = measure_push(model_dir, log_dir, env, references, args.push_timeout)
+        report["upstream_push"] = measure_push(model_dir, log_dir, env, references, args.push_timeout, startup_timeout_s=args.startup_timeout)
         push = report["upstream_push"]
         print(f"upstream push: start {push['engine_start_s']}, {sum(a['ok'] for a in push['attempts'])}/{len(push['attempts'])} ok", flush=True)
     text = json.dumps(report, indent=2, default=str)
