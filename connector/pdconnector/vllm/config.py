@@ -1,0 +1,110 @@
+"""The connector's settings, read from vLLM's ``--kv-transfer-config`` (pure: no vLLM import).
+
+Shape (what the operator renders, ``pdoperator.render.engine.kv_transfer_config``)::
+
+    {"kv_connector": "PDConnector", "kv_connector_module_path": "pdconnector.vllm.connector",
+     "kv_role": "kv_producer|kv_consumer|kv_both", "kv_buffer_device": "cpu|cuda", "engine_id": "...",
+     "kv_load_failure_policy": "fail|recompute",
+     "kv_connector_extra_config": {"mode": "push|pull", "backends": ["UCX"|"LIBFABRIC"|"mock"],
+                                   "side_channel_port": 5600, "transfer_timeout_s": 60}}
+
+Optional extra keys: ``side_channel_host`` (else ``VLLM_NIXL_SIDE_CHANNEL_HOST``, which the
+operator sets to the pod IP, else loopback), ``lease_s`` (how long prefill holds finished
+blocks for decode, default 30).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TransferMode
+
+SIDE_CHANNEL_HOST_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
+MOCK_BACKEND: Final = "mock"
+_KNOWN_KEYS: Final = frozenset({"mode", "backends", "side_channel_port", "side_channel_host", "transfer_timeout_s", "lease_s"})
+
+
+class ConnectorConfigError(ValueError):
+    """The ``--kv-transfer-config`` cannot drive the connector; the message names the field."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"kv_transfer_config: {key}: {problem}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine_id: str
+    mode: TransferMode
+    backends: tuple[str, ...]
+    side_channel_host: str
+    side_channel_port: int
+    transfer_timeout_s: float
+    lease_s: float
+    buffer_device: str
+    recompute_on_failure: bool
+
+    @property
+    def uses_mock_transport(self) -> bool:
+        return self.backends == (MOCK_BACKEND,)
+
+
+def parse_connector_config(
+    *,
+    engine_id: str | None,
+    extra: Mapping[str, Any] | None,
+    buffer_device: str | None,
+    failure_policy: str | None,
+    env: Mapping[str, str],
+) -> ConnectorConfig:
+    """Validate the connector's part of ``--kv-transfer-config``; errors name the offending key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - _KNOWN_KEYS)
+    if unknown:
+        raise ConnectorConfigError(f"kv_connector_extra_config.{unknown[0]}", f"unknown key (known: {sorted(_KNOWN_KEYS)})")
+    if not isinstance(engine_id, str) or not re.fullmatch(ENGINE_ID_PATTERN, engine_id):
+        raise ConnectorConfigError("engine_id", f"{engine_id!r} does not match {ENGINE_ID_PATTERN}")
+    raw_mode = extra.get("mode", TransferMode.PUSH.value)
+    try:
+        mode = TransferMode(raw_mode)
+    except ValueError:
+        raise ConnectorConfigError("kv_connector_extra_config.mode", f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}") from None
+    backends = extra.get("backends", ["UCX"])
+    if not isinstance(backends, list | tuple) or not backends or not all(isinstance(b, str) and b for b in backends):
+        raise ConnectorConfigError("kv_connector_extra_config.backends", f"expected a non-empty list of backend names, got {backends!r}")
+    if MOCK_BACKEND in backends and len(backends) > 1:
+        raise ConnectorConfigError("kv_connector_extra_config.backends", "'mock' cannot be combined with NIXL backends")
+    host = extra.get("side_channel_host") or env.get(SIDE_CHANNEL_HOST_ENV) or "127.0.0.1"
+    if not isinstance(host, str) or not re.fullmatch(HOST_PATTERN, host):
+        raise ConnectorConfigError("kv_connector_extra_config.side_channel_host", f"{host!r} is not a host name or address")
+    port = extra.get("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConnectorConfigError("kv_connector_extra_config.side_channel_port", f"expected a port in [1, 65535], got {port!r}")
+    device = buffer_device or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConnectorConfigError("kv_buffer_device", f"expected 'cpu' or 'cuda', got {device!r}")
+    policy = failure_policy or "fail"
+    if policy not in ("fail", "recompute"):
+        raise ConnectorConfigError("kv_load_failure_policy", f"expected 'fail' or 'recompute', got {policy!r}")
+    return ConnectorConfig(
+        engine_id=engine_id,
+        mode=mode,
+        backends=tuple(backends),
+        side_channel_host=host,
+        side_channel_port=port,
+        transfer_timeout_s=_positive(extra, "transfer_timeout_s", 60.0),
+        lease_s=_positive(extra, "lease_s", 30.0),
+        buffer_device=device,
+        recompute_on_failure=policy == "recompute",
+    )
+
+
+def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
+        raise ConnectorConfigError(f"kv_connector_extra_config.{key}", f"expected seconds in (0, 86400], got {value!r}")
+    return float(value)

@@ -1,0 +1,226 @@
+"""``PDConnector``: the class vLLM loads (``kv_connector_module_path: pdconnector.vllm.connector``).
+
+It only routes vLLM's calls: scheduler-role instances to :class:`SchedulerSide` (plus the
+engine's side-channel server, started once every rank's agent is known), worker-role
+instances to :class:`WorkerSide`. See :mod:`pdconnector.vllm.config` for the configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+from vllm.v1.request import RequestStatus
+
+from pdconnector.layout import ConvLayout, RankLayout
+from pdconnector.transport.base import Device
+from pdconnector.vllm.config import ConnectorConfig, parse_connector_config
+from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, check_groups, memory_regions, model_spec
+from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
+from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
+from pdconnector.vllm.worker import WorkerSide
+from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
+from pdconnector.worker.side_channel import SideChannelServer
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _route_logs_to_vllm() -> None:
+    """Our packages log under ``pdconnector``; vLLM configures only its own logger, so print ours its way."""
+    ours, theirs = logging.getLogger("pdconnector"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(theirs.handlers[0].formatter)
+    ours.addHandler(handler)
+    ours.setLevel(os.environ.get("PDCONNECTOR_LOG_LEVEL", "INFO"))
+    ours.propagate = False
+
+
+_route_logs_to_vllm()
+
+_FINISHED_NORMALLY = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
+_encoder = msgspec.msgpack.Encoder()
+_rank_decoder = msgspec.msgpack.Decoder(RankInfo)
+
+
+def _connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
+    kv = vllm_config.kv_transfer_config
+    assert kv is not None
+    return parse_connector_config(
+        engine_id=kv.engine_id,
+        extra=kv.kv_connector_extra_config,
+        buffer_device=kv.kv_buffer_device,
+        failure_policy=kv.kv_load_failure_policy,
+        env=os.environ,
+    )
+
+
+def _conv_layout(kv_cache_config: KVCacheConfig) -> ConvLayout:
+    layout = ConvLayout(get_conv_state_layout())
+    if cache_groups(kv_cache_config).ssm_groups and layout is not ConvLayout.DS:
+        raise LayoutMismatch("hybrid models need the DS conv state layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS on every prefill and decode engine")
+    return layout
+
+
+class PDConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = _connector_config(vllm_config)
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._server: SideChannelServer | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            groups = cache_groups(kv_cache_config)
+            engine = EngineCoordinates(self.config.engine_id, self.config.side_channel_host, self.config.side_channel_port, self._tp_size)
+            self._scheduler = SchedulerSide(
+                self.config,
+                engine,
+                num_groups=groups.num_groups,
+                ssm_groups=groups.ssm_groups,
+                block_size=groups.block_size,
+                finished_statuses=_FINISHED_NORMALLY,
+            )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBHNC"  # the layout model's PACKED_HND: a head slice of a block is one contiguous run
+
+    # --- worker side -----------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        hf_config = self._vllm_config.model_config.hf_config.to_dict()
+        model = model_spec(hf_config, self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
+        layout = RankLayout(model, self._tp_size, get_tensor_model_parallel_rank(), self._kv_cache_config.num_blocks)
+        check_groups(layout, self._kv_cache_config)
+        device = Device.VRAM if self.config.buffer_device == "cuda" else Device.DRAM
+        regions = memory_regions(layout, self._kv_cache_config, kv_caches, device)
+        self._worker = WorkerSide(self.config, layout, regions)
+        self._rank_info = self._worker.start()
+        log.info(
+            "PDConnector rank %d: %d regions of %d B registered (%s)",
+            layout.tp_rank,
+            len(regions),
+            layout.regions[0].nbytes,
+            self._rank_info.agent_name,
+        )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return RankHandshake(_encoder.encode(self._rank_info)) if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PDConnectorMetadata) and self._worker is not None
+        self._worker.apply(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        results = self._worker.results()
+        return KVConnectorTransferResults(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving, failed_recving=results.failed_recving
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # --- scheduler side --------------------------------------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
+        return self._scheduler
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Every rank's agent is known: build this engine's description and serve it on the side channel."""
+        ranks = tuple(_rank_decoder.decode(m.rank_info) for _, m in sorted(metadata.items()) if isinstance(m, RankHandshake))
+        hf_config = self._vllm_config.model_config.hf_config.to_dict()
+        model = model_spec(hf_config, self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
+        info = EngineInfo(self.config.engine_id, self._tp_size, layout_summary(model), ranks)
+        scheduler = self._sched()
+        scheduler.set_engine_info(_encoder.encode(info))
+        self._server = SideChannelServer(
+            self.config.side_channel_host,
+            self.config.side_channel_port,
+            engine_info=lambda: info,
+            on_announce=lambda peer: scheduler.peer_announced(_encoder.encode(peer)),
+        )
+        log.info(
+            "PDConnector %s: side channel on %s:%d (%s, TP %d)",
+            info.engine_id,
+            self.config.side_channel_host,
+            self._server.port,
+            self.config.mode,
+            self._tp_size,
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # The transfer fills every group (SSM state included), so vLLM must not zero those blocks.
+        return self._kv_cache_config.transfer_group_ids
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks.blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        scheduler = self._sched()
+        scheduler.update_connector_output(set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ()))
+        scheduler.finished_sending(set(connector_output.finished_sending or ()))
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)

@@ -1,0 +1,311 @@
+"""The scheduler side of the connector: which requests move KV, which blocks, and when their blocks may be freed.
+
+It sees vLLM requests only through the handful of attributes it reads (``request_id``,
+``kv_transfer_params``, ``num_prompt_tokens``, ``num_computed_tokens``, ``status``, the prompt
+token lists for the hybrid trim), so its state machine runs in unit tests with plain objects.
+
+Decode: a request with ``do_remote_prefill`` claims the prompt tokens it lacks as external and
+asynchronous (vLLM parks it in WAITING_FOR_REMOTE_KVS); the allocation step stages its
+registration (push) or READ (pull) with the blocks it does not hold already (prefix-cache
+aware) and the next ``build_meta`` ships it, in the same engine step. Its result comes back
+through the workers' ``finished_recving`` / ``failed_recving``. An abort while the transfer
+is in flight cancels it and keeps the blocks until the workers confirm nothing writes into
+them any more.
+
+Prefill: a finished request with ``do_remote_decode`` keeps its blocks (``delay_free``) until
+every worker reports the transfer id ended (written, read, expired or cancelled); the
+returned ``kv_transfer_params`` are what a pull-mode decode needs.
+
+Models with SSM layers: prefill stops one prompt token short and decode recomputes that
+token, so decode derives the last state itself (vLLM's own contract for Mamba P/D).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdconnector.protocol.params import (
+    RECEIVED_KEY,
+    TRANSFER_ID_KEY,
+    TRANSFER_MODE_KEY,
+    EngineRole,
+    TransferMode,
+    TransferParamsError,
+    TransferRequest,
+    parse_transfer_params,
+)
+from pdconnector.vllm.config import ConnectorConfig
+from pdconnector.vllm.metadata import (
+    BlockIds,
+    CancelTransfer,
+    Command,
+    ExpectPush,
+    FailRequest,
+    PDConnectorMetadata,
+    PrefillDone,
+    ReadBlocks,
+)
+
+log = logging.getLogger(__name__)
+
+_TRIMMED_KEY = "_pd_prompt_trimmed"
+_STAGED_KEY = "_pd_staged"
+ERROR_KEY = "pd_error"
+
+
+class Block(Protocol):
+    block_id: int
+    block_hash: Any
+    is_null: bool
+
+
+@dataclass(frozen=True)
+class EngineCoordinates:
+    """This engine as peers reach it (what pull-mode prefill returns to the router)."""
+
+    engine_id: str
+    host: str
+    side_channel_port: int
+    tp_size: int
+
+
+@dataclass
+class _Incoming:
+    transfer_id: str
+    mode: TransferMode
+    blocks: int
+    failed: bool = False
+
+
+class SchedulerSide:
+    """Args:
+    ssm_groups: indices of vLLM's KV cache groups holding SSM state (one state block moves per request).
+    block_size: tokens per block of the attention groups (prefix hits are whole blocks).
+    finished_statuses: the request statuses that mean "completed normally" (vLLM's ``FINISHED_STOPPED`` /
+    ``FINISHED_LENGTH_CAPPED``); anything else is an abort or an error.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine: EngineCoordinates,
+        *,
+        num_groups: int,
+        ssm_groups: frozenset[int],
+        block_size: int,
+        finished_statuses: frozenset[Any],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.num_groups = num_groups
+        self.ssm_groups = ssm_groups
+        self.block_size = block_size
+        self.finished_statuses = finished_statuses
+        self.backoff_tokens = 1 if ssm_groups else 0
+        self._lock = threading.Lock()  # peers arrive from the side-channel thread
+        self._commands: list[Command] = []
+        self._engine_info: bytes | None = None
+        self._engine_info_shipped = False
+        self._peers: list[bytes] = []
+        self._incoming: dict[str, _Incoming] = {}  # decode requests whose transfer has not ended
+        self._received: dict[str, _Incoming] = {}  # decode requests that received, until they finish
+        self._holding: dict[str, str] = {}  # prefill request id -> transfer id, blocks kept for decode
+
+    # --- handshake plumbing -----------------------------------------------------------------------------------------
+
+    def set_engine_info(self, encoded: bytes) -> None:
+        with self._lock:
+            self._engine_info = encoded
+            self._engine_info_shipped = False
+
+    def peer_announced(self, encoded: bytes) -> None:
+        with self._lock:
+            self._peers.append(encoded)
+
+    # --- both roles ------------------------------------------------------------------------------------------------
+
+    def _params(self, request: Any) -> dict[str, Any] | None:
+        params = request.kv_transfer_params
+        return params if isinstance(params, dict) else None
+
+    def _parse(self, params: Mapping[str, Any]) -> TransferRequest:
+        return parse_transfer_params({TRANSFER_MODE_KEY: self.config.mode.value, **params})
+
+    def on_new_request(self, request: Any) -> None:
+        """Prefill of a model with SSM layers: compute all but the last prompt token (decode recomputes it)."""
+        params = self._params(request)
+        if not self.backoff_tokens or params is None or params.get("do_remote_decode") is not True or params.get(_TRIMMED_KEY):
+            return
+        if request.num_prompt_tokens <= self.backoff_tokens or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-self.backoff_tokens :]
+        del request._all_token_ids[-self.backoff_tokens :]
+        request.num_prompt_tokens -= self.backoff_tokens
+        request.max_tokens = 1
+        params[_TRIMMED_KEY] = True
+
+    def remote_token_count(self, num_prompt_tokens: int) -> int:
+        """Prompt tokens decode takes from prefill (all but the backoff tokens it recomputes)."""
+        return num_prompt_tokens - self.backoff_tokens if num_prompt_tokens > self.backoff_tokens else num_prompt_tokens
+
+    # --- decode ----------------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._params(request)
+        if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
+            return 0, False
+        available = self.remote_token_count(request.num_prompt_tokens)
+        remote_tokens = params.get("remote_num_tokens")
+        if isinstance(remote_tokens, int) and not isinstance(remote_tokens, bool) and remote_tokens > 0:
+            available = min(available, remote_tokens)
+        count = available - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int) -> None:
+        params = self._params(request)
+        if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
+            return
+        params[_STAGED_KEY] = True
+        if num_external_tokens <= 0:
+            return  # decode holds every token already; prefill's lease frees its copy
+        request_id = request.request_id
+        try:
+            transfer = self._parse(params)
+            if transfer.role is not EngineRole.DECODE or transfer.remote is None:
+                raise TransferParamsError("do_remote_prefill", "a decode leg needs the prefill engine's coordinates")
+            local, cached = self._local_blocks(block_groups)
+            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens)
+        except (TransferParamsError, ValueError) as error:
+            self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
+            self._incoming[request_id] = _Incoming(str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True)
+            return
+        self._incoming[request_id] = _Incoming(transfer.transfer_id, transfer.mode, sum(len(g) for g in local))
+        self._stage(command)
+
+    def _local_blocks(self, block_groups: Sequence[Sequence[Block]]) -> tuple[BlockIds, int]:
+        """Decode's blocks to fill (per group) and how many leading attention blocks it already holds (prefix hit)."""
+        if len(block_groups) != self.num_groups:
+            raise ValueError(f"expected blocks for {self.num_groups} KV cache groups, got {len(block_groups)}")
+        local: list[tuple[int, ...]] = []
+        cached = 0
+        for g, group in enumerate(block_groups):
+            real = [b for b in group if not b.is_null]
+            if g in self.ssm_groups:
+                local.append((real[-1].block_id,) if real else ())
+                continue
+            hits = sum(1 for b in real if b.block_hash is not None)
+            cached = max(cached, hits)
+            local.append(tuple(b.block_id for b in real if b.block_hash is None))
+        return tuple(local), cached
+
+    def _decode_command(self, request_id: str, transfer: TransferRequest, local: BlockIds, cached: int, num_tokens: int) -> Command:
+        assert transfer.remote is not None
+        if transfer.mode is TransferMode.PUSH:
+            if cached:
+                raise ValueError(
+                    f"decode already holds {cached} prompt blocks from its prefix cache and push registrations cannot skip them; "
+                    "use pull mode or disable decode's prefix caching"
+                )
+            return ExpectPush(request_id, transfer.transfer_id, transfer.remote, local, num_tokens)
+        remote = transfer.remote_block_ids or ()
+        if len(remote) != self.num_groups:
+            raise TransferParamsError("remote_block_ids", f"expected {self.num_groups} KV cache groups, got {len(remote)}")
+        matched: list[tuple[int, ...]] = []
+        for g, (theirs, ours) in enumerate(zip(remote, local, strict=True)):
+            source = theirs[-1:] if g in self.ssm_groups else theirs[cached : cached + len(ours)]
+            if len(source) != len(ours):
+                raise TransferParamsError(
+                    "remote_block_ids", f"KV cache group {g}: prefill sent {len(theirs)} blocks, decode needs {len(ours)} after {cached} cached"
+                )
+            matched.append(tuple(source))
+        return ReadBlocks(request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens)
+
+    def _stage(self, command: Command) -> None:
+        with self._lock:
+            self._commands.append(command)
+
+    # --- per step ---------------------------------------------------------------------------------------------------
+
+    def build_meta(self) -> PDConnectorMetadata:
+        with self._lock:
+            meta = PDConnectorMetadata(commands=self._commands, peers=self._peers)
+            if self._engine_info is not None and not self._engine_info_shipped:
+                meta.engine = self._engine_info
+                self._engine_info_shipped = True
+            self._commands, self._peers = [], []
+        return meta
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._commands or self._peers)
+
+    def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> None:
+        for request_id in finished_recving:
+            incoming = self._incoming.pop(request_id, None)
+            if incoming is not None and request_id not in failed_recving and not incoming.failed:
+                self._received[request_id] = incoming
+
+    def finished_sending(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._holding.pop(request_id, None)
+
+    # --- end of a request ------------------------------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        params = self._params(request)
+        incoming = self._incoming.get(request_id)
+        if incoming is not None:
+            # Aborted while receiving: keep the blocks until the workers confirm no write lands in them any more.
+            self._stage(CancelTransfer(request_id, incoming.transfer_id, f"decode request {request_id} ended before its KV arrived"))
+            return True, None
+        received = self._received.pop(request_id, None)
+        if received is not None:
+            return False, {
+                TRANSFER_ID_KEY: received.transfer_id,
+                RECEIVED_KEY: {"transfer_id": received.transfer_id, "mode": received.mode.value, "blocks": received.blocks},
+            }
+        if params is None or params.get("do_remote_decode") is not True:
+            return False, None
+        return self._prefill_finished(request, params, block_ids)
+
+    def _prefill_finished(self, request: Any, params: dict[str, Any], block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        try:
+            transfer = self._parse(params)
+        except TransferParamsError as error:
+            log.error("prefill request %s keeps no KV for decode: %s", request_id, error)
+            return False, {ERROR_KEY: str(error)}
+        if request.status not in self.finished_statuses:
+            self._stage(CancelTransfer(request_id, transfer.transfer_id, f"prefill request {request_id} ended with {request.status}"))
+            return False, None
+        blocks = self._prefill_blocks(block_ids)
+        if not any(blocks):
+            return False, None
+        num_tokens = int(request.num_computed_tokens)
+        self._holding[request_id] = transfer.transfer_id
+        self._stage(PrefillDone(request_id, transfer.transfer_id, blocks, num_tokens, transfer.mode is TransferMode.PULL))
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            TRANSFER_ID_KEY: transfer.transfer_id,
+            TRANSFER_MODE_KEY: transfer.mode.value,
+            "remote_block_ids": [list(group) for group in blocks],
+            "remote_engine_id": self.engine.engine_id,
+            "remote_host": self.engine.host,
+            "remote_port": self.engine.side_channel_port,
+            "tp_size": self.engine.tp_size,
+            "remote_num_tokens": num_tokens,
+        }
+
+    def _prefill_blocks(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"expected blocks for {self.num_groups} KV cache groups, got {len(block_ids)}")
+        return tuple((tuple(group[-1:]) if g in self.ssm_groups else tuple(group)) for g, group in enumerate(block_ids))
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._holding

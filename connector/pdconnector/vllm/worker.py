@@ -1,0 +1,141 @@
+"""The worker side of the connector, one per TP rank: owns the rank's :class:`TransferWorker` and reports its results.
+
+Per step it hands the scheduler's commands to the transfer worker (non-blocking queue puts)
+and drains the worker's results; every network operation runs on the transfer worker's
+thread, so an engine step never waits for a peer. Results are reported by vLLM request id;
+a failed receive is reported in ``failed_recving`` and ``finished_recving`` both, as vLLM
+expects, so the request leaves WAITING_FOR_REMOTE_KVS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdconnector.layout import RankLayout
+from pdconnector.protocol.rendezvous import RendezvousLimits
+from pdconnector.transport.base import MemoryRegion, Transport
+from pdconnector.transport.factory import create_transport
+from pdconnector.vllm.config import ConnectorConfig
+from pdconnector.vllm.metadata import CancelTransfer, ExpectPush, FailRequest, PDConnectorMetadata, PrefillDone, ReadBlocks
+from pdconnector.worker.identity import EngineInfo, RankInfo
+from pdconnector.worker.side_channel import SideChannelClient
+from pdconnector.worker.transfer_worker import ResultKind, TransferWorker, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+_engine_decoder = msgspec.msgpack.Decoder(EngineInfo)
+
+
+@dataclass
+class TransferResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    """Unique per process incarnation: a restarted engine keeps its engine id but must not alias its old agent."""
+    return f"{engine_id}-tp{tp_rank}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class WorkerSide:
+    """Args:
+    regions: this rank's memory regions in ``layout.regions`` order (see :func:`pdconnector.vllm.kv_layout.memory_regions`).
+    """
+
+    def __init__(self, config: ConnectorConfig, layout: RankLayout, regions: list[MemoryRegion]) -> None:
+        self.config = config
+        self.layout = layout
+        self._engine: EngineInfo | None = None
+        self._client = SideChannelClient(announce=self._own_engine, timeout_s=min(10.0, config.transfer_timeout_s))
+        limits = RendezvousLimits(
+            registration_lease_s=config.lease_s, prefill_lease_s=max(300.0, config.transfer_timeout_s), write_timeout_s=config.transfer_timeout_s
+        )
+        worker_config = WorkerConfig(
+            engine_id=config.engine_id,
+            host=config.side_channel_host,
+            side_channel_port=config.side_channel_port,
+            limits=limits,
+            pull_lease_s=config.lease_s,
+        )
+        self._transfer_ids: dict[str, str] = {}  # transfer id -> vLLM request id, while the transfer is live
+        self._worker = TransferWorker(layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client)
+        self._immediate = TransferResults()
+
+    def _transport_factory(self) -> Callable[[], Transport]:
+        name = agent_name(self.config.engine_id, self.layout.tp_rank)
+        if self.config.uses_mock_transport:
+            return lambda: create_transport("mock", name, host=self.config.side_channel_host)
+        return lambda: create_transport("nixl", name, backends=list(self.config.backends))
+
+    def start(self) -> RankInfo:
+        return self._worker.start()
+
+    def _own_engine(self) -> EngineInfo:
+        if self._engine is None:
+            raise RuntimeError(f"engine {self.config.engine_id}: handshake metadata not received from the scheduler yet")
+        return self._engine
+
+    def apply(self, meta: PDConnectorMetadata) -> None:
+        """Hand one step's commands to the transfer worker (never blocks)."""
+        if meta.engine is not None:
+            self._engine = _engine_decoder.decode(meta.engine)
+        for peer in meta.peers:
+            self._worker.add_peers(_engine_decoder.decode(peer))
+        timeout = self.config.transfer_timeout_s
+        for command in meta.commands:
+            log.debug("rank %d: %s", self.layout.tp_rank, command)
+            match command:
+                case PrefillDone():
+                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._worker.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull)
+                case ExpectPush():
+                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._worker.expect_push(command.transfer_id, command.prefill, command.block_ids, command.num_tokens, timeout_s=timeout)
+                case ReadBlocks():
+                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._worker.read(
+                        command.transfer_id, command.prefill, command.remote_block_ids, command.block_ids, command.num_tokens, timeout_s=timeout
+                    )
+                case CancelTransfer():
+                    self._worker.cancel(command.transfer_id, command.detail)
+                case FailRequest():
+                    log.error("%s", command.detail)
+                    self._immediate.finished_recving.add(command.request_id)
+                    self._immediate.failed_recving.add(command.request_id)
+
+    def results(self) -> TransferResults:
+        out, self._immediate = self._immediate, TransferResults()
+        for result in self._worker.results():
+            log.debug("rank %d: %s", self.layout.tp_rank, result)
+            request_id = self._transfer_ids.pop(result.transfer_id, None)
+            if request_id is None:
+                log.warning("transfer %s ended (%s: %s) but no request of this engine owns it", result.transfer_id, result.outcome, result.detail)
+                continue
+            match result.kind:
+                case ResultKind.FINISHED_SENDING:
+                    out.finished_sending.add(request_id)
+                case ResultKind.FINISHED_RECVING:
+                    out.finished_recving.add(request_id)
+                case ResultKind.FAILED_RECVING:
+                    log.error(
+                        "request %s: KV transfer %s failed (%s): %s [worker %s]",
+                        request_id,
+                        result.transfer_id,
+                        result.outcome,
+                        result.detail,
+                        self._worker.stats(),
+                    )
+                    out.finished_recving.add(request_id)
+                    out.failed_recving.add(request_id)
+        return out
+
+    def close(self) -> None:
+        self._worker.close()
+        self._client.close()
