@@ -79,6 +79,21 @@ def _connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
+_NEMOTRON_H_LAYER_CODES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _hf_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The model's HF config as the layout model reads it; NemotronH's layer pattern under either of its spellings."""
+    hf_config = vllm_config.model_config.hf_config
+    config = hf_config.to_dict()
+    pattern = getattr(hf_config, "hybrid_override_pattern", None) or config.get("hybrid_override_pattern")
+    if pattern is None and config.get("model_type") == "nemotron_h" and config.get("layers_block_type"):
+        pattern = "".join(_NEMOTRON_H_LAYER_CODES[kind] for kind in config["layers_block_type"])
+    if pattern is not None:
+        config["hybrid_override_pattern"] = pattern
+    return config
+
+
 def _conv_layout(kv_cache_config: KVCacheConfig) -> ConvLayout:
     layout = ConvLayout(get_conv_state_layout())
     if cache_groups(kv_cache_config).ssm_groups and layout is not ConvLayout.DS:
@@ -113,8 +128,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     # --- worker side -----------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        hf_config = self._vllm_config.model_config.hf_config.to_dict()
-        model = model_spec(hf_config, self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
+        model = model_spec(_hf_config(self._vllm_config), self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
         layout = RankLayout(model, self._tp_size, get_tensor_model_parallel_rank(), self._kv_cache_config.num_blocks)
         check_groups(layout, self._kv_cache_config)
         device = Device.VRAM if self.config.buffer_device == "cuda" else Device.DRAM
@@ -175,8 +189,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Every rank's agent is known: build this engine's description and serve it on the side channel."""
         ranks = tuple(_rank_decoder.decode(m.rank_info) for _, m in sorted(metadata.items()) if isinstance(m, RankHandshake))
-        hf_config = self._vllm_config.model_config.hf_config.to_dict()
-        model = model_spec(hf_config, self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
+        model = model_spec(_hf_config(self._vllm_config), self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
         info = EngineInfo(self.config.engine_id, self._tp_size, layout_summary(model), ranks)
         scheduler = self._sched()
         scheduler.set_engine_info(_encoder.encode(info))

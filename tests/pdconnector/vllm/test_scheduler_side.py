@@ -1,0 +1,247 @@
+"""The connector's scheduler-side state machine with plain request objects (no engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from pdconnector.protocol.params import (
+    RECEIVED_KEY,
+    TRANSFER_ID_KEY,
+    PrefillCoordinates,
+    TransferMode,
+    prefill_leg_params,
+    push_decode_leg_params,
+)
+from pdconnector.vllm.config import ConnectorConfigError, parse_connector_config
+from pdconnector.vllm.metadata import CancelTransfer, ExpectPush, FailRequest, PrefillDone, ReadBlocks
+from pdconnector.vllm.scheduler import ERROR_KEY, EngineCoordinates, SchedulerSide
+
+FINISHED = "finished_stopped"
+ABORTED = "finished_aborted"
+PREFILL = PrefillCoordinates("prefill-0", "10.0.0.1", 5600, 1)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    status: str = FINISHED
+    max_tokens: int = 16
+    _all_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    block_hash: Any = None
+    is_null: bool = False
+
+
+def config(mode: str = "push") -> Any:
+    return parse_connector_config(
+        engine_id="engine-a", extra={"mode": mode, "side_channel_port": 5601}, buffer_device="cpu", failure_policy="fail", env={}
+    )
+
+
+def scheduler(mode: str = "push", ssm_groups: frozenset[int] = frozenset(), num_groups: int = 1) -> SchedulerSide:
+    return SchedulerSide(
+        config(mode),
+        EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
+        num_groups=num_groups,
+        ssm_groups=ssm_groups,
+        block_size=16,
+        finished_statuses=frozenset({FINISHED}),
+    )
+
+
+def blocks(*ids: int, cached: int = 0) -> list[FakeBlock]:
+    return [FakeBlock(b, block_hash=f"h{b}" if i < cached else None) for i, b in enumerate(ids)]
+
+
+def test_push_decode_claims_the_prompt_as_async_external_tokens_without_side_effects() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    assert side.get_num_new_matched_tokens(request, 0) == (40, True)
+    assert side.get_num_new_matched_tokens(request, 0) == (40, True)
+    assert side.build_meta().commands == []
+
+
+def test_push_decode_stages_its_registration_in_the_allocation_step() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((7, 8, 9),), 40)]
+    # A second allocation call (after the load) stages nothing and claims nothing.
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 0)
+    assert side.get_num_new_matched_tokens(request, 40) == (0, False)
+    assert side.build_meta().commands == []
+
+
+def test_decode_reports_what_it_received_and_frees_immediately_once_received() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.update_connector_output({"d1"}, set())
+    delay, params = side.request_finished(request, [[7, 8, 9]])
+    assert delay is False
+    assert params is not None and params[RECEIVED_KEY] == {"transfer_id": "tx-1", "mode": "push", "blocks": 3}
+
+
+def test_decode_failure_is_not_reported_as_received() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.update_connector_output({"d1"}, {"d1"})
+    assert side.request_finished(request, [[7, 8, 9]]) == (False, None)
+
+
+def test_decode_aborted_while_receiving_cancels_and_keeps_its_blocks_until_the_workers_confirm() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), status=ABORTED)
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.build_meta()
+    assert side.request_finished(request, [[7, 8, 9]]) == (True, None)
+    assert side.build_meta().commands == [CancelTransfer("d1", "tx-1", "decode request d1 ended before its KV arrived")]
+
+
+def test_decode_with_unusable_parameters_fails_the_request_naming_the_key() -> None:
+    side = scheduler()
+    params = push_decode_leg_params("tx-1", PREFILL)
+    del params["remote_host"]
+    request = FakeRequest("d1", params, list(range(40)))
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, FailRequest) and command.request_id == "d1" and "remote_host" in command.detail
+
+
+def test_push_decode_with_a_local_prefix_hit_fails_clearly_instead_of_overwriting_cached_blocks() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1)], 24)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, FailRequest) and "prefix cache" in command.detail
+
+
+def test_pull_decode_reads_only_the_blocks_it_lacks() -> None:
+    side = scheduler("pull")
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        TRANSFER_ID_KEY: "tx-2",
+        "transfer_mode": "pull",
+        "remote_block_ids": [[11, 12, 13]],
+        "remote_engine_id": "prefill-0",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "remote_num_tokens": 40,
+    }
+    request = FakeRequest("d2", params, list(range(40)))
+    assert side.get_num_new_matched_tokens(request, 16) == (24, True)
+    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1)], 24)
+    assert side.build_meta().commands == [ReadBlocks("d2", "tx-2", PREFILL, ((12, 13),), ((8, 9),), 24)]
+
+
+def test_prefill_holds_its_blocks_and_returns_what_a_pull_decode_needs() -> None:
+    side = scheduler("pull")
+    request = FakeRequest("p1", prefill_leg_params(TransferMode.PULL, "tx-3"), list(range(40)), num_computed_tokens=40)
+    delay, params = side.request_finished(request, [[4, 5, 6]])
+    assert delay is True and side.holds("p1")
+    assert params is not None
+    assert params["remote_block_ids"] == [[4, 5, 6]] and params["remote_engine_id"] == "engine-a" and params["remote_port"] == 5601
+    assert params[TRANSFER_ID_KEY] == "tx-3" and params["remote_num_tokens"] == 40
+    assert side.build_meta().commands == [PrefillDone("p1", "tx-3", ((4, 5, 6),), 40, pull=True)]
+    side.finished_sending({"p1"})
+    assert not side.holds("p1")
+
+
+def test_aborted_prefill_frees_at_once_and_cancels_the_transfer() -> None:
+    side = scheduler()
+    request = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-4"), list(range(40)), status=ABORTED)
+    assert side.request_finished(request, [[4, 5, 6]]) == (False, None)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, CancelTransfer) and command.transfer_id == "tx-4"
+
+
+def test_prefill_without_a_transfer_id_keeps_nothing_and_says_why() -> None:
+    side = scheduler()
+    request = FakeRequest("p1", {"do_remote_decode": True}, list(range(40)), num_computed_tokens=40)
+    delay, params = side.request_finished(request, [[4, 5, 6]])
+    assert delay is False and params is not None and "transfer_id" in params[ERROR_KEY]
+    assert side.build_meta().commands == []
+
+
+def test_hybrid_prefill_stops_one_token_short_and_decode_claims_one_token_less() -> None:
+    side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
+    prefill = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)))
+    side.on_new_request(prefill)
+    side.on_new_request(prefill)  # idempotent
+    assert prefill.num_prompt_tokens == 39 and len(prefill._all_token_ids) == 39 and prefill.max_tokens == 1
+    decode = FakeRequest("d1", push_decode_leg_params("tx-5", PREFILL), list(range(40)))
+    assert side.get_num_new_matched_tokens(decode, 0) == (39, True)
+    one_token = FakeRequest("d2", push_decode_leg_params("tx-6", PREFILL), [5])
+    assert side.get_num_new_matched_tokens(one_token, 0) == (1, True)
+
+
+def test_hybrid_moves_only_the_state_block_of_each_ssm_group() -> None:
+    side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
+    decode = FakeRequest("d1", push_decode_leg_params("tx-5", PREFILL), list(range(40)))
+    side.update_state_after_alloc(decode, [blocks(7, 8, 9), [FakeBlock(0, is_null=True), FakeBlock(0, is_null=True), FakeBlock(21)]], 39)
+    assert side.build_meta().commands == [ExpectPush("d1", "tx-5", PREFILL, ((7, 8, 9), (21,)), 39)]
+    prefill = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(39)), num_computed_tokens=39)
+    delay, _ = side.request_finished(prefill, [[1, 2, 3], [0, 0, 14]])
+    assert delay is True
+    assert side.build_meta().commands == [PrefillDone("p1", "tx-5", ((1, 2, 3), (14,)), 39, pull=False)]
+
+
+def test_requests_without_transfer_parameters_are_left_alone() -> None:
+    side = scheduler()
+    request = FakeRequest("x", None, list(range(10)))
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    side.update_state_after_alloc(request, [blocks(1)], 0)
+    assert side.request_finished(request, [[1]]) == (False, None)
+    assert side.build_meta().commands == []
+
+
+def test_engine_description_is_shipped_once_and_announced_peers_each_time() -> None:
+    side = scheduler()
+    side.set_engine_info(b"me")
+    side.peer_announced(b"peer")
+    first = side.build_meta()
+    assert (first.engine, first.peers) == (b"me", [b"peer"])
+    second = side.build_meta()
+    assert (second.engine, second.peers) == (None, [])
+    assert not side.has_pending_work()
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"mode": "both"}, "mode"),
+        ({"backends": []}, "backends"),
+        ({"side_channel_port": 0}, "side_channel_port"),
+        ({"transfer_timeout_s": -1}, "transfer_timeout_s"),
+        ({"sidechannel_port": 1}, "sidechannel_port"),
+        ({"backends": ["mock", "UCX"]}, "backends"),
+    ],
+)
+def test_bad_connector_configuration_names_the_field(extra: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=key):
+        parse_connector_config(engine_id="e", extra=extra, buffer_device="cpu", failure_policy="fail", env={})
+
+
+def test_configuration_defaults_and_side_channel_host_from_the_operator_env() -> None:
+    parsed = parse_connector_config(
+        engine_id="e", extra=None, buffer_device=None, failure_policy=None, env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"}
+    )
+    assert (parsed.mode, parsed.backends, parsed.side_channel_host, parsed.side_channel_port) == (TransferMode.PUSH, ("UCX",), "10.1.2.3", 5600)
+    assert parsed.recompute_on_failure is False
