@@ -111,16 +111,21 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
 
 
 def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors: list[torch.Tensor], base: int) -> None:
-    """Attention: kernel blocks of ``physical_page_bytes``; SSM: conv state at the page start, temporal state after it."""
+    """Attention: kernel blocks of ``physical_page_bytes``. SSM: pages of ``page_bytes`` whose state tensors (conv then
+    temporal, or one raw byte view of both) cover exactly the first ``ssm_state_bytes`` of each page."""
     if kind is LayerKind.ATTENTION:
-        expected = [(0, layout.physical_page_bytes, layout.num_blocks * layout.model.physical_blocks_per_logical)]
+        stride, blocks, extent = layout.physical_page_bytes, layout.num_blocks * layout.model.physical_blocks_per_logical, layout.physical_page_bytes
     else:
-        expected = [(0, layout.page_bytes, layout.num_blocks), (layout.ssm_conv_bytes, layout.page_bytes, layout.num_blocks)]
+        stride, blocks, extent = layout.page_bytes, layout.num_blocks, layout.ssm_state_bytes
+    spans = sorted((t.data_ptr() - base, t[0].numel() * t.element_size()) for t in tensors)
+    covered = 0
+    for offset, size in spans:
+        covered = offset + size if offset == covered else -1
     got = [(t.data_ptr() - base, t.stride(0) * t.element_size(), t.shape[0]) for t in tensors]
-    if got != expected:
-        shapes = [tuple(t.shape) for t in tensors]
+    if covered != extent or any(g[1:] != (stride, blocks) for g in got):
         raise LayoutMismatch(
-            f"{kind} layer {name!r}: vLLM tensors {shapes} have (offset, block stride, blocks) {got}, the layout model expects {expected}"
+            f"{kind} layer {name!r}: vLLM tensors {[tuple(t.shape) for t in tensors]} have (offset, block stride, blocks) {got} covering "
+            f"{spans} of each block; the layout model expects block stride {stride}, {blocks} blocks, bytes [0, {extent}) covered"
         )
 
 

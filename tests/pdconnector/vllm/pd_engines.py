@@ -1,0 +1,172 @@
+"""Prefill + decode vLLM engines running our connector, and P/D requests against them (shared by the connector tests).
+
+One engine pair serves both modes: the mode travels in each request's ``kv_transfer_params``
+(the engine's configured mode is only the default). The decode engine doubles as the
+co-located reference: a request without transfer parameters is computed locally there.
+
+``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's automatic CPU binding pins every CPU engine's
+worker to the same core on this 2-core machine (one logical CPU per physical core), where two
+spinning engines and the transfer threads starve each other (transfers then stall for tens of
+seconds); unbound, the OS spreads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdconnector.protocol.params import (
+    PrefillCoordinates,
+    TransferMode,
+    mint_transfer_id,
+    prefill_leg_params,
+    pull_decode_leg_params,
+    push_decode_leg_params,
+)
+
+from tests.pdconnector.vllm.harness import (
+    LOOPBACK,
+    Completion,
+    CompletionError,
+    DisaggregatedResult,
+    VllmServer,
+    complete,
+    launch_server,
+    metric_total,
+    running_servers,
+)
+
+CONNECTOR_MODULE = "pdconnector.vllm.connector"
+ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+BLOCK_SIZE = 128  # vLLM's default on the CPU backend (dense); the hybrid's attention block is larger
+
+
+def reserve_ports(count: int) -> list[int]:
+    """Distinct free loopback ports, all bound at once so no two of them collide."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+def connector_config(
+    engine_id: str, kv_role: str, side_channel_port: int, *, mode: str = "push", timeout_s: float = 30.0, policy: str = "fail"
+) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` the operator renders for our connector (``pdoperator.render.engine``)."""
+    return {
+        "kv_connector": "PDConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": kv_role,
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"mode": mode, "backends": ["UCX"], "side_channel_port": side_channel_port, "transfer_timeout_s": timeout_s},
+    }
+
+
+@dataclass
+class PDPair:
+    prefill: VllmServer
+    decode: VllmServer
+    prefill_engine_id: str
+    prefill_side_channel_port: int
+
+    @property
+    def coordinates(self) -> PrefillCoordinates:
+        return PrefillCoordinates(self.prefill_engine_id, LOOPBACK, self.prefill_side_channel_port, 1)
+
+    def colocated(self, prompt: list[int], max_tokens: int) -> Completion:
+        return complete(self.decode.url, prompt, max_tokens=max_tokens)
+
+    def push(self, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0) -> DisaggregatedResult:
+        transfer_id = mint_transfer_id()
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            prefill = pool.submit(
+                complete,
+                self.prefill.url,
+                prompt,
+                max_tokens=1,
+                kv_transfer_params=prefill_leg_params(TransferMode.PUSH, transfer_id),
+                timeout_s=timeout_s,
+            )
+            decode = pool.submit(
+                complete,
+                self.decode.url,
+                prompt,
+                max_tokens=max_tokens,
+                kv_transfer_params=push_decode_leg_params(transfer_id, self.coordinates),
+                timeout_s=timeout_s,
+            )
+            errors = [f.exception() for f in (prefill, decode)]
+        for error in errors:
+            if error is not None:
+                raise error
+        return DisaggregatedResult(prefill.result(), decode.result(), time.monotonic() - started)
+
+    def pull(self, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0) -> DisaggregatedResult:
+        transfer_id = mint_transfer_id()
+        started = time.monotonic()
+        prefill = complete(
+            self.prefill.url, prompt, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PULL, transfer_id), timeout_s=timeout_s
+        )
+        if not prefill.kv_transfer_params:
+            raise CompletionError(self.prefill.url, 200, "prefill leg returned no kv_transfer_params")
+        params = pull_decode_leg_params(prefill.kv_transfer_params, transfer_id)
+        decode = complete(self.decode.url, prompt, max_tokens=max_tokens, kv_transfer_params=params, timeout_s=timeout_s)
+        return DisaggregatedResult(prefill, decode, time.monotonic() - started)
+
+    def run(self, mode: TransferMode, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0) -> DisaggregatedResult:
+        return self.push(prompt, max_tokens, timeout_s=timeout_s) if mode is TransferMode.PUSH else self.pull(prompt, max_tokens, timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def pd_pair(name: str, model_dir: Path, log_dir: Path, *, policy: str = "fail", timeout_s: float = 30.0) -> Iterator[PDPair]:
+    """Start a prefill and a decode engine with our connector side by side; both are stopped on exit."""
+    prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
+    prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
+    prefill = launch_server(
+        prefill_id,
+        model_dir,
+        log_dir,
+        kv_transfer_config=connector_config(prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy),
+        env=ENGINE_ENV,
+        port=prefill_http,
+    )
+    decode = launch_server(
+        decode_id,
+        model_dir,
+        log_dir,
+        kv_transfer_config=connector_config(decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy),
+        env=ENGINE_ENV,
+        port=decode_http,
+    )
+    with running_servers(prefill, decode):
+        yield PDPair(prefill, decode, prefill_id, prefill_sc)
+
+
+def kv_cache_usage(server: VllmServer) -> float:
+    return metric_total(server.url, "vllm:kv_cache_usage_perc")
+
+
+def wait_for_free_blocks(pair: PDPair, timeout_s: float = 45.0) -> dict[str, float]:
+    """KV cache usage of both engines once it drops to zero (or as it is at the deadline): 0 means no block is held.
+
+    The default outlasts prefill's 30 s lease: a hold whose release notice went missing must still end by then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = {"prefill": kv_cache_usage(pair.prefill), "decode": kv_cache_usage(pair.decode)}
+        if not any(usage.values()) or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.5)
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    return [(11 * i + 7 * seed + 5) % 1024 for i in range(length)]

@@ -1,0 +1,118 @@
+"""Our connector on real vLLM CPU engines with a dense model over real NIXL (UCX, host memory).
+
+Disaggregated output must equal co-located output: token ids and top-5 logprobs, for push and
+pull, for prompts around the block boundary and a long one, one at a time and 16 at once; and
+no block stays held on either engine afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pdconnector.protocol.params import RECEIVED_KEY, PrefillCoordinates, TransferMode, mint_transfer_id, push_decode_leg_params
+
+from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, complete, output_differences, run_concurrently
+from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+LOGPROB_ATOL = 1e-4
+PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
+CONCURRENT = 16
+
+
+@pytest.fixture(scope="module")
+def dense_pair(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
+    with pd_pair("ours-dense", dense_model, engine_log_dir) as pair:
+        yield pair
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_disaggregated_output_equals_colocated_output_for_every_prompt_length(dense_pair: PDPair, mode: TransferMode) -> None:
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = prompt_of(length, seed)
+        colocated = dense_pair.colocated(prompt, MAX_TOKENS)
+        result = dense_pair.run(mode, prompt, MAX_TOKENS)
+
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
+        assert result.decode.prompt_token_ids == prompt
+        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+        assert received and received["mode"] == mode.value, (
+            f"decode did not receive the KV of the {length}-token prompt: {result.decode.kv_transfer_params}"
+        )
+        assert received["blocks"] == -(-length // BLOCK_SIZE)
+    assert wait_for_free_blocks(dense_pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_sixteen_concurrent_requests_match_their_colocated_outputs(dense_pair: PDPair, mode: TransferMode) -> None:
+    prompts = [prompt_of(BLOCK_SIZE // 2 + 37 * i, seed=100 + i) for i in range(CONCURRENT)]
+    colocated = [dense_pair.colocated(prompt, MAX_TOKENS) for prompt in prompts]
+
+    results = run_concurrently([lambda p=prompt: dense_pair.run(mode, p, MAX_TOKENS, timeout_s=300) for prompt in prompts], max_workers=CONCURRENT)
+
+    for prompt, expected, result in zip(prompts, colocated, results, strict=True):
+        assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {len(prompt)} tokens"
+        assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+    assert wait_for_free_blocks(dense_pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+# --- faults (the pair is shared: the destructive ones come last) -----------------------------------------------------
+
+TRANSFER_TIMEOUT_S = 30.0  # pd_pair's transfer_timeout_s
+DEADLINE_SLACK_S = 20.0
+
+
+@pytest.mark.timeout(600)
+def test_a_push_whose_prefill_leg_never_comes_fails_within_the_deadline_and_frees_its_blocks(dense_pair: PDPair) -> None:
+    """The registration reaches prefill but no prefill ever pairs with it (the router's prefill leg was dropped)."""
+    prompt = prompt_of(300, seed=7)
+    started = time.monotonic()
+    with pytest.raises(CompletionError) as failure:
+        complete(
+            dense_pair.decode.url,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params=push_decode_leg_params(mint_transfer_id(), dense_pair.coordinates),
+        )
+    elapsed = time.monotonic() - started
+    assert failure.value.status is not None and failure.value.status >= 500
+    assert elapsed < TRANSFER_TIMEOUT_S + DEADLINE_SLACK_S
+    assert wait_for_free_blocks(dense_pair) == {"prefill": 0.0, "decode": 0.0}
+    # Both engines keep serving P/D traffic.
+    result = dense_pair.push(prompt, MAX_TOKENS)
+    assert output_differences(dense_pair.colocated(prompt, MAX_TOKENS), result.decode, logprob_atol=LOGPROB_ATOL) == []
+
+
+@pytest.mark.timeout(600)
+def test_a_decode_leg_naming_an_unreachable_prefill_fails_promptly(dense_pair: PDPair) -> None:
+    nowhere = PrefillCoordinates("nobody", LOOPBACK, reserve_ports(1)[0], 1)
+    started = time.monotonic()
+    with pytest.raises(CompletionError):
+        complete(dense_pair.decode.url, prompt_of(50), max_tokens=MAX_TOKENS, kv_transfer_params=push_decode_leg_params(mint_transfer_id(), nowhere))
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S
+    assert wait_for_free_blocks(dense_pair)["decode"] == 0.0
+
+
+@pytest.mark.timeout(600)
+def test_prefill_killed_before_its_write_fails_the_decode_within_the_deadline_and_decode_survives(dense_pair: PDPair) -> None:
+    prompt = prompt_of(200, seed=9)
+    colocated = dense_pair.colocated(prompt, MAX_TOKENS)
+    dense_pair.prefill.stop(grace_s=0)  # SIGTERM then SIGKILL of the whole engine
+    started = time.monotonic()
+    with pytest.raises(CompletionError):
+        complete(
+            dense_pair.decode.url,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params=push_decode_leg_params(mint_transfer_id(), dense_pair.coordinates),
+        )
+    assert time.monotonic() - started < TRANSFER_TIMEOUT_S + DEADLINE_SLACK_S
+    assert kv_cache_usage(dense_pair.decode) == 0.0
+    assert output_differences(colocated, dense_pair.colocated(prompt, MAX_TOKENS), logprob_atol=LOGPROB_ATOL) == []
