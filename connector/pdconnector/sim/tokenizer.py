@@ -7,6 +7,7 @@ token id, random token prompts round-trip exactly through text, so a benchmark's
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_VOCAB_SIZE = 1024
@@ -15,6 +16,11 @@ DEFAULT_VOCAB_SIZE = 1024
 def word(token_id: int) -> str:
     """The word of a token id (``t<id>``)."""
     return f"t{token_id}"
+
+
+def words(token_ids: Sequence[int]) -> str:
+    """A text prompt the word-level tokenizer encodes to exactly ``token_ids``."""
+    return " ".join(word(i) for i in token_ids)
 
 
 def write_word_tokenizer(directory: Path, vocab_size: int = DEFAULT_VOCAB_SIZE, model_max_length: int = 4096) -> Path:

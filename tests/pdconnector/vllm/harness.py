@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 import transformers
+from pdconnector.sim.tokenizer import write_word_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 VOCAB_SIZE = 1024
 LOOPBACK = "127.0.0.1"
@@ -99,27 +99,6 @@ HYBRID_CONFIG: dict[str, Any] = {
 }
 
 MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {TinyModel.DENSE: DENSE_CONFIG, TinyModel.HYBRID: HYBRID_CONFIG}
-
-
-def word(token_id: int) -> str:
-    """The tokenizer's word for a token id (``t<id>``)."""
-    return f"t{token_id}"
-
-
-def words(token_ids: Sequence[int]) -> str:
-    """A text prompt that the word-level tokenizer encodes to exactly ``token_ids``."""
-    return " ".join(word(i) for i in token_ids)
-
-
-def write_word_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """A word-level tokenizer over ``t0..t{vocab_size-1}`` so text prompts round-trip exactly."""
-    vocab = {word(i): i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=word(0)))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(model_dir / "tokenizer.json"))
-    # No special tokens: an added token such as "t1" would also match inside "t10" and split it.
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "clean_up_tokenization_spaces": False}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
 
 def write_tiny_model(model_dir: Path, kind: TinyModel, *, seed: int = 0, initializer_range: float = WEIGHT_INIT_STD) -> Path:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from pdconnector.sim.tokenizer import words, write_word_tokenizer
 
 from tests.pdconnector.vllm.harness import (
     HYBRID_CONFIG,
@@ -19,8 +20,6 @@ from tests.pdconnector.vllm.harness import (
     parse_completion,
     process_group_cpu_seconds,
     run_concurrently,
-    words,
-    write_word_tokenizer,
 )
 
 
