@@ -1,0 +1,58 @@
+"""Our connector on real vLLM CPU engines with a hybrid NemotronH (Mamba2 + attention) model over real NIXL (UCX).
+
+The conv state is in the DS layout (set explicitly on both engines, see ``pd_engines.ENGINE_ENV``);
+prefill stops one prompt token short and decode recomputes it, so the Mamba state decode continues
+from is the one it derives itself. Disaggregated output must equal co-located output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
+
+from tests.pdconnector.vllm.harness import output_differences, run_concurrently
+from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, pd_pair, prompt_of, wait_for_free_blocks
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+LOGPROB_ATOL = 1e-4
+PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
+CONCURRENT = 16
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(hybrid_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
+    with pd_pair("ours-hybrid", hybrid_model, engine_log_dir) as pair:
+        yield pair
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_hybrid_disaggregated_output_equals_colocated_output_for_every_prompt_length(hybrid_pair: PDPair, mode: TransferMode) -> None:
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = prompt_of(length, seed)
+        colocated = hybrid_pair.colocated(prompt, MAX_TOKENS)
+        result = hybrid_pair.run(mode, prompt, MAX_TOKENS)
+
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
+        assert result.decode.prompt_token_ids == prompt
+        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+        assert received and received["mode"] == mode.value, f"decode did not receive the state of the {length}-token prompt"
+    assert wait_for_free_blocks(hybrid_pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_sixteen_concurrent_push_requests_match_their_colocated_outputs(hybrid_pair: PDPair) -> None:
+    prompts = [prompt_of(50 + 61 * i, seed=200 + i) for i in range(CONCURRENT)]
+    colocated = [hybrid_pair.colocated(prompt, MAX_TOKENS) for prompt in prompts]
+
+    results = run_concurrently([lambda p=prompt: hybrid_pair.push(p, MAX_TOKENS, timeout_s=300) for prompt in prompts], max_workers=CONCURRENT)
+
+    for prompt, expected, result in zip(prompts, colocated, results, strict=True):
+        assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"prompt of {len(prompt)} tokens"
+        assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+    assert wait_for_free_blocks(hybrid_pair) == {"prefill": 0.0, "decode": 0.0}
