@@ -7,14 +7,16 @@ from is the one it derives itself. Disaggregated output must equal co-located ou
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
 
-from tests.pdconnector.vllm.harness import output_differences, run_concurrently
-from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, pd_pair, prompt_of, wait_for_free_blocks
+from tests.pdconnector.vllm.harness import CompletionError, complete, output_differences, run_concurrently
+from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, wait_for_free_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -56,3 +58,22 @@ def test_hybrid_sixteen_concurrent_push_requests_match_their_colocated_outputs(h
         assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"prompt of {len(prompt)} tokens"
         assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
     assert wait_for_free_blocks(hybrid_pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+@pytest.mark.timeout(600)
+def test_decode_killed_during_a_push_leaves_prefill_serving_with_every_block_freed(hybrid_pair: PDPair) -> None:
+    """Destructive (decode is gone afterwards), so it runs last in the module."""
+    prompt = prompt_of(900, seed=31)
+    colocated = hybrid_pair.colocated(prompt, MAX_TOKENS)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        in_flight = pool.submit(hybrid_pair.push, prompt, MAX_TOKENS, timeout_s=120)
+        time.sleep(0.3)
+        hybrid_pair.decode.stop(grace_s=0)
+        with pytest.raises(CompletionError):
+            in_flight.result()
+    deadline = time.monotonic() + 45
+    while kv_cache_usage(hybrid_pair.prefill) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert kv_cache_usage(hybrid_pair.prefill) == 0.0
+    # The surviving prefill engine still computes the same function.
+    assert output_differences(colocated, complete(hybrid_pair.prefill.url, prompt, max_tokens=MAX_TOKENS), logprob_atol=LOGPROB_ATOL) == []
