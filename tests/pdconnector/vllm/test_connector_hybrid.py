@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
+from pdconnector.protocol.params import RECEIVED_KEY, TransferMode, mint_transfer_id, prefill_leg_params, push_decode_leg_params
 
 from tests.pdconnector.vllm.harness import CompletionError, complete, output_differences, run_concurrently
 from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, wait_for_free_blocks
@@ -62,15 +62,25 @@ def test_hybrid_sixteen_concurrent_push_requests_match_their_colocated_outputs(h
 
 @pytest.mark.timeout(600)
 def test_decode_killed_during_a_push_leaves_prefill_serving_with_every_block_freed(hybrid_pair: PDPair) -> None:
-    """Destructive (decode is gone afterwards), so it runs last in the module."""
+    """Decode registers, dies, then prefill finishes and pairs with the dead registration: its WRITE fails and it frees.
+
+    Destructive (decode is gone afterwards), so it runs last in the module."""
     prompt = prompt_of(900, seed=31)
     colocated = hybrid_pair.colocated(prompt, MAX_TOKENS)
+    transfer_id = mint_transfer_id()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        in_flight = pool.submit(hybrid_pair.push, prompt, MAX_TOKENS, timeout_s=120)
-        time.sleep(0.3)
+        decode_leg = pool.submit(
+            complete,
+            hybrid_pair.decode.url,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params=push_decode_leg_params(transfer_id, hybrid_pair.coordinates),
+        )
+        time.sleep(2.0)  # the registration is out
         hybrid_pair.decode.stop(grace_s=0)
         with pytest.raises(CompletionError):
-            in_flight.result()
+            decode_leg.result()
+    complete(hybrid_pair.prefill.url, prompt, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PUSH, transfer_id))
     deadline = time.monotonic() + 45
     while kv_cache_usage(hybrid_pair.prefill) and time.monotonic() < deadline:
         time.sleep(0.5)
