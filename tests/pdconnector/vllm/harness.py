@@ -129,11 +129,16 @@ def free_port() -> int:
 
 
 def base_engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for a vLLM CPU engine on this machine (small KV space, no telemetry)."""
+    """Environment for a vLLM CPU engine on this machine (small KV space, no telemetry).
+
+    ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's automatic binding pins every CPU engine's worker to
+    core 0, so two engines and their transfer threads share one core and transfers stall.
+    """
     env = dict(os.environ)
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",

@@ -3,11 +3,6 @@
 One engine pair serves both modes: the mode travels in each request's ``kv_transfer_params``
 (the engine's configured mode is only the default). The decode engine doubles as the
 co-located reference: a request without transfer parameters is computed locally there.
-
-``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's automatic CPU binding pins every CPU engine's
-worker to the same core on this 2-core machine (one logical CPU per physical core), where two
-spinning engines and the transfer threads starve each other (transfers then stall for tens of
-seconds); unbound, the OS spreads them.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ from tests.pdconnector.vllm.harness import (
 )
 
 CONNECTOR_MODULE = "pdconnector.vllm.connector"
-ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 BLOCK_SIZE = 128  # vLLM's default on the CPU backend (dense); the hybrid's attention block is larger
 
 
