@@ -35,6 +35,7 @@ from pdconnector.layout import (
     targets_for,
     transfer_volume_table,
 )
+from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2
 
 ATTENTION = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
 MAMBA2 = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
@@ -158,22 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = [measure(scenario, args.repeat) for scenario in scenarios(args.quick)]
     print("Plan building per request for one prefill rank (all decode ranks it writes into); block ids per group as vLLM allocates them")
     print(format_rows(rows))
-    nemotron = model_from_hf_config(
-        {
-            "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
-            "mamba_num_heads": 128,
-            "mamba_head_dim": 80,
-            "n_groups": 8,
-            "ssm_state_size": 128,
-            "conv_kernel": 4,
-            "num_attention_heads": 40,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "torch_dtype": "bfloat16",
-            "mamba_ssm_cache_dtype": "float32",
-        },
-        kernel_block_size=32,
-    )
+    nemotron = model_from_hf_config(NEMOTRON_NANO_9B_V2, kernel_block_size=32)
     print()
     print(f"Transfer volume per request, Nemotron-Nano-9B-v2 (block {nemotron.block_size}, kernel block 32), MiB, engine-wide")
     print(format_volume_table(transfer_volume_table(nemotron)))

@@ -16,24 +16,7 @@ from pdconnector.layout import (
     plan_transfer,
     transfer_volume,
 )
-
-# NVIDIA-Nemotron-Nano-9B-v2 (config.json): 56 layers, 27 Mamba2 ("M"), 4 attention ("*"), 25 MLP ("-").
-NEMOTRON_NANO_9B_V2 = {
-    "architectures": ["NemotronHForCausalLM"],
-    "hidden_size": 4480,
-    "num_hidden_layers": 56,
-    "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
-    "mamba_num_heads": 128,
-    "mamba_head_dim": 80,
-    "n_groups": 8,
-    "ssm_state_size": 128,
-    "conv_kernel": 4,
-    "num_attention_heads": 40,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "torch_dtype": "bfloat16",
-    "mamba_ssm_cache_dtype": "float32",
-}
+from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2
 
 
 def test_nemotron_h_conv_state_page_and_padding_match_the_hand_computation() -> None:

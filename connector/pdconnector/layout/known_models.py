@@ -1,0 +1,23 @@
+"""Configs of published models that benchmarks and analyses refer to (the fields the layout model reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# NVIDIA-Nemotron-Nano-9B-v2 (its config.json): 56 layers, 27 Mamba2 ("M"), 4 attention ("*"), 25 MLP ("-").
+NEMOTRON_NANO_9B_V2: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "hidden_size": 4480,
+    "num_hidden_layers": 56,
+    "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 80,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "mamba_ssm_cache_dtype": "float32",
+}
