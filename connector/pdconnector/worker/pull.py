@@ -7,6 +7,11 @@ so, when a decode rank gives up (an abort), or when the lease runs out. Pure log
 
 The read-done notice is a :class:`ReadDoneMessage` naming decode's TP size, from which prefill knows
 how many readers to wait for; an :class:`AbortMessage` (decode gave up) releases at once.
+
+A notice can overtake the hold itself: the engine answers the router as soon as prefill is done,
+while the hold reaches the transfer thread through a queue, so under load decode's READ may finish
+first. Such early notices are kept (for one lease, at most ``max_early`` transfers) and applied
+when the hold arrives; dropping them would pin the blocks for the whole lease.
 """
 
 from __future__ import annotations
@@ -36,13 +41,18 @@ class _Hold:
     readers_done: set[int] = field(default_factory=set)
 
 
+Notice = ReadDoneMessage | AbortMessage
+
+
 class PullHolds:
-    def __init__(self, *, prefill_rank: int, prefill_tp_size: int, lease_s: float) -> None:
+    def __init__(self, *, prefill_rank: int, prefill_tp_size: int, lease_s: float, max_early: int = 4096) -> None:
         self.prefill_rank = prefill_rank
         self.prefill_tp_size = prefill_tp_size
         self.lease_s = lease_s
+        self.max_early = max_early
         self._holds: dict[str, _Hold] = {}
         self._deadlines: DeadlineQueue[str] = DeadlineQueue()
+        self._early: dict[str, tuple[float, list[Notice]]] = {}
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -53,21 +63,40 @@ class PullHolds:
     def next_deadline(self) -> float | None:
         return self._deadlines.earliest()
 
-    def hold(self, blocks: PrefillBlocks, now: float) -> None:
+    def early_count(self) -> int:
+        """Notices waiting for a hold that has not arrived (yet)."""
+        return len(self._early)
+
+    def hold(self, blocks: PrefillBlocks, now: float) -> Released | None:
+        """Hold ``blocks`` until decode is done with them; released at once if decode's notices came first."""
         if blocks.transfer_id in self._holds:
             raise ValueError(f"prefill of {blocks.transfer_id} reported finished twice")
         self._holds[blocks.transfer_id] = _Hold(blocks, now + self.lease_s)
         self._deadlines.push(now + self.lease_s, blocks.transfer_id)
+        _, early = self._early.pop(blocks.transfer_id, (0.0, []))
+        for notice in early:
+            released = self.notice_received(notice, now)
+            if released is not None:
+                return released
+        return None
 
-    def abort_received(self, message: AbortMessage) -> Released | None:
+    def notice_received(self, message: Notice, now: float) -> Released | None:
         if message.transfer_id not in self._holds:
+            self._keep_early(message, now)
             return None
-        return self._release(message.transfer_id, Outcome.CANCELLED, f"decode rank {message.decode_rank} aborted: {message.detail}")
+        if isinstance(message, AbortMessage):
+            return self._release(message.transfer_id, Outcome.CANCELLED, f"decode rank {message.decode_rank} aborted: {message.detail}")
+        return self._read_done(message)
 
-    def read_done_received(self, message: ReadDoneMessage) -> Released | None:
-        hold = self._holds.get(message.transfer_id)
-        if hold is None:
-            return None
+    def _keep_early(self, message: Notice, now: float) -> None:
+        if message.transfer_id not in self._early:
+            while len(self._early) >= self.max_early:
+                del self._early[next(iter(self._early))]
+            self._early[message.transfer_id] = (now + self.lease_s, [])
+        self._early[message.transfer_id][1].append(message)
+
+    def _read_done(self, message: ReadDoneMessage) -> Released | None:
+        hold = self._holds[message.transfer_id]
         try:
             readers = set(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
         except ValueError as error:
@@ -88,6 +117,9 @@ class PullHolds:
             if hold is not None and hold.deadline <= now:
                 released.append(self._release(transfer_id, Outcome.EXPIRED, f"no decode READ completed within the {self.lease_s}s lease"))
         self._deadlines.compact(self._holds.__contains__, len(self._holds))
+        # Early notices are few and arrive in time order, so the oldest-first dict doubles as their queue.
+        while self._early and next(iter(self._early.values()))[0] <= now:
+            del self._early[next(iter(self._early))]
         return released
 
     def _release(self, transfer_id: str, outcome: Outcome, detail: str) -> Released:

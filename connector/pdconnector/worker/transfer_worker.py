@@ -400,7 +400,7 @@ class TransferWorker:
             case _PrefillFinished(blocks=blocks, pull=True):
                 self._count("prefills_finished")
                 try:
-                    self._holds.hold(blocks, now)
+                    self._report_released(self._holds.hold(blocks, now))
                 except ValueError as error:
                     log.error("transfer %s: %s", blocks.transfer_id, error)
             case _PrefillFinished(blocks=blocks):
@@ -635,13 +635,14 @@ class TransferWorker:
                         except TransportError as error:
                             log.warning("registration of %s: cannot load decode agent %s: %s", message.transfer_id, message.agent_name, error)
                     self._apply(self._table.registration_received(message, now), now)
+                case AbortMessage() if message.transfer_id in self._holds:
+                    self._report_released(self._holds.notice_received(message, now))
                 case AbortMessage():
-                    released = self._holds.abort_received(message)
-                    if released is None:
-                        self._apply(self._table.abort_received(message, now), now)
-                    self._report_released(released)
+                    # Unknown to both tables, it may be a pull abort overtaking its hold: the holds keep it for a lease.
+                    self._apply(self._table.abort_received(message, now), now)
+                    self._holds.notice_received(message, now)
                 case ReadDoneMessage():
-                    self._report_released(self._holds.read_done_received(message))
+                    self._report_released(self._holds.notice_received(message, now))
                 case CompletionMessage() | FailureMessage():
                     self._tracker.on_message(message)
         return bool(notifications)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import aiohttp
@@ -24,10 +25,21 @@ def client_for(url: str) -> openai.OpenAI:
 
 
 def assert_no_blocks_held(cluster) -> None:
+    """Every block is back and none was freed by a lease running out (a lost notice).
+
+    Prefill frees after the response went out (when decode's notice is polled), so allow a moment,
+    well short of the fast cluster's 5 s lease."""
     for engine in cluster.engines.values():
-        samples = engine.metrics()
+        deadline = time.monotonic() + 2.0
+        while True:
+            samples = engine.metrics()
+            if samples["pd_mock_kv_blocks_free"] == samples["pd_mock_kv_blocks_total"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert samples["pd_mock_kv_blocks_free"] == samples["pd_mock_kv_blocks_total"], engine.name
         assert samples["pd_mock_kv_blocks_held_for_transfer"] == 0, engine.name
+        expired = {name: value for name, value in samples.items() if "outcome=expired" in name and value}
+        assert not expired, f"{engine.name}: transfers ended by a lease, not by decode: {expired}"
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
