@@ -24,6 +24,8 @@ from typing import Any
 # The harness lives with the tests (namespace package ``tests``) so both share one engine launcher.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pdconnector.sim.tiny_model import VOCAB_SIZE, TinyModel, write_tiny_model
+
 from tests.pdconnector.vllm import harness
 
 BLOCK_SIZE = 128  # vLLM's CPU default; prompt lengths straddle it
@@ -34,7 +36,7 @@ IDLE_WINDOW_S = 10.0
 
 def prompt_of(length: int, salt: int = 0) -> list[int]:
     """Deterministic, distinct prompts (distinct first token per salt so no two requests share KV)."""
-    return [(7 * salt + 13 * i + length) % harness.VOCAB_SIZE for i in range(length)]
+    return [(7 * salt + 13 * i + length) % VOCAB_SIZE for i in range(length)]
 
 
 def measure_colocated(
@@ -133,7 +135,7 @@ def measure_push(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
-    parser.add_argument("--model", choices=[m.value for m in harness.TinyModel], default=harness.TinyModel.DENSE.value)
+    parser.add_argument("--model", choices=[m.value for m in TinyModel], default=TinyModel.DENSE.value)
     parser.add_argument("--skip-pull", action="store_true")
     parser.add_argument("--skip-push", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=harness.DEFAULT_STARTUP_TIMEOUT_S, help="per engine start, seconds")
@@ -143,10 +145,10 @@ def main() -> None:
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-baseline-"))
-    kind = harness.TinyModel(args.model)
-    model_dir = harness.write_tiny_model(workdir / kind.value, kind)
+    kind = TinyModel(args.model)
+    model_dir = write_tiny_model(workdir / kind.value, kind)
     log_dir = workdir / "logs"
-    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"} if kind is harness.TinyModel.HYBRID else {}
+    env = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"} if kind is TinyModel.HYBRID else {}
     print(f"workdir {workdir}", flush=True)
 
     report: dict[str, Any] = {"model": kind.value, "prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS}

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pdconnector.sim.tiny_model import TinyModel, write_tiny_model
 
-from tests.pdconnector.vllm.harness import EngineLauncher, TinyModel, VllmServer, launch_server, stop_all, write_tiny_model
+from tests.pdconnector.vllm.harness import EngineLauncher, VllmServer, launch_server, stop_all
 
 
 @pytest.fixture(scope="session")

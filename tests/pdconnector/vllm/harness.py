@@ -31,94 +31,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import torch
-import transformers
-from pdconnector.sim.tokenizer import write_word_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
-VOCAB_SIZE = 1024
 LOOPBACK = "127.0.0.1"
 # First start on a loaded 2-core machine can take minutes (testing-here.md saw up to 5).
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 TOP_LOGPROBS = 5
-WEIGHT_INIT_STD = 0.2
-
-
-class TinyModel(StrEnum):
-    DENSE = "dense"
-    HYBRID = "hybrid"
-
-
-_COMMON_CONFIG: dict[str, Any] = {
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "tie_word_embeddings": False,
-}
-
-DENSE_CONFIG: dict[str, Any] = {
-    **_COMMON_CONFIG,
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-}
-
-# M = Mamba2 mixer, - = MLP, * = attention. Mamba: 8 heads x 32 = expand(1) x hidden(256).
-HYBRID_CONFIG: dict[str, Any] = {
-    **_COMMON_CONFIG,
-    "architectures": ["NemotronHForCausalLM"],
-    "model_type": "nemotron_h",
-    "hybrid_override_pattern": "M-M*-",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "mamba_num_heads": 8,
-    "mamba_head_dim": 32,
-    "n_groups": 2,
-    "ssm_state_size": 16,
-    "conv_kernel": 4,
-    "expand": 1,
-    "chunk_size": 2048,
-    "mamba_ssm_cache_dtype": "float32",
-    "mlp_hidden_act": "relu2",
-    "layer_norm_epsilon": 1e-5,
-}
-
-MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {TinyModel.DENSE: DENSE_CONFIG, TinyModel.HYBRID: HYBRID_CONFIG}
-
-
-def write_tiny_model(model_dir: Path, kind: TinyModel, *, seed: int = 0, initializer_range: float = WEIGHT_INIT_STD) -> Path:
-    """Write a tiny model (config.json, seeded random safetensors weights, word-level tokenizer) into ``model_dir``.
-
-    vLLM's ``--load-format dummy`` draws weights from U(-1e-3, 1e-3): every logit is ~0, all
-    1024 tokens tie at logprob -6.93 and a corrupted KV transfer would go unnoticed. Weights
-    drawn by transformers' initializer at a larger scale give peaked, position-dependent
-    distributions, so a wrong KV changes tokens and logprobs.
-    """
-    model_dir.mkdir(parents=True, exist_ok=True)
-    config_path = model_dir / "config.json"
-    config_path.write_text(json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    model.save_pretrained(model_dir)
-    # save_pretrained rewrites config.json in transformers' own dialect; keep ours (what vLLM is tested with).
-    config_path.write_text(json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2))
-    write_word_tokenizer(model_dir)
-    return model_dir
 
 
 def free_port() -> int:
