@@ -55,6 +55,7 @@ def dispatch_settings(config: RouterConfig, options: RouterOptions) -> DispatchS
         prefill_timeout_s=config.timeouts.prefill_s,
         decode_first_byte_timeout_s=config.timeouts.prefill_s + config.timeouts.transfer_s + config.timeouts.decode_first_token_s,
         total_timeout_s=options.total_timeout_s,
+        connector=config.connector,
     )
 
 

@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from aiohttp import web
@@ -36,7 +36,7 @@ from pdconnector.router.legs import EventStream, FailureKind, LegError, SseEvent
 from pdconnector.router.metrics import RouterMetrics
 from pdconnector.router.selection import Selector
 from pdconnector.router.status import TransferLedger
-from pdconnector.router.validation import ClientRequest
+from pdconnector.router.validation import ClientRequest, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class DispatchSettings:
     decode_first_byte_timeout_s: float = 120.0
     total_timeout_s: float = 600.0
     max_attempts: int = 3
+    # "vllm": the engines run upstream vLLM's NIXL connectors, whose push decode leg names the prefill request.
+    connector: Literal["builtin", "vllm"] = "builtin"
 
 
 @dataclass
@@ -89,6 +91,15 @@ class Exchange:
         if self.transfer_id:
             headers["x-pd-transfer-id"] = self.transfer_id
         return headers
+
+
+def upstream_engine_request_id(endpoint: Endpoint, request_id: str) -> str:
+    """The id vLLM's OpenAI server gives the prefill leg sent with ``X-Request-Id: request_id``.
+
+    Upstream's push connector pairs decode with that prefill request by this id (its random engine suffix
+    stripped); both legs carry the same ``X-Request-Id``. A completion has one prompt, index 0.
+    """
+    return f"chatcmpl-{request_id}" if endpoint is Endpoint.CHAT else f"cmpl-{request_id}-0"
 
 
 def _prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -295,13 +306,13 @@ class Dispatcher:
             exchange.decode = self._pick(Role.DECODE, exchange)
             exchange.prefill = self._pick(Role.PREFILL, exchange, partner=exchange.decode)
             exchange.transfer_id = mint_transfer_id()
-            coordinates = exchange.prefill.spec.prefill_coordinates()
+            decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
+            if self.settings.connector == "vllm":
+                decode_params["remote_request_id"] = upstream_engine_request_id(request.endpoint, exchange.request_id)
             prefill = asyncio.create_task(
                 self._prefill_leg(exchange.prefill, request, prefill_leg_params(TransferMode.PUSH, exchange.transfer_id), exchange)
             )
-            decode = asyncio.create_task(
-                self._decode_leg(exchange.decode, request, push_decode_leg_params(exchange.transfer_id, coordinates), exchange, deadline)
-            )
+            decode = asyncio.create_task(self._decode_leg(exchange.decode, request, decode_params, exchange, deadline))
             try:
                 started = await self._first_decode_answer(prefill, decode)
             except BaseException as exc:

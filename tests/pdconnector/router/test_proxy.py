@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from pdconnector.protocol.params import RECEIVED_KEY
 from pdconnector.router.app import RouterOptions
 from pdconnector.router.health import HealthSettings
@@ -12,6 +13,7 @@ from pdconnector.router.proxy import Dispatch
 
 MODEL = "tiny"
 COMPLETION = {"model": MODEL, "prompt": "hello there", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 
 
 async def until(condition, timeout=3.0):
@@ -58,6 +60,23 @@ async def test_push_dispatches_both_legs_concurrently_with_prefill_coordinates(c
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
     assert params["remote_engine_id"] == f"{prefill.name}-c0ffee" and params["remote_host"] == prefill.host and params["remote_port"] == 5600
     assert params["transfer_id"] == prefill.bodies[0]["kv_transfer_params"]["transfer_id"]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "expected"), [("/v1/completions", COMPLETION, "cmpl-req-7-0"), ("/v1/chat/completions", CHAT, "chatcmpl-req-7")]
+)
+async def test_push_to_upstream_vllm_connectors_names_the_prefill_request_it_pairs_with(cluster, make_router, endpoint, body, expected):
+    client = await make_router(mode="push", connector="vllm")
+    response = await client.post(endpoint, json=body, headers={"X-Request-Id": "req-7"})
+    assert response.status == 200, await response.text()
+    decode = next(e for e in cluster.decode if e.bodies)
+    assert decode.bodies[0]["kv_transfer_params"]["remote_request_id"] == expected
+
+
+async def test_push_to_our_connector_sends_no_upstream_request_id(cluster, make_router):
+    response = await (await make_router(mode="push")).post("/v1/completions", json=COMPLETION)
+    assert response.status == 200
+    assert "remote_request_id" not in next(e for e in cluster.decode if e.bodies).bodies[0]["kv_transfer_params"]
 
 
 async def test_push_sequential_sends_decode_leg_only_after_prefill_answered(cluster, make_router):
