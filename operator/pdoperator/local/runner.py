@@ -17,10 +17,11 @@ from pathlib import Path
 
 from pdconnector.sim.cluster import Process
 
-from .plan import ROUTER_CONFIG_FILE, LocalPlan
+from pdoperator.render import Role
+
+from .plan import ROUTER_CONFIG_FILE, LocalPlan, LocalProcess
 
 STATE_FILE = "state.json"
-STARTUP_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 10.0
 
 
@@ -65,14 +66,23 @@ def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / ROUTER_CONFIG_FILE).write_text(plan.router_config)
     started: list[RunningProcess] = []
+
+    def start(local: LocalProcess) -> Process:
+        process = Process(local.name, list(local.argv), local.url, state_dir / f"{local.name}.log", env=dict(local.env))
+        process.start()
+        assert process.popen is not None
+        started.append(RunningProcess(local.name, process.popen.pid, _start_ticks(process.popen.pid) or 0, local.url, str(process.log_path)))
+        _write_state(state_dir, started)
+        return process
+
+    engines = [local for local in plan.processes if local.role is not Role.ROUTER]
+    routers = [local for local in plan.processes if local.role is Role.ROUTER]
     try:
-        for local in plan.processes:
-            process = Process(local.name, list(local.argv), local.url, state_dir / f"{local.name}.log", env=dict(local.env))
-            process.start()
-            assert process.popen is not None
-            started.append(RunningProcess(local.name, process.popen.pid, _start_ticks(process.popen.pid) or 0, local.url, str(process.log_path)))
-            _write_state(state_dir, started)
-            process.wait_healthy(STARTUP_TIMEOUT_S)
+        # Engines boot side by side (a vLLM engine takes most of a minute), the router once they answer.
+        for local, process in [(local, start(local)) for local in engines]:
+            process.wait_healthy(local.startup_timeout_s)
+        for local in routers:
+            start(local).wait_healthy(local.startup_timeout_s)
     except BaseException:
         down(state_dir)
         raise

@@ -156,6 +156,9 @@ def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tupl
     return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [*_vllm_args(spec, role, rs, pod_engine_id), *rs.extra_args]
 
 
+CPU_THREAD_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
@@ -179,6 +182,11 @@ def _engine_env(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> li
         if hf is not None and hf.token_secret_ref is not None:
             ref = hf.token_secret_ref
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        user_names = {var.name for var in role_spec(spec, role).env}
+        if engine_gpus(spec, role) == 0 and CPU_THREAD_BINDING_ENV not in user_names:
+            # vLLM's CPU backend binds each engine's threads from core 0 regardless of its share of the node, so engines
+            # on one node and their transfer threads pile onto the same cores; the scheduler spreads them better.
+            env.append({"name": CPU_THREAD_BINDING_ENV, "value": "nobind"})
     if spec.network.efa.enabled:
         env += [
             {"name": "FI_PROVIDER", "value": "efa"},

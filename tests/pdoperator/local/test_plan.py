@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from pdconnector.router.config import parse_router_config
 from pdoperator.api import parse_pdservice
-from pdoperator.local import LocalRunError, plan_local_run
+from pdoperator.local import LocalRunError, local_variant, plan_local_run
 from pdoperator.local.plan import expand, loopback_subnet
 from pdoperator.render import RenderDefaults, Role, render_pdservice
 
@@ -69,11 +70,30 @@ def test_the_router_config_is_the_rendered_one_with_pod_names_resolved_to_proces
     assert plan.endpoint == f"http://{router.host}:8000"
 
 
-def test_a_vllm_runtime_is_refused_with_a_reason_naming_the_field(tmp_path):
-    document = yaml.safe_load((REPO / "examples" / "qwen3-32b-push-efa.yaml").read_text())
-    pds = parse_pdservice(document)
-    with pytest.raises(LocalRunError, match=r"spec\.engine\.runtime is vllm"):
-        plan_for(pds, tmp_path)
+def test_a_vllm_runtime_without_a_local_model_is_refused_with_a_reason_naming_the_field(tmp_path):
+    with pytest.raises(LocalRunError, match=r"spec\.engine\.runtime is vllm: .*--model-dir"):
+        plan_for(local_variant(tiny(), runtime="vllm"), tmp_path)
+
+
+def test_gpu_engines_cannot_run_locally(tmp_path):
+    pds = parse_pdservice(yaml.safe_load((REPO / "examples" / "qwen3-32b-push-efa.yaml").read_text()))
+    with pytest.raises(LocalRunError, match=r"spec\.prefill: 8 GPUs per engine"):
+        plan_local_run(pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model")
+
+
+def test_vllm_engines_load_the_local_model_offline_with_the_rendered_connector_and_identity(tmp_path):
+    pds = local_variant(tiny(), runtime="vllm")
+    plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model")
+    prefill = next(p for p in plan.processes if p.name == "tiny-prefill-0")
+    argv = list(prefill.argv)
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "model")
+    assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
+    kv_config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv_config["engine_id"].startswith("tiny-prefill-0-") and kv_config["kv_connector_extra_config"]["backends"] == ["UCX"]
+    assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefill.host
+    assert prefill.env["HF_HUB_OFFLINE"] == "1" and prefill.env["HF_HOME"].startswith(str(tmp_path))
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert prefill.startup_timeout_s > next(p for p in plan.processes if p.role is Role.ROUTER).startup_timeout_s
 
 
 def test_distinct_pdservices_get_distinct_subnets():

@@ -17,8 +17,18 @@ TINY = REPO / "examples" / "tiny-cpu.yaml"
 PDCTL = str(Path(sys.executable).parent / "pdctl")
 
 
-def pdctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PDCTL, *args], capture_output=True, text=True, timeout=180, check=False)
+def pdctl(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PDCTL, *args], capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+def complete(endpoint: str, body: dict[str, object]) -> tuple[dict[str, str], dict]:
+    request = urllib.request.Request(f"{endpoint}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return dict(response.headers), json.loads(response.read())
+
+
+def endpoint_of(up_output: str) -> str:
+    return up_output.strip().splitlines()[-1].split(": ")[1].split("/v1")[0]
 
 
 @pytest.fixture
@@ -30,19 +40,13 @@ def state_dir(tmp_path):
 def test_up_serves_through_the_router_and_down_stops_every_process(state_dir):
     result = pdctl("up", "-f", str(TINY), "--mode", "pull", "--state-dir", str(state_dir))
     assert result.returncode == 0, result.stderr
-    endpoint = result.stdout.strip().splitlines()[-1].split(": ")[1].split("/v1")[0]
+    endpoint = endpoint_of(result.stdout)
     assert "is up in pull mode" in result.stdout
     processes = read_state(state_dir)
     assert [p.name for p in processes] == ["tiny-prefill-0", "tiny-decode-0", "tiny-router"]
-    request = urllib.request.Request(
-        f"{endpoint}/v1/completions",
-        data=json.dumps({"model": "tiny-llama", "prompt": "t1 t2 t3", "max_tokens": 4}).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        assert response.headers["x-pd-prefill"] == "tiny-prefill-0"
-        assert response.headers["x-pd-decode"] == "tiny-decode-0"
-        assert json.loads(response.read())["kv_transfer_params"]["pd_received"]["bytes"] > 0
+    headers, body = complete(endpoint, {"model": "tiny-llama", "prompt": "t1 t2 t3", "max_tokens": 4})
+    assert (headers["x-pd-prefill"], headers["x-pd-decode"]) == ("tiny-prefill-0", "tiny-decode-0")
+    assert body["kv_transfer_params"]["pd_received"]["bytes"] > 0
 
     again = pdctl("up", "-f", str(TINY), "--state-dir", str(state_dir))
     assert again.returncode != 0
@@ -66,3 +70,35 @@ def test_up_of_a_gpu_example_fails_clearly_without_starting_anything(state_dir):
     assert "spec.engine.runtime is vllm" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_state(state_dir) == []
+
+
+def test_up_with_vllm_engines_serves_through_our_connector_and_down_stops_the_engines_process_groups(state_dir):
+    result = pdctl("up", "-f", str(TINY), "--engine", "vllm", "--state-dir", str(state_dir), timeout_s=900)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "is up in push mode" in result.stdout and (state_dir / "tiny-model" / "model.safetensors").exists()
+    endpoint = endpoint_of(result.stdout)
+    prompt = " ".join(f"t{i}" for i in range(200))  # more than one 128-token block
+    headers, body = complete(endpoint, {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    assert (headers["x-pd-prefill"], headers["x-pd-decode"]) == ("tiny-prefill-0", "tiny-decode-0")
+    assert body["usage"]["prompt_tokens"] == 200 and body["usage"]["completion_tokens"] == 4
+    with urllib.request.urlopen(f"{endpoint}/status", timeout=10) as response:
+        assert json.loads(response.read())["transfers"] == {"verified": 1, "unverified": 0}
+    processes = read_state(state_dir)
+    stopped = pdctl("down", "-f", str(TINY), "--state-dir", str(state_dir), timeout_s=120)
+    assert "stopped 3 processes" in stopped.stdout
+    # vLLM's engine core and workers are children in each engine's process group: none may outlive down.
+    assert [live_members(process.pid) for process in processes] == [[]] * len(processes)
+
+
+def live_members(process_group: int) -> list[str]:
+    """Processes of a group that still run (zombies are dead: reaping them is their new parent's business)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, fields = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        state, _, pgid = fields.split()[:3]
+        if int(pgid) == process_group and state not in {"Z", "X"}:
+            members.append(name.split("(", 1)[1])
+    return members

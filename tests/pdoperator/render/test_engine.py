@@ -8,6 +8,7 @@ from typing import Any
 from pdoperator.api.model import PDService
 from pdoperator.api.validation import EFA_RESERVED_ENV, MANAGED_FLAGS, RESERVED_ENV
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
+from pdoperator.render.engine import CPU_THREAD_BINDING_ENV
 
 EFA_ON = {
     "engine": {"transport": {"backend": "LIBFABRIC"}},
@@ -154,6 +155,15 @@ def test_engines_without_gpus_keep_kv_buffers_in_host_memory(make_pds):
     pds = make_pds({"prefill": {"resources": {"gpus": 0}}})
     assert kv_config(pds, "prefill")["kv_buffer_device"] == "cpu"
     assert kv_config(pds, "decode")["kv_buffer_device"] == "cuda"
+
+
+def test_cpu_engines_are_not_pinned_to_the_first_cores_unless_the_user_says_so(make_pds):
+    pds = make_pds(
+        {"prefill": {"resources": {"gpus": 0}}, "decode": {"resources": {"gpus": 0}, "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]}}
+    )
+    assert env(pds, "prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert [var["value"] for var in container(pds, "decode")["env"] if var["name"] == "VLLM_CPU_OMP_THREADS_BIND"] == ["0-3"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env(make_pds({}), "prefill"), "GPU engines keep vLLM's default"
 
 
 # ---------------------------------------------------------------- prefix caching and hybrid models
@@ -340,7 +350,7 @@ def test_node_selector_and_tolerations_are_passed_through(example_pds):
 
 
 def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(variant, example_pds):
-    """extraArgs and env cannot override what rendering sets: validation rejects exactly these names."""
+    """extraArgs and env cannot override what rendering sets (but defaults meant to be overridden): validation rejects these names."""
     for pds in (variant[1], example_pds("tiny-cpu"), example_pds("qwen3-32b-push-efa")):
         for role in ("prefill", "decode"):
             engine = container(pds, role)
@@ -349,5 +359,5 @@ def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(var
             flags = {arg for arg in own_args if arg.startswith("--")}
             assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(MANAGED_FLAGS[pds.spec.engine.runtime])
             user_env = {var.name for var in getattr(pds.spec, role).env}
-            own_env = {var["name"] for var in engine["env"]} - user_env
+            own_env = {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV}
             assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
