@@ -1,14 +1,18 @@
 """Push vs pull under load: a QPS x input-length sweep through the router with `vllm bench serve`, and its two figures.
 
     .venv/bin/python e2e/bench/pd_bench.py                          # local run of examples/tiny-cpu.yaml, push and pull
+    .venv/bin/python e2e/bench/pd_bench.py --engine vllm            # the same with real vLLM engines: ours and upstream's
     .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME  # any running router (local, port-forwarded)
     .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench      # redraw the figures from saved runs
 
-The local run starts the tiny example with `pdctl up` (mock engines moving real KV bytes over the
-mock transport) with a latency model on the engines, once per mode. Each run of `vllm bench serve`
-(random token prompts through a word-level tokenizer, so input lengths are exact) writes one JSON
-file; the sweep then draws TTFT vs QPS and TPOT vs QPS (one line per label and input length) as
-PNG and prints a markdown table (also written to summary.md).
+The local run starts the tiny example as `pdctl up` does, once per variant: mock engines moving
+real KV bytes over the mock transport with a latency model (``--engine mock``), or vLLM CPU
+engines running the tiny dense model with our connector or upstream vLLM's NIXL connectors, in
+push and pull (``--engine vllm``). Before each sweep one request warms the variant up; its
+latency is kept (a P/D pair's first request pays for any handshake not done at start-up).
+Each run of `vllm bench serve` (random token prompts through a word-level tokenizer, so input
+lengths are exact) writes one JSON file; the sweep then draws TTFT vs QPS and TPOT vs QPS (one
+line per label and input length) as PNG and prints a markdown table (also written to summary.md).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +63,11 @@ def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, o
     return {key: float(result[key]) for key in RESULT_KEYS}
 
 
+MOCK_VARIANTS = ("mock-push", "mock-pull")
+VLLM_VARIANTS = ("ours-push", "ours-pull", "upstream-push", "upstream-pull")
+WARMUP_TIMEOUT_S = 600.0
+
+
 def tiny_with(mode: str, prefill_s_per_token: float, decode_s_per_token: float) -> dict[str, object]:
     document = yaml.safe_load(TINY.read_text())
     document["spec"]["mode"] = mode
@@ -65,21 +76,51 @@ def tiny_with(mode: str, prefill_s_per_token: float, decode_s_per_token: float) 
     return document
 
 
-def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
+def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDService, imported lazily
+    """The tiny example as one benchmark variant: ``mock-<mode>``, ``ours-<mode>`` or ``upstream-<mode>``."""
     from pdoperator.api import parse_pdservice  # noqa: PLC0415
+    from pdoperator.local import local_variant  # noqa: PLC0415
+
+    engine, mode = variant.split("-")
+    if engine == "mock":
+        return parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
+    tiny = parse_pdservice(yaml.safe_load(TINY.read_text()))
+    return local_variant(tiny, mode=mode, runtime="vllm", connector="builtin" if engine == "ours" else "vllm", dtype="float32")
+
+
+def warm_up(base_url: str, model: str) -> float:
+    """Seconds one small request takes through a fresh variant (raises if it fails)."""
+    body = json.dumps({"model": model, "prompt": "t1 t2 t3 t4", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    started = time.monotonic()
+    with urllib.request.urlopen(request, timeout=WARMUP_TIMEOUT_S) as response:
+        response.read()
+    return time.monotonic() - started
+
+
+def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
     from pdoperator.local import down, plan_local_run, up  # noqa: PLC0415
     from pdoperator.render import RenderDefaults, render_pdservice  # noqa: PLC0415
 
     runs = []
-    for mode in args.modes:
-        pds = parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
-        state_dir = args.out / "state" / mode
-        plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), state_dir)
+    first_requests: dict[str, float | str] = {}
+    for variant in args.variants:
+        pds = variant_pds(variant, args)
+        state_dir = args.out / "state" / variant
+        model_dir = tokenizer if not variant.startswith("mock") else None
+        plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), state_dir, model_dir=model_dir)
         up(plan, state_dir)
         try:
-            runs += sweep(f"mock-{mode}", plan.endpoint, pds.spec.model.name, tokenizer, args)
+            try:
+                first_requests[variant] = round(warm_up(plan.endpoint, pds.spec.model.name), 3)
+            except OSError as error:
+                first_requests[variant] = f"failed: {error}"
+                print(f"{variant}: the warm-up request failed ({error}); sweeping anyway", file=sys.stderr)
+            print(f"{variant}: first request {first_requests[variant]} s")
+            runs += sweep(variant, plan.endpoint, pds.spec.model.name, tokenizer, args)
         finally:
             down(state_dir)
+    (args.out / "first_request_s.json").write_text(json.dumps(first_requests, indent=2))
     return runs
 
 
@@ -153,7 +194,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--router", help="benchmark this running router instead of starting the tiny example locally")
     parser.add_argument("--label", default="router", help="label of --router runs in files and figures")
     parser.add_argument("--model", default="tiny-llama", help="served model name (with --router)")
-    parser.add_argument("--modes", type=lambda text: text.split(","), default=["push", "pull"], help="local run: modes to sweep")
+    parser.add_argument("--engine", choices=["mock", "vllm"], default="mock", help="local run: mock engines or real vLLM CPU engines")
+    parser.add_argument("--variants", type=lambda text: text.split(","), help="local run: comma-separated subset of the engine's variants")
     parser.add_argument("--qps", type=numbers, default=[2, 8, 32], help="request rates, comma-separated")
     parser.add_argument("--input-lens", type=lambda text: [int(n) for n in numbers(text)], default=[128, 1024], help="prompt lengths")
     parser.add_argument("--output-len", type=int, default=16)
@@ -165,16 +207,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def model_with_tokenizer(args: argparse.Namespace) -> Path:
+    """The tokenizer the client uses; with vLLM engines, the tiny model's directory (they share the tokenizer)."""
+    if args.engine == "vllm":
+        from pdconnector.sim.tiny_model import TinyModel, write_tiny_model  # noqa: PLC0415
+
+        model_dir = args.out / "tiny-model"
+        return model_dir if (model_dir / "config.json").exists() else write_tiny_model(model_dir, TinyModel.DENSE)
+    from pdconnector.sim.tokenizer import write_word_tokenizer  # noqa: PLC0415
+
+    return write_word_tokenizer(args.out / "tokenizer")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    known = MOCK_VARIANTS if args.engine == "mock" else VLLM_VARIANTS
+    args.variants = args.variants or list(known)
+    if unknown := [variant for variant in args.variants if variant not in known]:
+        print(f"--variants: {unknown} are not among {list(known)} for --engine {args.engine}", file=sys.stderr)
+        return 2
     if args.plot_only:
         args.out = args.plot_only
         runs = load_runs(args.out)
     else:
-        from pdconnector.sim.tokenizer import write_word_tokenizer  # noqa: PLC0415
-
         args.out.mkdir(parents=True, exist_ok=True)
-        tokenizer = write_word_tokenizer(args.out / "tokenizer")
+        tokenizer = model_with_tokenizer(args)
         runs = sweep(args.label, args.router, args.model, tokenizer, args) if args.router else sweep_local(args, tokenizer)
     if not runs:
         print(f"no runs in {args.out}", file=sys.stderr)
