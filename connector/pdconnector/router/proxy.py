@@ -35,7 +35,7 @@ from pdconnector.router.health import eject_now
 from pdconnector.router.legs import EventStream, FailureKind, LegError, SseEvent, call_json, cancel_and_wait, open_stream
 from pdconnector.router.metrics import RouterMetrics
 from pdconnector.router.selection import Selector
-from pdconnector.router.status import TransferLedger
+from pdconnector.router.status import Evidence, TransferLedger
 from pdconnector.router.validation import ClientRequest, Endpoint
 
 log = logging.getLogger(__name__)
@@ -405,9 +405,15 @@ class Dispatcher:
             )
         return errors.upstream_failed(role.value, error.backend.name, error.detail)
 
+    def _record_transfer(self, confirmed: bool) -> None:
+        # Upstream vLLM connectors never report how KV arrived: their answers prove nothing either way.
+        unconfirmable = self.settings.connector == "vllm"
+        evidence = Evidence.UNCONFIRMABLE if unconfirmable else Evidence.VERIFIED if confirmed else Evidence.UNVERIFIED
+        self.ledger.record(evidence)
+        self.metrics.transfers.labels(evidence.value).inc()
+
     def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, str]:
-        self.ledger.record(_confirmed(started.body))
-        self.metrics.transfers.labels("verified" if _confirmed(started.body) else "unverified").inc()
+        self._record_transfer(_confirmed(started.body))
         response = web.Response(body=started.raw, content_type="application/json", headers=exchange.headers())
         return response, "ok"
 
@@ -447,6 +453,5 @@ class Dispatcher:
         await response.write_eof()
         if failure is not None or error_seen:
             return response, "upstream_error"
-        self.ledger.record(confirmed)
-        self.metrics.transfers.labels("verified" if confirmed else "unverified").inc()
+        self._record_transfer(confirmed)
         return response, "ok"

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pdconnector.router.backends import BackendPool
 
 
+class Evidence(StrEnum):
+    """What a successful request's decode answer says about its KV."""
+
+    VERIFIED = "verified"  # decode confirmed KV arrived by transfer
+    UNVERIFIED = "unverified"  # no confirmation from an engine that gives one: decode computed the prompt itself
+    UNCONFIRMABLE = "unconfirmable"  # the engines (upstream vLLM connectors) never say either way
+
+
 @dataclass
 class TransferLedger:
-    """Verified: decode said KV arrived by transfer. Unverified: the request succeeded without that confirmation."""
+    """Successful requests since the router started, by :class:`Evidence`."""
 
     verified: int = 0
     unverified: int = 0
+    unconfirmable: int = 0
 
-    def record(self, confirmed: bool) -> None:
-        if confirmed:
-            self.verified += 1
-        else:
-            self.unverified += 1
+    def record(self, evidence: Evidence) -> None:
+        setattr(self, evidence.value, getattr(self, evidence.value) + 1)
 
 
 def build_status(pool: BackendPool, ledger: TransferLedger, mode: str, served_model: str) -> dict[str, object]:
@@ -27,5 +34,5 @@ def build_status(pool: BackendPool, ledger: TransferLedger, mode: str, served_mo
         "model": served_model,
         "ready": pool.is_ready(),
         "backends": [backend.status() for backend in pool.all()],
-        "transfers": {"verified": ledger.verified, "unverified": ledger.unverified},
+        "transfers": {"verified": ledger.verified, "unverified": ledger.unverified, "unconfirmable": ledger.unconfirmable},
     }

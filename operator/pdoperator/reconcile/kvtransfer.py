@@ -5,6 +5,8 @@ transferred from prefill (``verified``) and requests that succeeded without that
 (``unverified``): ``GET /status`` -> ``{"transfers": {"verified": V, "unverified": U}}``. A decode
 that silently recomputes the prompt still answers correctly, only slower and at prefill cost:
 the most common silent failure of P/D deployments, and exactly what ``unverified`` counts.
+Engines running upstream vLLM's connectors never confirm either way; the router counts their
+requests as ``unconfirmable`` (absent from older routers' answers) and the condition stays Unknown.
 
 Verdicts are taken on what changed since the previous probe (so the condition recovers once
 transfers work again), or on the totals when there is no previous probe or the router restarted.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import aiohttp
@@ -26,6 +28,7 @@ from pdoperator.api.model import Condition, ConditionStatus, ConditionType, PDSe
 class TransferCounts:
     verified: int
     unverified: int
+    unconfirmable: int = 0
 
 
 class RouterStatusError(Exception):
@@ -37,8 +40,8 @@ def parse_router_status(payload: Any) -> TransferCounts:
     if not isinstance(transfers, dict):
         raise RouterStatusError("router /status has no 'transfers' object")
     values = []
-    for field in ("verified", "unverified"):
-        value = transfers.get(field)
+    for field in ("verified", "unverified", "unconfirmable"):
+        value = transfers.get(field, 0 if field == "unconfirmable" else None)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise RouterStatusError(f"router /status transfers.{field} must be a non-negative integer, got {value!r}")
         values.append(value)
@@ -54,7 +57,7 @@ class Verdict:
 
 def verdict(current: TransferCounts, previous: TransferCounts | None, previous_verdict: Verdict | None) -> Verdict:
     """The verdict on the counts; ``previous_verdict`` (an earlier verdict on counts) stands while no request arrives."""
-    restarted = previous is not None and (current.verified < previous.verified or current.unverified < previous.unverified)
+    restarted = previous is not None and any(now < before for now, before in zip(astuple(current), astuple(previous), strict=True))
     base = TransferCounts(0, 0) if previous is None or restarted else previous
     new_verified = current.verified - base.verified
     new_unverified = current.unverified - base.unverified
@@ -66,6 +69,12 @@ def verdict(current: TransferCounts, previous: TransferCounts | None, previous_v
         )
     if new_verified > 0:
         return Verdict(ConditionStatus.TRUE, "TransfersVerified", "decode confirms requests are served with KV transferred from prefill")
+    if current.unconfirmable > base.unconfirmable:
+        return Verdict(
+            ConditionStatus.UNKNOWN,
+            "NotConfirmable",
+            "upstream vLLM connectors do not report whether KV arrived by transfer (spec.engine.connector: builtin does)",
+        )
     if previous_verdict is not None:
         return previous_verdict
     return Verdict(ConditionStatus.UNKNOWN, "NoTraffic", "no request has been served since the router started")

@@ -71,6 +71,8 @@ async def test_push_to_upstream_vllm_connectors_names_the_prefill_request_it_pai
     assert response.status == 200, await response.text()
     decode = next(e for e in cluster.decode if e.bodies)
     assert decode.bodies[0]["kv_transfer_params"]["remote_request_id"] == expected
+    # Upstream engines never confirm how KV arrived: the request proves nothing, rather than "served without transfer".
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0, "unconfirmable": 1}
 
 
 async def test_push_to_our_connector_sends_no_upstream_request_id(cluster, make_router):
@@ -99,7 +101,7 @@ async def test_non_streaming_answer_is_passed_through_and_counted_verified(clust
     body = await response.json()
     assert body["choices"][0]["text"] == " t1 t2 t3"
     assert RECEIVED_KEY in body["kv_transfer_params"]
-    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0}
+    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
 
 
 async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk(cluster, make_router):
@@ -109,7 +111,7 @@ async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk
     events = [line for line in (await response.text()).split("\n\n") if line]
     assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == [" t0", " t1", " t2"]
     assert events[-1] == "data: [DONE]"
-    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0}
+    assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
 
 
 async def test_answer_without_receipt_counts_as_unverified(cluster, make_router):
@@ -117,7 +119,7 @@ async def test_answer_without_receipt_counts_as_unverified(cluster, make_router)
         d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}]}  # type: ignore[method-assign]
     client = await make_router()
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
-    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 1}
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 1, "unconfirmable": 0}
 
 
 async def test_connect_error_is_retried_on_another_backend(cluster, make_router):
@@ -217,7 +219,7 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(clust
     events = [e for e in (await response.text()).split("\n\n") if e]
     assert json.loads(events[0][6:])["choices"][0]["text"] == " t0"
     assert "error" in json.loads(events[-1][6:])
-    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0}
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0, "unconfirmable": 0}
 
 
 async def test_client_disconnect_cancels_both_legs(cluster, make_router):

@@ -75,7 +75,7 @@ def test_requests_through_the_router_equal_colocated_output_and_are_verified(eng
             assert output_differences(expected, routed, logprob_atol=1e-4) == [], f"{mode} through the router, {length} tokens"
         with urllib.request.urlopen(f"{router.url}/status", timeout=10) as response:
             transfers = json.loads(response.read())["transfers"]
-        assert transfers == {"verified": 2, "unverified": 0}
+        assert transfers == {"verified": 2, "unverified": 0, "unconfirmable": 0}
     finally:
         router.stop()
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}

@@ -82,7 +82,7 @@ def test_up_with_vllm_engines_serves_through_our_connector_and_down_stops_the_en
     assert (headers["x-pd-prefill"], headers["x-pd-decode"]) == ("tiny-prefill-0", "tiny-decode-0")
     assert body["usage"]["prompt_tokens"] == 200 and body["usage"]["completion_tokens"] == 4
     with urllib.request.urlopen(f"{endpoint}/status", timeout=10) as response:
-        assert json.loads(response.read())["transfers"] == {"verified": 1, "unverified": 0}
+        assert json.loads(response.read())["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
     processes = read_state(state_dir)
     stopped = pdctl("down", "-f", str(TINY), "--state-dir", str(state_dir), timeout_s=120)
     assert "stopped 3 processes" in stopped.stdout

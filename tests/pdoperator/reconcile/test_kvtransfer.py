@@ -36,8 +36,17 @@ def test_a_router_restart_resets_the_baseline() -> None:
     assert verdict(TransferCounts(1, 0), TransferCounts(50, 3), None).status == ConditionStatus.TRUE
 
 
+def test_requests_through_upstream_connectors_leave_the_condition_unknown_not_false() -> None:
+    v = verdict(TransferCounts(0, 0, 7), None, None)
+    assert (v.status, v.reason) == (ConditionStatus.UNKNOWN, "NotConfirmable")
+    assert "spec.engine.connector" in v.message
+    assert verdict(TransferCounts(0, 0, 9), TransferCounts(0, 0, 7), VERIFIED).reason == "NotConfirmable"
+    assert verdict(TransferCounts(0, 0, 2), TransferCounts(0, 0, 7), None).reason == "NotConfirmable", "router restarted"
+
+
 def test_router_status_payload_is_parsed() -> None:
     assert parse_router_status({"transfers": {"verified": 2, "unverified": 1}, "mode": "push"}) == TransferCounts(2, 1)
+    assert parse_router_status({"transfers": {"verified": 0, "unverified": 0, "unconfirmable": 4}}) == TransferCounts(0, 0, 4)
 
 
 @pytest.mark.parametrize(
@@ -47,6 +56,7 @@ def test_router_status_payload_is_parsed() -> None:
         ({"transfers": {"verified": -1, "unverified": 0}}, "transfers.verified"),
         ({"transfers": {"verified": 1, "unverified": "2"}}, "transfers.unverified"),
         ({"transfers": {"verified": True, "unverified": 0}}, "transfers.verified"),
+        ({"transfers": {"verified": 1, "unverified": 0, "unconfirmable": None}}, "transfers.unconfirmable"),
         ([], "transfers"),
     ],
 )
