@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import wraps
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -93,6 +93,28 @@ class TransferHandle:
     operation: Operation
     num_descriptors: int
     nbytes: int
+
+
+class _HoldsHandle(Protocol):
+    handle: TransferHandle
+
+
+_Tracked = TypeVar("_Tracked", bound=_HoldsHandle)
+
+
+class TransferTable(dict[int, _Tracked]):
+    """A transport's transfers in flight by handle id."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def of(self, handle: TransferHandle) -> _Tracked:
+        """The transfer ``handle`` names; a released or foreign handle is a :class:`TransportError`."""
+        transfer = self.get(handle.id)
+        if transfer is None or transfer.handle != handle:
+            raise TransportError(f"{self.owner}: unknown or released transfer handle {handle.id}")
+        return transfer
 
 
 _P = ParamSpec("_P")

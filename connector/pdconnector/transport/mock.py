@@ -31,6 +31,7 @@ from pdconnector.transport.base import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    TransferTable,
     Transport,
     TransportError,
     check_notification,
@@ -94,7 +95,7 @@ class MockTransport(Transport):
         self._lock = threading.Lock()
         self._regions = RegionTable()
         self._inbox: list[tuple[str, bytes]] = []
-        self._transfers: dict[int, _Transfer] = {}
+        self._transfers: TransferTable[_Transfer] = TransferTable(f"{name!r}")
         self._links: dict[str, _Link] = {}
         self._inbound: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -156,12 +157,12 @@ class MockTransport(Transport):
     @confined
     def state(self, handle: TransferHandle) -> TransferStatus:
         with self._lock:
-            return self._transfer(handle).status
+            return self._transfers.of(handle).status
 
     @confined
     def release(self, handle: TransferHandle) -> None:
         with self._lock:
-            transfer = self._transfer(handle)
+            transfer = self._transfers.of(handle)
             if transfer.receiving:
                 raise TransportError(f"transfer {handle.id} is landing in local memory right now; release it once state() is final")
             del self._transfers[handle.id]
@@ -215,12 +216,6 @@ class MockTransport(Transport):
         if link is None:
             raise TransportError(f"{self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first")
         return link
-
-    def _transfer(self, handle: TransferHandle) -> _Transfer:
-        transfer = self._transfers.get(handle.id)
-        if transfer is None or transfer.handle != handle:
-            raise TransportError(f"{self.name!r}: unknown or released transfer handle {handle.id}")
-        return transfer
 
     def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
         link = self._link(peer)

@@ -30,6 +30,7 @@ from pdconnector.transport.base import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    TransferTable,
     Transport,
     TransportError,
     check_notification,
@@ -90,7 +91,7 @@ class NixlTransport(Transport):
         self._regions = RegionTable()
         self._registrations: list[Any] = []
         self._peers: dict[str, Device] = {}
-        self._transfers: dict[int, _Transfer] = {}
+        self._transfers: TransferTable[_Transfer] = TransferTable(f"NIXL agent {name!r}")
         self._inbox: list[tuple[str, bytes]] = []
         self._ids = itertools.count(1)
 
@@ -152,7 +153,7 @@ class NixlTransport(Transport):
 
     @confined
     def state(self, handle: TransferHandle) -> TransferStatus:
-        transfer = self._transfer(handle)
+        transfer = self._transfers.of(handle)
         if transfer.status.finished or transfer.xfer is None:
             return transfer.status
         try:
@@ -168,7 +169,7 @@ class NixlTransport(Transport):
 
     @confined
     def release(self, handle: TransferHandle) -> None:
-        transfer = self._transfer(handle)
+        transfer = self._transfers.of(handle)
         if transfer.xfer is not None:
             try:
                 transfer.xfer.release()
@@ -255,12 +256,6 @@ class NixlTransport(Transport):
         if device is None:
             raise TransportError(f"NIXL agent {self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first")
         return device
-
-    def _transfer(self, handle: TransferHandle) -> _Transfer:
-        transfer = self._transfers.get(handle.id)
-        if transfer is None or transfer.handle != handle:
-            raise TransportError(f"NIXL agent {self.name!r}: unknown or released transfer handle {handle.id}")
-        return transfer
 
     def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
         remote_device = self._peer_device(peer)
