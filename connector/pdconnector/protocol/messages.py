@@ -80,13 +80,20 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
     attempt: Attempt
 
 
-class RegistrationMessage(_Message, tag="register"):
+class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     """Decode rank -> prefill ranks: where to WRITE this transfer's KV.
 
     Carries what prefill needs to post the WRITE without a round trip: the decode
     agent's name and (optionally) its NIXL metadata, the base address of each
     registered region in the layout's order, the pool size that bounds block ids,
     and a layout fingerprint prefill compares with its own.
+
+    ``cached_blocks``: how many leading blocks of every attention KV group decode
+    already holds (its prefix cache); ``block_ids`` list only the blocks after them,
+    so prefill skips as many of its own. SSM groups always move their one state block.
+    Fields at their default are left out of the frame: a registration without a
+    prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
+    a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
     """
 
     decode_engine_id: EngineId
@@ -101,6 +108,7 @@ class RegistrationMessage(_Message, tag="register"):
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)] = b""
     region_base_addresses: Annotated[tuple[Address, ...], msgspec.Meta(max_length=MAX_REGIONS)] = ()
     layout_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    cached_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_PER_GROUP)] = 0
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:
@@ -109,6 +117,16 @@ class RegistrationMessage(_Message, tag="register"):
             if group and max(group) >= self.num_blocks:
                 position = next(i for i, block in enumerate(group) if block >= self.num_blocks)
                 raise ProtocolError(f"block_ids[{group_index}][{position}]", f"block {group[position]} is not below num_blocks {self.num_blocks}")
+        if self.cached_blocks:
+            # A group's cached blocks are pool blocks besides the ones it registers.
+            registered = [len(set(group)) for group in self.block_ids]
+            widest = registered.index(max(registered))
+            if self.cached_blocks + registered[widest] > self.num_blocks:
+                raise ProtocolError(
+                    "cached_blocks",
+                    f"{self.cached_blocks} cached plus {registered[widest]} registered blocks of KV group {widest} "
+                    f"exceed the decode pool of num_blocks {self.num_blocks}",
+                )
 
 
 class CompletionMessage(_Message, tag="complete"):

@@ -12,6 +12,11 @@ that replaces the registrations of older attempts, and a write still in flight f
 an older attempt only releases its hold on the blocks when it ends: it never
 counts for the new attempt. Same-attempt duplicates and lower attempts are ignored.
 
+Pairing: a registration's ``cached_blocks`` are leading attention blocks decode holds from
+its prefix cache; prefill skips as many of its own in every attention group and writes the
+rest, one for one, into the registered blocks (SSM groups move their state block as is).
+Block counts that do not match after the skip fail the transfer before any WRITE.
+
 Leases: finished prefill blocks wait ``registration_lease_s`` for missing
 registrations, registrations wait ``prefill_lease_s`` for the prefill, each write
 gets ``write_timeout_s``. Whatever runs out ends the transfer and tells every known
@@ -54,6 +59,45 @@ class PrefillBlocks:
     num_tokens: int
 
 
+class PairingError(ValueError):
+    """A registration whose blocks do not fit prefill's; ``reason`` is what decode is told."""
+
+    def __init__(self, reason: FailureReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def paired_blocks(prefill: PrefillBlocks, registration: RegistrationMessage, *, block_size: int, ssm_groups: frozenset[int]) -> PrefillBlocks:
+    """The part of ``prefill`` that goes into ``registration``'s blocks, with the tokens those blocks hold.
+
+    Attention groups skip the ``cached_blocks`` decode already holds; SSM groups (``ssm_groups``,
+    already reduced to their state block) move unchanged. ``block_size``: tokens per attention block.
+    Raises :class:`PairingError`, naming the registration's field, when the two sides do not fit together.
+    """
+    rank, skip = registration.decode_tp_rank, registration.cached_blocks
+    if len(registration.block_ids) != len(prefill.block_ids):
+        detail = f"block_ids: decode rank {rank} registered {len(registration.block_ids)} KV groups, prefill has {len(prefill.block_ids)}"
+        raise PairingError(FailureReason.INCOMPATIBLE, detail)
+    paired: list[tuple[int, ...]] = []
+    for group, (ours, theirs) in enumerate(zip(prefill.block_ids, registration.block_ids, strict=True)):
+        if group in ssm_groups:
+            source, held = ours, f"{len(ours)} state blocks"
+        else:
+            if skip > len(ours):
+                detail = f"cached_blocks: decode rank {rank} holds {skip} blocks of KV group {group}, prefill has only {len(ours)}"
+                raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
+            source, held = ours[skip:], f"{len(ours)} blocks of which decode holds the first {skip}"
+        if len(source) != len(theirs):
+            detail = f"block_ids[{group}]: decode rank {rank} registered {len(theirs)} blocks, prefill has {held}"
+            raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
+        paired.append(source)
+    num_tokens = prefill.num_tokens - skip * block_size
+    if num_tokens <= 0 < skip:
+        detail = f"cached_blocks: decode rank {rank} holds {skip * block_size} tokens, prefill computed only {prefill.num_tokens}"
+        raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
+    return PrefillBlocks(prefill.transfer_id, tuple(paired), num_tokens)
+
+
 @dataclass(frozen=True)
 class WriteKey:
     transfer_id: str
@@ -71,7 +115,10 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class StartWrite:
-    """Post the WRITE of ``prefill`` into ``registration``'s blocks; report its end with ``write_done`` / ``write_failed``."""
+    """Post the WRITE of ``prefill`` into ``registration``'s blocks; report its end with ``write_done`` / ``write_failed``.
+
+    ``prefill`` is already paired with the registration (:func:`paired_blocks`): group for group, its blocks
+    and the registered ones correspond one for one."""
 
     key: WriteKey
     registration: RegistrationMessage
@@ -140,13 +187,20 @@ class RendezvousTable:
         *,
         prefill_rank: int,
         prefill_tp_size: int,
+        block_size: int,
+        ssm_groups: frozenset[int] = frozenset(),
         limits: RendezvousLimits | None = None,
         layout_fingerprint: str = "",
     ) -> None:
+        """``block_size``: tokens per attention block; ``ssm_groups``: the KV groups holding SSM state (see :func:`paired_blocks`)."""
         if not 0 <= prefill_rank < prefill_tp_size:
             raise ValueError(f"prefill rank {prefill_rank} outside TP size {prefill_tp_size}")
+        if block_size <= 0:
+            raise ValueError(f"block size must be positive, got {block_size}")
         self.prefill_rank = prefill_rank
         self.prefill_tp_size = prefill_tp_size
+        self.block_size = block_size
+        self.ssm_groups = ssm_groups
         self.limits = limits or RendezvousLimits()
         self.layout_fingerprint = layout_fingerprint
         self._entries: dict[str, _Entry] = {}
@@ -307,20 +361,21 @@ class RendezvousTable:
         """Start the writes whose both halves are known, unless the halves do not fit together."""
         if entry.prefill is None:
             return []
-        groups = len(entry.prefill.block_ids)
-        for registration in entry.registrations.values():
-            if len(registration.block_ids) != groups:
-                detail = f"decode rank {registration.decode_tp_rank} registered {len(registration.block_ids)} KV groups, prefill has {groups}"
-                return self._end(entry, Outcome.FAILED, FailureReason.INCOMPATIBLE, detail, now=now)
+        pending = [(rank, registration) for rank, registration in sorted(entry.registrations.items()) if rank not in entry.started]
+        writes: list[tuple[int, RegistrationMessage, PrefillBlocks]] = []
+        for rank, registration in pending:
+            try:
+                source = paired_blocks(entry.prefill, registration, block_size=self.block_size, ssm_groups=self.ssm_groups)
+            except PairingError as error:
+                return self._end(entry, Outcome.FAILED, error.reason, str(error), now=now)
+            writes.append((rank, registration, source))
         events: list[Event] = []
         deadline = now + self.limits.write_timeout_s
-        for rank, registration in sorted(entry.registrations.items()):
-            if rank in entry.started:
-                continue
+        for rank, registration, source in writes:
             key = WriteKey(entry.transfer_id, entry.attempt, rank)
             entry.started.add(rank)
             entry.inflight[key] = deadline
-            events.append(StartWrite(key, registration, entry.prefill, deadline))
+            events.append(StartWrite(key, registration, source, deadline))
         if events:
             self._deadlines.push(deadline, entry.transfer_id)
         return events

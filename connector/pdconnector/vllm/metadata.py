@@ -28,13 +28,17 @@ class PrefillDone:
 
 @dataclass(frozen=True)
 class ExpectPush:
-    """Decode, push: register ``block_ids`` with prefill and wait for its writes."""
+    """Decode, push: register ``block_ids`` with prefill and wait for its writes.
+
+    ``cached_blocks`` leading attention blocks of the prompt are already local (prefix cache): ``block_ids``
+    and ``num_tokens`` cover only what follows them, and prefill skips as many of its blocks."""
 
     request_id: str
     transfer_id: str
     prefill: PrefillCoordinates
     block_ids: BlockIds
     num_tokens: int
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True)

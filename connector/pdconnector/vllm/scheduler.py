@@ -205,12 +205,8 @@ class SchedulerSide:
     def _decode_command(self, request_id: str, transfer: TransferRequest, local: BlockIds, cached: int, num_tokens: int) -> Command:
         assert transfer.remote is not None
         if transfer.mode is TransferMode.PUSH:
-            if cached:
-                raise ValueError(
-                    f"decode already holds {cached} prompt blocks from its prefix cache and push registrations cannot skip them; "
-                    "use pull mode or disable decode's prefix caching"
-                )
-            return ExpectPush(request_id, transfer.transfer_id, transfer.remote, local, num_tokens)
+            # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries the count).
+            return ExpectPush(request_id, transfer.transfer_id, transfer.remote, local, num_tokens, cached)
         remote = transfer.remote_block_ids or ()
         if len(remote) != self.num_groups:
             raise TransferParamsError("remote_block_ids", f"expected {self.num_groups} KV cache groups, got {len(remote)}")

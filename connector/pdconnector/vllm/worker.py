@@ -97,7 +97,14 @@ class WorkerSide:
                     self._worker.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull)
                 case ExpectPush():
                     self._transfer_ids[command.transfer_id] = command.request_id
-                    self._worker.expect_push(command.transfer_id, command.prefill, command.block_ids, command.num_tokens, timeout_s=timeout)
+                    self._worker.expect_push(
+                        command.transfer_id,
+                        command.prefill,
+                        command.block_ids,
+                        command.num_tokens,
+                        timeout_s=timeout,
+                        cached_blocks=command.cached_blocks,
+                    )
                 case ReadBlocks():
                     self._transfer_ids[command.transfer_id] = command.request_id
                     self._worker.read(

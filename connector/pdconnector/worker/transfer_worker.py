@@ -36,7 +36,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from pdconnector.layout import RankLayout, plan_transfer, writers_for
+from pdconnector.layout import LayerKind, RankLayout, plan_transfer, writers_for
 from pdconnector.protocol.completion import CompletionTracker, TransferFailure
 from pdconnector.protocol.messages import (
     MAX_DETAIL_CHARS,
@@ -131,6 +131,7 @@ class _ExpectPush:
     num_tokens: int
     deadline: float
     attempt: int
+    cached_blocks: int
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,12 @@ class TransferWorker:
         # Everything below belongs to the worker thread.
         self._transport: Transport | None = None
         self._table = RendezvousTable(
-            prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, limits=config.limits, layout_fingerprint=self.layout_fingerprint
+            prefill_rank=layout.tp_rank,
+            prefill_tp_size=layout.tp_size,
+            block_size=layout.model.block_size,
+            ssm_groups=frozenset(group.index for group in layout.groups if group.kind is LayerKind.SSM),
+            limits=config.limits,
+            layout_fingerprint=self.layout_fingerprint,
         )
         self._holds = PullHolds(prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, lease_s=config.pull_lease_s)
         self._writes: dict[WriteKey, TransferHandle] = {}
@@ -273,12 +279,23 @@ class TransferWorker:
         self._put(_Cancel(transfer_id, detail[:MAX_DETAIL_CHARS]))
 
     def expect_push(
-        self, transfer_id: str, prefill: PrefillCoordinates, block_ids: BlockIds, num_tokens: int, *, timeout_s: float, attempt: int = 0
+        self,
+        transfer_id: str,
+        prefill: PrefillCoordinates,
+        block_ids: BlockIds,
+        num_tokens: int,
+        *,
+        timeout_s: float,
+        attempt: int = 0,
+        cached_blocks: int = 0,
     ) -> None:
         """Decode (push): register ``block_ids`` with every prefill rank writing this rank and wait for their completions.
 
-        A higher ``attempt`` (after preemption) replaces the pending one."""
-        self._put(_ExpectPush(transfer_id, prefill, _tuple_blocks(block_ids), num_tokens, time.monotonic() + timeout_s, attempt))
+        ``cached_blocks``: leading attention blocks this rank already holds (prefix cache), which ``block_ids``
+        leave out and prefill skips; ``num_tokens`` counts the tokens after them. A higher ``attempt``
+        (after preemption) replaces the pending one."""
+        deadline = time.monotonic() + timeout_s
+        self._put(_ExpectPush(transfer_id, prefill, _tuple_blocks(block_ids), num_tokens, deadline, attempt, cached_blocks))
 
     def read(
         self,
@@ -544,6 +561,7 @@ class TransferWorker:
                 agent_metadata=self._rank_info.agent_metadata,
                 region_base_addresses=self._rank_info.region_base_addresses,
                 layout_fingerprint=self.layout_fingerprint,
+                cached_blocks=request.cached_blocks,
             )
             frame = encode(message)
         except (ProtocolError, ValueError) as error:

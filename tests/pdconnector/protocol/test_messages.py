@@ -67,6 +67,8 @@ def registrations(draw: st.DrawFn) -> RegistrationMessage:
     num_blocks = draw(st.integers(1, 2**31))
     block = st.integers(0, num_blocks - 1)
     rank, size = draw(ranks_and_sizes)
+    block_ids = draw(st.lists(st.lists(block, max_size=50).map(tuple), min_size=1, max_size=8).map(tuple))
+    widest = max(len(set(group)) for group in block_ids)
     return RegistrationMessage(
         transfer_id=draw(ids),
         attempt=draw(attempts),
@@ -77,11 +79,12 @@ def registrations(draw: st.DrawFn) -> RegistrationMessage:
         decode_tp_size=size,
         num_tokens=draw(st.integers(0, 2**40)),
         num_blocks=num_blocks,
-        block_ids=draw(st.lists(st.lists(block, max_size=50).map(tuple), min_size=1, max_size=8).map(tuple)),
+        block_ids=block_ids,
         agent_name=draw(st.text(max_size=30)),
         agent_metadata=draw(st.binary(max_size=200)),
         region_base_addresses=tuple(draw(st.lists(st.integers(0, 2**64 - 1), max_size=10))),
         layout_fingerprint=draw(st.text(max_size=20)),
+        cached_blocks=draw(st.integers(0, min(num_blocks - widest, MAX_BLOCKS_PER_GROUP))),
     )
 
 
@@ -255,6 +258,10 @@ def test_unknown_fields_are_rejected_by_name():
         ({"region_base_addresses": [-1]}, "region_base_addresses[0]"),
         ({"agent_metadata": "text"}, "agent_metadata"),
         ({"agent_metadata": b"x" * (256 * 1024 + 1)}, "agent_metadata"),
+        ({"cached_blocks": -1}, "cached_blocks"),
+        ({"cached_blocks": "2"}, "cached_blocks"),
+        ({"cached_blocks": MAX_BLOCKS_PER_GROUP + 1}, "cached_blocks"),
+        ({"cached_blocks": 98}, "cached_blocks"),  # 98 cached + 3 registered blocks do not fit a pool of 100
     ],
 )
 def test_out_of_bounds_registration_fields_are_named(overrides, field):
@@ -287,6 +294,29 @@ def test_constructing_an_inconsistent_message_fails_at_once_naming_the_field(reg
     with pytest.raises(ProtocolError) as caught:
         registration(block_ids=((1,), (5, 2000)), num_blocks=1024)
     assert caught.value.field == "block_ids[1][1]"
+
+
+# --- the prefix-cache offset (cached_blocks) --------------------------------------------------
+
+
+def test_a_registration_with_a_prefix_hit_carries_its_cached_block_count_across_the_wire(registration):
+    message = registration(block_ids=((12, 13, 14),), cached_blocks=2)
+    assert decode(encode(message)).cached_blocks == 2
+
+
+def test_a_registration_without_a_prefix_hit_is_framed_as_before_the_field_existed(registration):
+    """Peers that predate ``cached_blocks`` (and refuse unknown fields) still read registrations without a hit."""
+    body = msgspec.msgpack.decode(encode(registration())[len(HEADER) :])
+    assert "cached_blocks" not in body
+    assert decode(frame(body)).cached_blocks == 0
+
+
+def test_cached_blocks_that_leave_no_room_for_the_registered_blocks_are_refused_at_once(registration):
+    registration(block_ids=((1, 2, 3),), num_blocks=10, cached_blocks=7)  # 7 + 3 blocks: exactly the pool
+    with pytest.raises(ProtocolError) as caught:
+        registration(block_ids=((1, 2, 3),), num_blocks=10, cached_blocks=8)
+    assert caught.value.field == "cached_blocks"
+    assert "num_blocks 10" in caught.value.problem
 
 
 # --- answering refused registrations ----------------------------------------------------------

@@ -13,14 +13,17 @@ from pdconnector.protocol.rendezvous import (
     RendezvousTable,
     StartWrite,
     WriteKey,
+    paired_blocks,
 )
 
 LIMITS = RendezvousLimits(max_entries=8, registration_lease_s=10.0, prefill_lease_s=100.0, write_timeout_s=5.0, tombstone_ttl_s=1000.0)
 BLOCKS = ((1, 2, 3),)
+BLOCK_SIZE = 16
 T = TypeVar("T")
 
 
 def table(prefill_rank: int = 0, prefill_tp: int = 1, **kwargs) -> RendezvousTable:
+    kwargs.setdefault("block_size", BLOCK_SIZE)
     return RendezvousTable(prefill_rank=prefill_rank, prefill_tp_size=prefill_tp, limits=kwargs.pop("limits", LIMITS), **kwargs)
 
 
@@ -80,6 +83,58 @@ def test_transfers_are_paired_by_transfer_id_only(registration):
     assert len(rendezvous) == 2
 
 
+# --- decode's prefix-cache hit (cached_blocks) ------------------------------------------------
+
+# vLLM's group order for a hybrid model here: attention group 0, SSM group 1 (already reduced to its state block).
+HYBRID_PREFILL = PrefillBlocks("tx-1", ((1, 2, 3, 4, 5), (9,)), 5 * BLOCK_SIZE - 3)
+SSM_GROUPS = frozenset({1})
+
+
+def test_prefill_skips_the_blocks_decode_holds_and_writes_the_rest_one_for_one(registration):
+    """Prefill computed 5 blocks; decode holds the first 2 from its prefix cache and registers 3 for the rest."""
+    rendezvous = table()
+    rendezvous.prefill_finished("tx-1", ((1, 2, 3, 4, 5),), 5 * BLOCK_SIZE - 3, now=0.0)
+    start = only(rendezvous.registration_received(registration(block_ids=((30, 31, 32),), cached_blocks=2), now=0.0), StartWrite)
+    assert start.prefill == PrefillBlocks("tx-1", ((3, 4, 5),), 3 * BLOCK_SIZE - 3)  # the tokens those 3 blocks hold
+    closed = only(rendezvous.write_done(start.key, now=1.0), Closed)
+    assert closed.blocks == PrefillBlocks("tx-1", ((1, 2, 3, 4, 5),), 5 * BLOCK_SIZE - 3)  # every held block is released
+
+
+def test_the_offset_applies_to_attention_groups_only_and_ssm_state_moves_whole(registration):
+    hit = registration(block_ids=((30, 31, 32), (40,)), cached_blocks=2)
+    paired = paired_blocks(HYBRID_PREFILL, hit, block_size=BLOCK_SIZE, ssm_groups=SSM_GROUPS)
+    assert paired == PrefillBlocks("tx-1", ((3, 4, 5), (9,)), 3 * BLOCK_SIZE - 3)
+
+
+def test_without_a_prefix_hit_the_pairing_is_the_prefill_blocks_unchanged(registration):
+    miss = registration(block_ids=((30, 31, 32, 33, 34), (40,)))
+    assert paired_blocks(HYBRID_PREFILL, miss, block_size=BLOCK_SIZE, ssm_groups=SSM_GROUPS) == HYBRID_PREFILL
+
+
+MISFITS = {  # registration's block_ids, its cached_blocks, what decode is told
+    "too-few-after-the-offset": (
+        ((30, 31), (40,)),
+        2,
+        "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 5 blocks of which decode holds the first 2",
+    ),
+    "offset-not-applied": (((30, 31, 32, 33, 34), (40,)), 2, "block_ids[0]: decode rank 0 registered 5 blocks"),
+    "ssm-group-offset": (((30, 31, 32), (40, 41)), 2, "block_ids[1]: decode rank 0 registered 2 blocks, prefill has 1 state blocks"),
+    "more-cached-than-computed": (((), (40,)), 6, "cached_blocks: decode rank 0 holds 6 blocks of KV group 0, prefill has only 5"),
+    "every-token-cached": (((), (40,)), 5, "cached_blocks: decode rank 0 holds 80 tokens, prefill computed only 77"),
+}
+
+
+@pytest.mark.parametrize(("block_ids", "cached", "detail"), MISFITS.values(), ids=MISFITS.keys())
+def test_a_registration_that_does_not_fit_the_prefill_blocks_after_the_offset_fails_clearly(registration, block_ids, cached, detail):
+    rendezvous = table(ssm_groups=SSM_GROUPS)
+    rendezvous.prefill_finished("tx-1", HYBRID_PREFILL.block_ids, HYBRID_PREFILL.num_tokens, now=0.0)
+    events = rendezvous.registration_received(registration(block_ids=block_ids, cached_blocks=cached), now=0.0)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[0].message.reason is FailureReason.INVALID_REGISTRATION
+    assert events[0].message.detail.startswith(detail), events[0].message.detail
+    assert events[1].blocks == HYBRID_PREFILL  # freed, nothing written
+
+
 # --- duplicates and attempts ------------------------------------------------------------------
 
 
@@ -93,11 +148,11 @@ def test_a_duplicate_registration_is_ignored_before_and_after_pairing(registrati
 
 def test_a_higher_attempt_before_pairing_replaces_the_old_registration(registration):
     rendezvous = table()
-    rendezvous.registration_received(registration(attempt=1, block_ids=((7, 8),)), now=0.0)
-    rendezvous.registration_received(registration(attempt=2, block_ids=((20, 21),)), now=1.0)
+    rendezvous.registration_received(registration(attempt=1, block_ids=((7, 8, 9),)), now=0.0)
+    rendezvous.registration_received(registration(attempt=2, block_ids=((20, 21, 22),)), now=1.0)
     start = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=2.0), StartWrite)
     assert start.key.attempt == 2
-    assert start.registration.block_ids == ((20, 21),)
+    assert start.registration.block_ids == ((20, 21, 22),)
 
 
 def test_a_lower_attempt_is_ignored(registration):
@@ -368,6 +423,16 @@ def test_a_kv_group_count_mismatch_fails_the_transfer_and_frees_the_blocks(regis
     assert events[1].blocks is not None
 
 
+def test_a_block_count_mismatch_fails_the_transfer_before_any_write_naming_both_counts(registration):
+    rendezvous = table()
+    rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
+    events = rendezvous.registration_received(registration(block_ids=((10, 11),)), now=0.0)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[0].message.reason is FailureReason.INVALID_REGISTRATION
+    assert events[0].message.detail == "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 3 blocks of which decode holds the first 0"
+    assert events[1].blocks == PrefillBlocks("tx-1", BLOCKS, 48)
+
+
 def test_decode_ranks_disagreeing_on_the_tp_size_fail_the_transfer(registration):
     rendezvous = table(prefill_rank=0, prefill_tp=2)
     rendezvous.registration_received(registration(decode_rank=0, decode_tp=4), now=0.0)
@@ -403,7 +468,7 @@ def test_reporting_a_prefill_finished_twice_is_a_caller_bug():
 
 def test_the_table_refuses_a_rank_outside_its_tp_size():
     with pytest.raises(ValueError, match="rank 2"):
-        RendezvousTable(prefill_rank=2, prefill_tp_size=2)
+        RendezvousTable(prefill_rank=2, prefill_tp_size=2, block_size=BLOCK_SIZE)
 
 
 def test_failure_notifications_carry_the_destination_attempt_and_the_prefill_rank(registration):

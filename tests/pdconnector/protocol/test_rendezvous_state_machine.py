@@ -23,11 +23,13 @@ from pdconnector.protocol.rendezvous import (
     RendezvousTable,
     StartWrite,
     WriteKey,
+    paired_blocks,
 )
 
 TRANSFER_IDS = [f"tx-{index}" for index in range(6)]
 LIMITS = RendezvousLimits(max_entries=4, registration_lease_s=3.0, prefill_lease_s=5.0, write_timeout_s=2.0, tombstone_ttl_s=4.0, max_tombstones=3)
 PREFILL_RANK, PREFILL_TP = 0, 2  # writes decode rank 0 of TP 1 or 2, ranks 0 and 1 of TP 4
+BLOCK_SIZE = 16
 
 
 class RendezvousMachine(RuleBasedStateMachine):
@@ -35,7 +37,7 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = RendezvousTable(prefill_rank=PREFILL_RANK, prefill_tp_size=PREFILL_TP, limits=LIMITS)
+        self.table = RendezvousTable(prefill_rank=PREFILL_RANK, prefill_tp_size=PREFILL_TP, block_size=BLOCK_SIZE, limits=LIMITS)
         self.now = 0.0
         self.prefill_reported: set[str] = set()
         self.held: dict[str, PrefillBlocks] = {}
@@ -51,7 +53,9 @@ class RendezvousMachine(RuleBasedStateMachine):
         for event in events:
             if isinstance(event, StartWrite):
                 assert event.key not in self.in_flight and event.key not in self.abandoned, "a write started twice"
-                assert self.held.get(event.key.transfer_id) == event.prefill, "a write started on blocks the table does not hold"
+                held = self.held.get(event.key.transfer_id)
+                assert held is not None, "a write started on blocks the table does not hold"
+                assert event.prefill == paired_blocks(held, event.registration, block_size=BLOCK_SIZE, ssm_groups=frozenset())
                 assert event.registration in self.sent
                 assert event.registration.attempt == event.key.attempt and event.registration.decode_tp_rank == event.key.decode_rank
                 self.in_flight[event.key] = event
@@ -90,18 +94,22 @@ class RendezvousMachine(RuleBasedStateMachine):
         if transfer_id in self.prefill_reported:
             return  # transfer ids are minted once per request: a prefill never finishes twice
         self.prefill_reported.add(transfer_id)
-        self.held[transfer_id] = PrefillBlocks(transfer_id, (tuple(blocks),), len(blocks) * 16)
-        self.call(transfer_id, self.table.prefill_finished(transfer_id, (tuple(blocks),), len(blocks) * 16, self.now))
+        self.held[transfer_id] = PrefillBlocks(transfer_id, (tuple(blocks),), len(blocks) * BLOCK_SIZE)
+        self.call(transfer_id, self.table.prefill_finished(transfer_id, (tuple(blocks),), len(blocks) * BLOCK_SIZE, self.now))
 
     @rule(
         transfer_id=st.sampled_from(TRANSFER_IDS),
         attempt=st.integers(0, 3),
         layout=st.sampled_from([(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 3), (3, 0)]),
         groups=st.integers(1, 2),
+        registered=st.integers(0, 3),
+        cached=st.integers(0, 2),
     )
-    def decode_registers(self, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int) -> None:
+    def decode_registers(self, *, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int, registered: int, cached: int) -> None:
+        """Registered and cached block counts that fit the prefill's blocks or do not (then the transfer fails)."""
         decode_tp, decode_rank = layout
-        message = self.build_registration(transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=((5, 6),) * groups)
+        blocks = (tuple(range(50, 50 + registered)),) * groups
+        message = self.build_registration(transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=blocks, cached_blocks=cached)
         self.sent.add(message)
         self.call(transfer_id, self.table.registration_received(message, self.now))
 

@@ -123,12 +123,33 @@ def test_decode_with_unusable_parameters_fails_the_request_naming_the_key() -> N
     assert isinstance(command, FailRequest) and command.request_id == "d1" and "remote_host" in command.detail
 
 
-def test_push_decode_with_a_local_prefix_hit_fails_clearly_instead_of_overwriting_cached_blocks() -> None:
+def test_push_decode_with_a_local_prefix_hit_registers_only_the_blocks_it_lacks_after_the_cached_ones() -> None:
+    """vLLM asks with the block-aligned local hit (2 blocks of 16 here) and allocates the hit blocks first."""
     side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(70)))
+    assert side.get_num_new_matched_tokens(request, 32) == (38, True)
+    side.update_state_after_alloc(request, [blocks(3, 4, 8, 9, 10, cached=2)], 38)
+    assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((8, 9, 10),), 38, cached_blocks=2)]
+    side.update_connector_output({"d1"}, set())
+    _, params = side.request_finished(request, [[3, 4, 8, 9, 10]])
+    assert params is not None and params[RECEIVED_KEY]["blocks"] == 3
+
+
+def test_hybrid_push_decode_with_a_prefix_hit_skips_cached_attention_blocks_and_still_takes_the_state_block() -> None:
+    side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
     request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
-    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1)], 24)
-    (command,) = side.build_meta().commands
-    assert isinstance(command, FailRequest) and "prefix cache" in command.detail
+    assert side.get_num_new_matched_tokens(request, 16) == (23, True)
+    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]], 23)
+    assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((8, 9), (21,)), 23, cached_blocks=1)]
+
+
+def test_hybrid_push_decode_holding_every_token_prefill_computed_registers_nothing() -> None:
+    """33 prompt tokens: prefill computes 32 (decode recomputes the last), and decode's cache holds those 2 blocks."""
+    side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(33)))
+    assert side.get_num_new_matched_tokens(request, 32) == (0, False)
+    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=2), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]], 0)
+    assert side.build_meta().commands == []
 
 
 def test_pull_decode_reads_only_the_blocks_it_lacks() -> None:

@@ -145,10 +145,19 @@ class Engine:
             worker.prefill_finished(transfer_id, blocks, num_tokens, pull=pull)
 
     def expect_push(
-        self, transfer_id: str, *, prefill: dict[str, Any], blocks: list[list[int]], num_tokens: int, timeout_s: float, attempt: int = 0
+        self,
+        transfer_id: str,
+        *,
+        prefill: dict[str, Any],
+        blocks: list[list[int]],
+        num_tokens: int,
+        timeout_s: float,
+        attempt: int = 0,
+        cached_blocks: int = 0,
     ) -> None:
+        coordinates = PrefillCoordinates(**prefill)
         for worker in self.transfers.workers:
-            worker.expect_push(transfer_id, PrefillCoordinates(**prefill), blocks, num_tokens, timeout_s=timeout_s, attempt=attempt)
+            worker.expect_push(transfer_id, coordinates, blocks, num_tokens, timeout_s=timeout_s, attempt=attempt, cached_blocks=cached_blocks)
 
     def read(
         self, transfer_id: str, *, prefill: dict[str, Any], remote_blocks: list[list[int]], blocks: list[list[int]], num_tokens: int, timeout_s: float

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdconnector.layout import LayerKind, RankLayout, plan_transfer, writers_for
+
 from tests.pdconnector.worker.engines import MODELS, request_blocks
 
 TIMEOUT_S = 20.0
@@ -45,6 +47,33 @@ def push_both_orders(pair: Pair) -> None:
         assert_received(decode, transfer_id, tps[1])
         assert_sent(prefill, transfer_id, tps[0])
     assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}
+
+
+def push_after_a_prefix_hit(pair: Pair, cached: int = 2) -> None:
+    """Decode holds the first ``cached`` attention blocks of a 5-block prompt and registers the rest: prefill writes only
+    its blocks after them, one for one, moves SSM state whole, and leaves decode's cached blocks untouched."""
+    prefill, decode, coords, model, tps = pair.prefill, pair.decode, pair.coords, pair.model, pair.tps
+    spec, (p_blocks, d_blocks) = MODELS[model], pair.blocks
+    num_tokens, lacking_tokens = spec.block_size * 5 - 3, spec.block_size * (5 - cached) - 3
+    src = request_blocks(spec, p_blocks, num_tokens, seed=21)
+    held = request_blocks(spec, d_blocks, num_tokens, seed=22)  # decode's blocks for the whole prompt, cached ones first
+    attention = [group.kind is LayerKind.ATTENTION for group in RankLayout(spec, 1, 0, d_blocks).groups]
+    dst = [group[cached:] if is_attention else group for group, is_attention in zip(held, attention, strict=True)]
+    written = [group[cached:] if is_attention else group for group, is_attention in zip(src, attention, strict=True)]
+    prefill.fill(blocks=src, num_tokens=num_tokens)
+    transfer_id = f"tx-hit-{model}"
+    prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=num_tokens)
+    decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=lacking_tokens, timeout_s=TIMEOUT_S, cached_blocks=cached)
+    results = assert_received(decode, transfer_id, tps[1])
+    assert_sent(prefill, transfer_id, tps[0])
+    assert decode.check(received=[{"dst": dst, "src": written, "num_tokens": lacking_tokens}]) == {"wrong_bytes": 0, "guard_bytes": 0}
+    p_tp, d_tp = tps
+    planned = sum(
+        plan_transfer(RankLayout(spec, p_tp, p, p_blocks), RankLayout(spec, d_tp, d, d_blocks), written, dst, num_tokens=lacking_tokens).nbytes
+        for d in range(d_tp)
+        for p in writers_for(d, p_tp, d_tp)
+    )
+    assert sum(r["nbytes"] for r in results) == planned
 
 
 def pull(pair: Pair) -> None:

@@ -244,6 +244,21 @@ def test_decode_block_ids_beyond_its_pool_fail_locally_at_once(engines: tuple[En
     assert prefill.stats()[0].get("registrations_received", 0) == 0
 
 
+def test_a_prefix_offset_that_does_not_fit_prefill_blocks_fails_both_sides_at_once_and_writes_nothing(
+    engines: tuple[Engine, Engine, dict[str, Any]],
+) -> None:
+    """Decode says it holds 1 cached block but registers 3 more: prefill has 3 in all, so nothing lines up."""
+    prefill, decode, coords = engines
+    prefill.prefill_finished(transfer_id="tx-offset", blocks=SRC, num_tokens=TOKENS)
+    decode.expect_push(transfer_id="tx-offset", prefill=coords, blocks=DST, num_tokens=TOKENS - 16, timeout_s=20, cached_blocks=1)
+    assert _one(prefill.wait(transfer_id="tx-offset", timeout_s=5)) == ("finished_sending", "failed")
+    results, elapsed = _timed_wait(decode, "tx-offset", 5)
+    assert _one(results) == ("failed_recving", "invalid_registration") and elapsed < 2.0
+    assert "block_ids[0]: decode rank 0 registered 3 blocks, prefill has 3 blocks of which decode holds the first 1" in results[0]["detail"]
+    assert prefill.stats()[0].get("writes_posted", 0) == 0
+    assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}
+
+
 def test_read_of_out_of_range_remote_blocks_fails_and_prefill_frees_at_once(engines: tuple[Engine, Engine, dict[str, Any]]) -> None:
     prefill, decode, coords = engines
     prefill.prefill_finished(transfer_id="tx-read-range", blocks=SRC, num_tokens=TOKENS, pull=True)

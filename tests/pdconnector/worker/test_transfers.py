@@ -1,5 +1,6 @@
 """Byte-exact transfers between two engines in this process over MockTransport (real TCP, real copies):
-the whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull."""
+the whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull, and push into a decode
+that already holds a prefix of the prompt."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.pdconnector.worker.engines import Engine
-from tests.pdconnector.worker.scenarios import Pair, pull, push_both_orders
+from tests.pdconnector.worker.scenarios import Pair, pull, push_after_a_prefix_hit, push_both_orders
 
 TPS = (1, 2, 4)
 MATRIX = [
@@ -42,3 +43,11 @@ def test_push_moves_every_byte_in_either_arrival_order(pair: Pair) -> None:
 @pytest.mark.parametrize("pair", MATRIX, indirect=True, ids=IDS)
 def test_pull_reads_every_byte_and_prefill_frees_after_every_reader(pair: Pair) -> None:
     pull(pair)
+
+
+PREFIX_HIT = [("dense", 1, 1), ("dense", 2, 4), ("mamba2", 4, 2), ("gdn", 1, 2)]
+
+
+@pytest.mark.parametrize("pair", PREFIX_HIT, indirect=True, ids=[f"{m}-P{p}-D{d}" for m, p, d in PREFIX_HIT])
+def test_push_into_a_decode_holding_a_cached_prefix_writes_only_the_blocks_after_it(pair: Pair) -> None:
+    push_after_a_prefix_hit(pair)
