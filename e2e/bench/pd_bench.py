@@ -155,8 +155,9 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
     written = []
     for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token")):
         figure, axes = plt.subplots(figsize=(7, 4.5))
-        for label, input_len in sorted({(run.label, run.input_len) for run in runs}):
-            series = sorted((run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"]) for run in runs
+        served = [run for run in runs if run.result["completed"] > 0]  # a run where every request failed has no latency
+        for label, input_len in sorted({(run.label, run.input_len) for run in served}):
+            series = sorted((run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"]) for run in served
                             if (run.label, run.input_len) == (label, input_len))  # fmt: skip
             qps, p50, p99 = zip(*series, strict=True)
             line = axes.plot(qps, p50, marker="o", label=f"{label}, {input_len} in (p50)")[0]
@@ -179,6 +180,9 @@ def table(runs: Sequence[Run]) -> str:
     ]
     for run in sorted(runs, key=lambda r: (r.input_len, r.qps, r.label)):
         r = run.result
+        if r["completed"] == 0:
+            lines.append(f"| {run.label} | {run.input_len} | {run.qps:g} | - | - | - | - | 0 | {r['failed']:.0f} |")
+            continue
         lines.append(f"| {run.label} | {run.input_len} | {run.qps:g} | {r['p50_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | "
                      f"{r['p50_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['request_throughput']:.2f} | {r['failed']:.0f} |")  # fmt: skip
     return "\n".join(lines)
