@@ -1,8 +1,9 @@
 """Our connector on real vLLM CPU engines with a dense model over real NIXL (UCX, host memory).
 
 Disaggregated output must equal co-located output: token ids and top-5 logprobs, for push and
-pull, for prompts around the block boundary and a long one, one at a time and 16 at once; and
-no block stays held on either engine afterwards.
+pull, for prompts around the block boundary and a long one, one at a time and 16 at once, and into
+a decode engine whose prefix cache already holds the start of the prompt; and no block stays held
+on either engine afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, PrefillCoordinates, TransferMode, mint_transfer_id, push_decode_leg_params
 
-from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, complete, output_differences, run_concurrently
+from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, complete, metric_total, output_differences, run_concurrently
 from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,52 @@ MAX_TOKENS = 6
 LOGPROB_ATOL = 1e-4
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
 CONCURRENT = 16
+
+
+# --- decode with vLLM's prefix cache on (its own engine pair, started and stopped before the shared one) ------------
+
+SHARED_PREFIX_BLOCKS = 3
+SUFFIX_TOKENS = 5
+
+
+def decode_cache_counters(pair: PDPair) -> dict[str, float]:
+    """Prompt tokens the decode engine found in its own prefix cache and tokens it took from prefill (vLLM's counters)."""
+    return {
+        "local": metric_total(pair.decode.url, "vllm:prefix_cache_hits"),
+        "transferred": metric_total(pair.decode.url, "vllm:external_prefix_cache_hits"),
+    }
+
+
+@pytest.mark.timeout(900)
+def test_a_decode_with_a_cached_prompt_prefix_receives_only_the_blocks_after_it_in_push_and_pull(dense_model: Path, engine_log_dir: Path) -> None:
+    """The same 3-block prefix twice, with different 5-token suffixes: the first request moves all 4 blocks, the second
+    finds the prefix in decode's cache (put there by the first transfer) and moves only the last block. Outputs equal
+    the co-located ones (computed on the prefill engine, whose cache is off, so the reference never reads transferred KV)."""
+    shared_tokens = SHARED_PREFIX_BLOCKS * BLOCK_SIZE
+    with pd_pair("ours-dense-prefix", dense_model, engine_log_dir, decode_prefix_caching=True) as pair:
+        for seed, mode in enumerate((TransferMode.PUSH, TransferMode.PULL)):
+            shared = prompt_of(shared_tokens, seed=200 + seed)
+            moved = []
+            for suffix_seed, expected_blocks in ((1, SHARED_PREFIX_BLOCKS + 1), (2, 1)):
+                prompt = shared + prompt_of(SUFFIX_TOKENS, seed=10 * seed + suffix_seed)
+                before = decode_cache_counters(pair)
+                result = pair.run(mode, prompt, MAX_TOKENS)
+                after = decode_cache_counters(pair)
+                colocated = complete(pair.prefill.url, prompt, max_tokens=MAX_TOKENS)
+
+                assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode}, suffix {suffix_seed}"
+                received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+                assert received and received["mode"] == mode.value, result.decode.kv_transfer_params
+                assert received["blocks"] == expected_blocks, f"{mode}, suffix {suffix_seed}: {received}"
+                moved.append({name: after[name] - before[name] for name in after})
+            assert moved == [
+                {"local": 0, "transferred": shared_tokens + SUFFIX_TOKENS},
+                {"local": shared_tokens, "transferred": SUFFIX_TOKENS},
+            ], mode
+        assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+# --- the shared pair (prefix caching off on both engines) ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
