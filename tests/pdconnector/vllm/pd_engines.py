@@ -40,6 +40,11 @@ from tests.pdconnector.vllm.harness import (
 CONNECTOR_MODULE = "pdconnector.vllm.connector"
 ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 BLOCK_SIZE = 128  # vLLM's default on the CPU backend (dense); the hybrid's attention block is larger
+# What the connector tests compare: a few generated tokens, logprobs within float32 noise, prompts around a block.
+MAX_TOKENS = 6
+LOGPROB_ATOL = 1e-4
+PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
+CONCURRENT = 16
 
 
 def reserve_ports(count: int) -> list[int]:

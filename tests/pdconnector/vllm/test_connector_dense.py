@@ -16,14 +16,21 @@ import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, PrefillCoordinates, TransferMode, mint_transfer_id, push_decode_leg_params
 
 from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, complete, metric_total, output_differences, run_concurrently
-from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
+from tests.pdconnector.vllm.pd_engines import (
+    BLOCK_SIZE,
+    CONCURRENT,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    PDPair,
+    kv_cache_usage,
+    pd_pair,
+    prompt_of,
+    reserve_ports,
+    wait_for_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 6
-LOGPROB_ATOL = 1e-4
-PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
-CONCURRENT = 16
 
 
 # --- decode with vLLM's prefix cache on (its own engine pair, started and stopped before the shared one) ------------

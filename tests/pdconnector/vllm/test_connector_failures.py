@@ -32,12 +32,20 @@ from pdconnector.protocol.params import (
 )
 
 from tests.pdconnector.vllm.harness import LOOPBACK, Completion, CompletionError, complete, launch_server, output_differences, running_servers
-from tests.pdconnector.vllm.pd_engines import ENGINE_ENV, PDPair, connector_config, kv_cache_usage, prompt_of, reserve_ports, wait_for_free_blocks
+from tests.pdconnector.vllm.pd_engines import (
+    ENGINE_ENV,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    PDPair,
+    connector_config,
+    kv_cache_usage,
+    prompt_of,
+    reserve_ports,
+    wait_for_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 6
-LOGPROB_ATOL = 1e-4
 TRANSFER_TIMEOUT_S = 10.0  # decode's deadline for a transfer (registration wait, handshake, READ)
 LEASE_S = 10.0  # how long prefill keeps finished blocks for a decode that has not come for them
 SLACK_S = 15.0  # engine steps, HTTP and metric refresh on a loaded 2-core machine

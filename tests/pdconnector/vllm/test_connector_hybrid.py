@@ -16,14 +16,19 @@ import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, TransferMode, mint_transfer_id, prefill_leg_params, push_decode_leg_params
 
 from tests.pdconnector.vllm.harness import CompletionError, complete, output_differences, run_concurrently
-from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, kv_cache_usage, pd_pair, prompt_of, wait_for_free_blocks
+from tests.pdconnector.vllm.pd_engines import (
+    CONCURRENT,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    PROMPT_LENGTHS,
+    PDPair,
+    kv_cache_usage,
+    pd_pair,
+    prompt_of,
+    wait_for_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 6
-LOGPROB_ATOL = 1e-4
-PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
-CONCURRENT = 16
 
 
 @pytest.fixture(scope="module")

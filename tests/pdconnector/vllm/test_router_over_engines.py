@@ -19,11 +19,9 @@ from pdconnector.router.config import RouterConfig, dump_router_config
 from pdconnector.sim.cluster import Process
 
 from tests.pdconnector.vllm.harness import LOOPBACK, complete, output_differences
-from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, PDPair, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
+from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, MAX_TOKENS, PDPair, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 6
 
 
 def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
