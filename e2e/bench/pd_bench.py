@@ -18,6 +18,7 @@ line per label and input length) as PNG and prints a markdown table (also writte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -57,6 +58,7 @@ def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, o
             *("--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(input_len)),
             *("--random-output-len", str(output_len), "--num-prompts", str(prompts), "--request-rate", str(qps)),
             *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0"),
+            "--ignore-eos",  # every request generates exactly --output-len tokens, whatever the tiny model samples
         ]
     )
     result = main(args)
@@ -64,7 +66,7 @@ def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, o
 
 
 MOCK_VARIANTS = ("mock-push", "mock-pull")
-VLLM_VARIANTS = ("ours-push", "ours-pull", "upstream-push", "upstream-pull")
+VLLM_VARIANTS = ("colocated", "ours-push", "ours-pull", "upstream-push", "upstream-pull")
 WARMUP_TIMEOUT_S = 600.0
 
 
@@ -81,11 +83,23 @@ def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDSer
     from pdoperator.api import parse_pdservice  # noqa: PLC0415
     from pdoperator.local import local_variant  # noqa: PLC0415
 
-    engine, mode = variant.split("-")
+    engine, mode = variant.split("-") if "-" in variant else ("ours", "push")  # colocated: ours-push minus the connector
     if engine == "mock":
         return parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
     tiny = parse_pdservice(yaml.safe_load(TINY.read_text()))
     return local_variant(tiny, mode=mode, runtime="vllm", connector="builtin" if engine == "ours" else "vllm", dtype="float32")
+
+
+def colocated(plan):  # noqa: ANN001, ANN201 - LocalPlan, imported lazily
+    """The reference: the plan's decode engine alone, without a KV connector, serving clients directly."""
+    from pdoperator.local import LocalPlan  # noqa: PLC0415
+    from pdoperator.render import Role  # noqa: PLC0415
+
+    decode = next(process for process in plan.processes if process.role is Role.DECODE)
+    argv = list(decode.argv)
+    del argv[argv.index("--kv-transfer-config") : argv.index("--kv-transfer-config") + 2]
+    engine = dataclasses.replace(decode, name="colocated", argv=tuple(argv))
+    return LocalPlan(plan.name, plan.namespace, (engine,), plan.router_config), engine.url
 
 
 def warm_up(base_url: str, model: str) -> float:
@@ -109,15 +123,18 @@ def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
         state_dir = args.out / "state" / variant
         model_dir = tokenizer if not variant.startswith("mock") else None
         plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), state_dir, model_dir=model_dir)
+        endpoint = plan.endpoint
+        if variant == "colocated":
+            plan, endpoint = colocated(plan)
         up(plan, state_dir)
         try:
             try:
-                first_requests[variant] = round(warm_up(plan.endpoint, pds.spec.model.name), 3)
+                first_requests[variant] = round(warm_up(endpoint, pds.spec.model.name), 3)
             except OSError as error:
                 first_requests[variant] = f"failed: {error}"
                 print(f"{variant}: the warm-up request failed ({error}); sweeping anyway", file=sys.stderr)
             print(f"{variant}: first request {first_requests[variant]} s")
-            runs += sweep(variant, plan.endpoint, pds.spec.model.name, tokenizer, args)
+            runs += sweep(variant, endpoint, pds.spec.model.name, tokenizer, args)
         finally:
             down(state_dir)
     (args.out / "first_request_s.json").write_text(json.dumps(first_requests, indent=2))

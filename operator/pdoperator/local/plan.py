@@ -13,11 +13,13 @@ on this machine, with the environment a CPU-only local run needs (offline, a sma
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import re
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,8 @@ from pdconnector.router.config import dump_router_config, parse_router_config
 
 from pdoperator.api import PDService, Runtime
 from pdoperator.render import LABEL_ROLE, Role
-from pdoperator.render.engine import engine_gpus
+from pdoperator.render.engine import CPU_THREAD_BINDING_ENV, engine_gpus
+from pdoperator.render.identity import role_spec
 
 ROUTER_CONFIG_FILE = "router.yaml"
 MOCK_STARTUP_TIMEOUT_S = 90.0
@@ -160,6 +163,38 @@ def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int,
     return processes
 
 
+def core_bindings(ranks_per_engine: Sequence[int], cores: Sequence[int]) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per engine: each rank its own cores, as pods with exclusive CPUs would have.
+
+    With fewer cores than ranks, ranks share cores round-robin (one each). Ranks of one engine are
+    separated by ``|``, vLLM's syntax for tensor-parallel workers."""
+    per_rank = max(1, len(cores) // max(1, sum(ranks_per_engine)))
+    bindings = []
+    rank = 0
+    for ranks in ranks_per_engine:
+        parts = []
+        for _ in range(ranks):
+            start = (rank * per_rank) % len(cores)
+            parts.append(",".join(str(core) for core in cores[start : start + per_rank]))
+            rank += 1
+        bindings.append("|".join(parts))
+    return bindings
+
+
+def _bound_to_own_cores(pds: PDService, engines: list[LocalProcess], cores: Sequence[int]) -> list[LocalProcess]:
+    """Engines pinned to cores of their own unless the spec's env says otherwise.
+
+    Unbound CPU engines on one machine each spread their OpenMP threads over every core and spin
+    against each other: measured here, two tiny engines decoded at ~100 ms per token instead of ~2 ms."""
+    tp = {Role.PREFILL: pds.spec.prefill.tensor_parallel_size, Role.DECODE: pds.spec.decode.tensor_parallel_size}
+    bindings = core_bindings([tp[engine.role] for engine in engines], cores)
+    user_set = {role: any(var.name == CPU_THREAD_BINDING_ENV for var in role_spec(pds.spec, role).env) for role in tp}
+    return [
+        engine if user_set[engine.role] else dataclasses.replace(engine, env={**engine.env, CPU_THREAD_BINDING_ENV: binding})
+        for engine, binding in zip(engines, bindings, strict=True)
+    ]
+
+
 def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: Path, *, model_dir: Path | None = None) -> LocalPlan:
     """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced.
 
@@ -182,6 +217,8 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
     engines: list[LocalProcess] = []
     for offset, statefulset in zip((10, 130), by_kind["StatefulSet"], strict=True):
         engines += _engine_processes(statefulset, subnet, offset, vllm)
+    if vllm is not None:
+        engines = _bound_to_own_cores(pds, engines, sorted(os.sched_getaffinity(0)))
 
     config = parse_router_config(by_kind["ConfigMap"][0]["data"][ROUTER_CONFIG_FILE])
     addresses = {engine.name: engine.host for engine in engines}

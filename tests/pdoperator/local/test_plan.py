@@ -10,7 +10,7 @@ import yaml
 from pdconnector.router.config import parse_router_config
 from pdoperator.api import parse_pdservice
 from pdoperator.local import LocalRunError, local_variant, plan_local_run
-from pdoperator.local.plan import expand, loopback_subnet
+from pdoperator.local.plan import core_bindings, expand, loopback_subnet
 from pdoperator.render import RenderDefaults, Role, render_pdservice
 
 REPO = Path(__file__).resolve().parents[3]
@@ -92,10 +92,33 @@ def test_vllm_engines_load_the_local_model_offline_with_the_rendered_connector_a
     assert kv_config["engine_id"].startswith("tiny-prefill-0-") and kv_config["kv_connector_extra_config"]["backends"] == ["UCX"]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefill.host
     assert prefill.env["HF_HUB_OFFLINE"] == "1" and prefill.env["HF_HOME"].startswith(str(tmp_path))
-    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    decode = next(p for p in plan.processes if p.name == "tiny-decode-0")
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] != decode.env["VLLM_CPU_OMP_THREADS_BIND"], "each engine on cores of its own"
     assert prefill.startup_timeout_s > next(p for p in plan.processes if p.role is Role.ROUTER).startup_timeout_s
 
 
 def test_distinct_pdservices_get_distinct_subnets():
     assert loopback_subnet("default", "tiny") != loopback_subnet("default", "tiny2")
     assert loopback_subnet("a", "tiny") != loopback_subnet("b", "tiny")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "expected"),
+    [
+        ([1, 1], [0, 1], ["0", "1"]),
+        ([1, 1], [0, 1, 2, 3], ["0,1", "2,3"]),
+        ([1, 2], [0, 1, 2, 3, 4, 5], ["0,1", "2,3|4,5"]),
+        ([1, 1, 1], [0, 1], ["0", "1", "0"]),
+        ([2], [4, 7], ["4|7"]),
+    ],
+)
+def test_local_vllm_engines_get_cores_of_their_own_while_there_are_enough(ranks, cores, expected):
+    assert core_bindings(ranks, cores) == expected
+
+
+def test_a_binding_in_the_spec_env_is_kept(tmp_path):
+    document = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    document["spec"]["decode"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
+    pds = local_variant(parse_pdservice(document), runtime="vllm")
+    plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model")
+    assert next(p for p in plan.processes if p.name == "tiny-decode-0").env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
