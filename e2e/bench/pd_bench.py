@@ -171,7 +171,7 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
 
     written = []
     for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token")):
-        figure, axes = plt.subplots(figsize=(7, 4.5))
+        figure, axes = plt.subplots(figsize=(10, 5))
         served = [run for run in runs if run.result["completed"] > 0]  # a run where every request failed has no latency
         for label, input_len in sorted({(run.label, run.input_len) for run in served}):
             series = sorted((run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"]) for run in served
@@ -179,9 +179,10 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
             qps, p50, p99 = zip(*series, strict=True)
             line = axes.plot(qps, p50, marker="o", label=f"{label}, {input_len} in (p50)")[0]
             axes.plot(qps, p99, marker="x", linestyle="--", color=line.get_color(), alpha=0.6, label=f"{label}, {input_len} in (p99)")
-        axes.set(xlabel="request rate (QPS)", ylabel=f"{metric.upper()} (ms)", title=f"{title} vs QPS")
+        # Variants differ by orders of magnitude (a hung upstream request vs a 10 ms co-located one).
+        axes.set(xlabel="request rate (QPS)", ylabel=f"{metric.upper()} (ms, log scale)", title=f"{title} vs QPS", yscale="log")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         figure.tight_layout()
         path = out / f"{metric}_vs_qps.png"
         figure.savefig(path, dpi=110)
