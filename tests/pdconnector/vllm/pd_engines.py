@@ -77,10 +77,11 @@ class PDPair:
     decode: VllmServer
     prefill_engine_id: str
     prefill_side_channel_port: int
+    prefill_tp_size: int = 1
 
     @property
     def coordinates(self) -> PrefillCoordinates:
-        return PrefillCoordinates(self.prefill_engine_id, LOOPBACK, self.prefill_side_channel_port, 1)
+        return PrefillCoordinates(self.prefill_engine_id, LOOPBACK, self.prefill_side_channel_port, self.prefill_tp_size)
 
     def colocated(self, prompt: list[int], max_tokens: int) -> Completion:
         return complete(self.decode.url, prompt, max_tokens=max_tokens)

@@ -1,0 +1,73 @@
+"""Heterogeneous tensor parallelism on real vLLM CPU engines: a TP=1 and a TP=2 engine, each prefill for the other.
+
+The tiny dense model has 2 KV heads: a TP=2 engine holds one per rank. From TP=1 to TP=2 each decode rank
+takes its head's slice of the one prefill rank's blocks; from TP=2 to TP=1 the decode rank's blocks are
+filled by both prefill ranks, one head each. Two ``kv_both`` engines cover both directions with two
+start-ups. Disaggregated output must equal the decode engine's co-located output, in push and pull.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
+
+from tests.pdconnector.vllm.harness import launch_server, output_differences, running_servers
+from tests.pdconnector.vllm.pd_engines import (
+    BLOCK_SIZE,
+    ENGINE_ENV,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    PDPair,
+    connector_config,
+    prompt_of,
+    reserve_ports,
+    wait_for_free_blocks,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPT_LENGTHS = (1, BLOCK_SIZE + 1, 600)
+
+
+@dataclass(frozen=True)
+class MixedTp:
+    one_to_two: PDPair  # prefill TP=1, decode TP=2
+    two_to_one: PDPair  # prefill TP=2, decode TP=1
+
+
+@pytest.fixture(scope="module")
+def mixed_tp(dense_model: Path, engine_log_dir: Path) -> Iterator[MixedTp]:
+    sc_1, sc_2, http_1, http_2 = reserve_ports(4)
+    tp1 = launch_server("tp1", dense_model, engine_log_dir, kv_transfer_config=connector_config("tp1", "kv_both", sc_1), env=ENGINE_ENV, port=http_1)
+    tp2 = launch_server(
+        "tp2",
+        dense_model,
+        engine_log_dir,
+        kv_transfer_config=connector_config("tp2", "kv_both", sc_2),
+        env=ENGINE_ENV,
+        port=http_2,
+        extra_args=("--tensor-parallel-size", "2"),
+    )
+    with running_servers(tp1, tp2):
+        yield MixedTp(one_to_two=PDPair(tp1, tp2, "tp1", sc_1, 1), two_to_one=PDPair(tp2, tp1, "tp2", sc_2, 2))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+@pytest.mark.parametrize("direction", ["one_to_two", "two_to_one"])
+def test_disaggregated_output_across_different_tp_sizes_equals_the_decode_engines_colocated_output(
+    mixed_tp: MixedTp, direction: str, mode: TransferMode
+) -> None:
+    pair: PDPair = getattr(mixed_tp, direction)
+    for seed, length in enumerate(PROMPT_LENGTHS):
+        prompt = prompt_of(length, seed + 70)
+        colocated = pair.colocated(prompt, MAX_TOKENS)
+        result = pair.run(mode, prompt, MAX_TOKENS)
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{direction} {mode} {length} tokens"
+        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+        assert received and received["mode"] == mode.value, f"{direction} {mode}: decode did not receive the {length}-token prompt"
+    assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}
