@@ -1,9 +1,11 @@
 """Heterogeneous tensor parallelism on real vLLM CPU engines: a TP=1 and a TP=2 engine, each prefill for the other.
 
-The tiny dense model has 2 KV heads: a TP=2 engine holds one per rank. From TP=1 to TP=2 each decode rank
+Both tiny models have 2 KV heads: a TP=2 engine holds one per rank. From TP=1 to TP=2 each decode rank
 takes its head's slice of the one prefill rank's blocks; from TP=2 to TP=1 the decode rank's blocks are
-filled by both prefill ranks, one head each. Two ``kv_both`` engines cover both directions with two
-start-ups. Disaggregated output must equal the decode engine's co-located output, in push and pull.
+filled by both prefill ranks, one head each. The hybrid model's Mamba2 state splits the same way (4 of
+its 8 heads and 1 of its 2 groups per rank): x, B and C of the DS conv state and the temporal state are
+sliced per rank. Two ``kv_both`` engines per model cover both directions with two start-ups.
+Disaggregated output must equal the decode engine's co-located output, in push and pull.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ class MixedTp:
     two_to_one: PDPair  # prefill TP=2, decode TP=1
 
 
-@pytest.fixture(scope="module")
-def mixed_tp(dense_model: Path, engine_log_dir: Path) -> Iterator[MixedTp]:
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[MixedTp]:
+    model: Path = request.getfixturevalue(f"{request.param}_model")
     sc_1, sc_2, http_1, http_2 = reserve_ports(4)
-    tp1 = launch_server("tp1", dense_model, engine_log_dir, kv_transfer_config=connector_config("tp1", "kv_both", sc_1), env=ENGINE_ENV, port=http_1)
+    tp1 = launch_server("tp1", model, engine_log_dir, kv_transfer_config=connector_config("tp1", "kv_both", sc_1), env=ENGINE_ENV, port=http_1)
     tp2 = launch_server(
         "tp2",
-        dense_model,
+        model,
         engine_log_dir,
         kv_transfer_config=connector_config("tp2", "kv_both", sc_2),
         env=ENGINE_ENV,
