@@ -24,7 +24,11 @@ from pdconnector.sim.server import create_engine_app
 MODEL = "tiny"
 PROMPT = list(range(100, 150))
 
-pytestmark = pytest.mark.skipif(mover_unavailable_reason("mock") is not None, reason=str(mover_unavailable_reason("mock")))
+
+@pytest.fixture(autouse=True)
+def _mock_mover_available() -> None:
+    if (reason := mover_unavailable_reason("mock")) is not None:
+        pytest.fail(f"the mock engine must be able to move KV here: {reason}")
 
 
 @pytest.fixture

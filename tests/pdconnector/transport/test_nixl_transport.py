@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from pdconnector.transport import NixlTransport, TransportError, nixl_unavailable_reason
 
-pytestmark = pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=str(nixl_unavailable_reason()))
+
+@pytest.fixture(autouse=True)
+def _nixl_importable() -> None:
+    if (reason := nixl_unavailable_reason()) is not None:
+        pytest.fail(f"NIXL must be importable here (make test installs it): {reason}")
 
 
 def test_an_unavailable_backend_is_refused_by_name() -> None:

@@ -12,7 +12,7 @@ from pdconnector.sim.mover import mover_unavailable_reason
 def _require_mover(transport: str) -> None:
     reason = mover_unavailable_reason(transport)
     if reason is not None:
-        pytest.skip(f"mock engines cannot move KV over {transport}: {reason}")
+        pytest.fail(f"mock engines must be able to move KV over {transport} here (make test installs it): {reason}")
 
 
 def start_cluster(workdir, subnet: int, engine_args: list[str], transport: str = "mock", colocated: bool = True) -> LocalCluster:
