@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pdconnector.protocol.params import (
+    RECEIVED_KEY,
     PrefillCoordinates,
     TransferMode,
     mint_transfer_id,
@@ -34,6 +35,7 @@ from tests.pdconnector.vllm.harness import (
     complete,
     launch_server,
     metric_total,
+    output_differences,
     running_servers,
 )
 
@@ -177,3 +179,21 @@ def wait_for_free_blocks(pair: PDPair, timeout_s: float = 45.0) -> dict[str, flo
 
 def prompt_of(length: int, seed: int = 0) -> list[int]:
     return [(11 * i + 7 * seed + 5) % 1024 for i in range(length)]
+
+
+def assert_disaggregated_equals_colocated(pair: PDPair, mode: TransferMode, lengths: Sequence[int], *, first_seed: int = 0) -> dict[int, Any]:
+    """One P/D request in ``mode`` per prompt length: its output must equal the decode engine's co-located output (ids and
+    top-5 logprobs) and decode must report it received the prompt by a transfer in that mode. Returns those reports by length."""
+    received_by_length = {}
+    for seed, length in enumerate(lengths, start=first_seed):
+        prompt = prompt_of(length, seed)
+        colocated = pair.colocated(prompt, MAX_TOKENS)
+        result = pair.run(mode, prompt, MAX_TOKENS)
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
+        assert result.decode.prompt_token_ids == prompt
+        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
+        assert received and received["mode"] == mode.value, (
+            f"{mode}: decode did not receive the KV of the {length}-token prompt: {result.decode.kv_transfer_params}"
+        )
+        received_by_length[length] = received
+    return received_by_length

@@ -23,6 +23,7 @@ from tests.pdconnector.vllm.pd_engines import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
     PDPair,
+    assert_disaggregated_equals_colocated,
     kv_cache_usage,
     pd_pair,
     prompt_of,
@@ -88,18 +89,8 @@ def dense_pair(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
 def test_disaggregated_output_equals_colocated_output_for_every_prompt_length(dense_pair: PDPair, mode: TransferMode) -> None:
-    for seed, length in enumerate(PROMPT_LENGTHS):
-        prompt = prompt_of(length, seed)
-        colocated = dense_pair.colocated(prompt, MAX_TOKENS)
-        result = dense_pair.run(mode, prompt, MAX_TOKENS)
-
-        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
-        assert result.decode.prompt_token_ids == prompt
-        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
-        assert received and received["mode"] == mode.value, (
-            f"decode did not receive the KV of the {length}-token prompt: {result.decode.kv_transfer_params}"
-        )
-        assert received["blocks"] == -(-length // BLOCK_SIZE)
+    received = assert_disaggregated_equals_colocated(dense_pair, mode, PROMPT_LENGTHS)
+    assert {length: report["blocks"] for length, report in received.items()} == {n: -(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS}
     assert wait_for_free_blocks(dense_pair) == {"prefill": 0.0, "decode": 0.0}
 
 

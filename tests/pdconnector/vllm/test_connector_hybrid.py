@@ -22,6 +22,7 @@ from tests.pdconnector.vllm.pd_engines import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
     PDPair,
+    assert_disaggregated_equals_colocated,
     kv_cache_usage,
     pd_pair,
     prompt_of,
@@ -40,15 +41,7 @@ def hybrid_pair(hybrid_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
 def test_hybrid_disaggregated_output_equals_colocated_output_for_every_prompt_length(hybrid_pair: PDPair, mode: TransferMode) -> None:
-    for seed, length in enumerate(PROMPT_LENGTHS):
-        prompt = prompt_of(length, seed)
-        colocated = hybrid_pair.colocated(prompt, MAX_TOKENS)
-        result = hybrid_pair.run(mode, prompt, MAX_TOKENS)
-
-        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
-        assert result.decode.prompt_token_ids == prompt
-        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
-        assert received and received["mode"] == mode.value, f"decode did not receive the state of the {length}-token prompt"
+    assert_disaggregated_equals_colocated(hybrid_pair, mode, PROMPT_LENGTHS)
     assert wait_for_free_blocks(hybrid_pair) == {"prefill": 0.0, "decode": 0.0}
 
 

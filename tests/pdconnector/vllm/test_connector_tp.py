@@ -15,17 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
+from pdconnector.protocol.params import TransferMode
 
-from tests.pdconnector.vllm.harness import launch_server, output_differences, running_servers
+from tests.pdconnector.vllm.harness import launch_server, running_servers
 from tests.pdconnector.vllm.pd_engines import (
     BLOCK_SIZE,
     ENGINE_ENV,
-    LOGPROB_ATOL,
-    MAX_TOKENS,
     PDPair,
+    assert_disaggregated_equals_colocated,
     connector_config,
-    prompt_of,
     reserve_ports,
     wait_for_free_blocks,
 )
@@ -66,11 +64,5 @@ def test_disaggregated_output_across_different_tp_sizes_equals_the_decode_engine
     mixed_tp: MixedTp, direction: str, mode: TransferMode
 ) -> None:
     pair: PDPair = getattr(mixed_tp, direction)
-    for seed, length in enumerate(PROMPT_LENGTHS):
-        prompt = prompt_of(length, seed + 70)
-        colocated = pair.colocated(prompt, MAX_TOKENS)
-        result = pair.run(mode, prompt, MAX_TOKENS)
-        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{direction} {mode} {length} tokens"
-        received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
-        assert received and received["mode"] == mode.value, f"{direction} {mode}: decode did not receive the {length}-token prompt"
+    assert_disaggregated_equals_colocated(pair, mode, PROMPT_LENGTHS, first_seed=70)
     assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}
