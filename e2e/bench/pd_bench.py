@@ -97,7 +97,8 @@ def colocated(plan):  # noqa: ANN001, ANN201 - LocalPlan, imported lazily
 
     decode = next(process for process in plan.processes if process.role is Role.DECODE)
     argv = list(decode.argv)
-    del argv[argv.index("--kv-transfer-config") : argv.index("--kv-transfer-config") + 2]
+    flag = argv.index("--kv-transfer-config")
+    del argv[flag : flag + 2]  # the flag and its JSON value
     engine = dataclasses.replace(decode, name="colocated", argv=tuple(argv))
     return LocalPlan(plan.name, plan.namespace, (engine,), plan.router_config), engine.url
 
