@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -61,6 +62,8 @@ MODELS: dict[str, ModelSpec] = {
     "dense_wide": ModelSpec((A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)),
     # Mamba1 moves its state only between equal TP sizes; two SSM groups and one attention group.
     "mamba1": ModelSpec((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
+    # Real-sized attention pages (256 KiB per block): a request's WRITE outgrows every socket buffer on loopback.
+    "dense_large": ModelSpec((A, A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)),
 }
 
 
@@ -261,6 +264,14 @@ class EngineHost:
         finally:
             timer.cancel()
         raise RuntimeError(f"engine process exited during {method} (exit code {self.process.poll()})")
+
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): its sockets stay open but nothing reads or writes them."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         if self.process.poll() is None:

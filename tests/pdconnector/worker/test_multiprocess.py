@@ -60,18 +60,21 @@ def test_engine_processes_move_every_byte_by_push_and_pull(
         prefill.close()
 
 
-def _push_setup(prefill: RemoteEngine, decode: RemoteEngine, transfer_id: str, timeout_s: float) -> tuple[list[list[int]], int, float]:
-    """Start both engines and have decode register a push; returns prefill's blocks, the token count and when decode was asked."""
-    spec = MODELS["dense"]
-    num_tokens = spec.block_size * 2 + 1
-    src = request_blocks(spec, BLOCKS[0], num_tokens, seed=21)
-    dst = request_blocks(spec, BLOCKS[1], num_tokens, seed=22)
+def _push_setup(
+    prefill: RemoteEngine, decode: RemoteEngine, transfer_id: str, timeout_s: float, *, model: str = "dense", blocks: tuple[int, int] = BLOCKS
+) -> tuple[list[list[int]], list[list[int]], int, float]:
+    """Start both engines and have decode register a push; returns prefill's and decode's blocks, the token count and when
+    decode was asked. The request fills all but 16 of the smaller pool, so a WRITE's size follows the pools'."""
+    spec = MODELS[model]
+    num_tokens = spec.block_size * (min(blocks) - 16) + 1
+    src = request_blocks(spec, blocks[0], num_tokens, seed=21)
+    dst = request_blocks(spec, blocks[1], num_tokens, seed=22)
     coords = prefill.start()
     decode.start()
     prefill.fill(blocks=src, num_tokens=num_tokens)
     asked = time.monotonic()
     decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=num_tokens, timeout_s=timeout_s)
-    return src, num_tokens, asked
+    return src, dst, num_tokens, asked
 
 
 def test_decode_fails_within_its_deadline_when_the_prefill_process_is_killed(hosts: tuple[EngineHost, EngineHost]) -> None:
@@ -80,7 +83,7 @@ def test_decode_fails_within_its_deadline_when_the_prefill_process_is_killed(hos
     decode = hosts[1].create("decode-survivor", "dense", tp=1, num_blocks=BLOCKS[1], transport="nixl")
     try:
         prefill = victim.create("prefill-victim", "dense", tp=2, num_blocks=BLOCKS[0], transport="nixl")
-        _, _, asked = _push_setup(prefill, decode, "tx-victim-p", timeout_s=4.0)
+        _, _, _, asked = _push_setup(prefill, decode, "tx-victim-p", timeout_s=4.0)
         assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=10)
         victim.kill()
         results = decode.wait(transfer_id="tx-victim-p", timeout_s=20)
@@ -98,7 +101,7 @@ def test_prefill_frees_its_blocks_promptly_when_the_decode_process_is_killed(hos
     prefill = hosts[0].create("prefill-survivor", "dense", tp=1, num_blocks=BLOCKS[0], transport="nixl", limits={"write_timeout_s": 3.0})
     try:
         decode = victim.create("decode-victim", "dense", tp=2, num_blocks=BLOCKS[1], transport="nixl")
-        src, num_tokens, _ = _push_setup(prefill, decode, "tx-victim-d", timeout_s=30.0)
+        src, _, num_tokens, _ = _push_setup(prefill, decode, "tx-victim-d", timeout_s=30.0)
         assert prefill.wait_stat(name="registrations_received", value=2, timeout_s=10)
         victim.kill()
         prefill.prefill_finished(transfer_id="tx-victim-d", blocks=src, num_tokens=num_tokens)
@@ -109,6 +112,73 @@ def test_prefill_frees_its_blocks_promptly_when_the_decode_process_is_killed(hos
     finally:
         prefill.close()
         victim.kill()
+
+
+# Mid-WRITE kills over MockTransport: a WRITE of ~100 MiB cannot fit the loopback socket buffers (32 MiB receive, 4 MiB
+# send at most), so while the decode process is frozen the WRITE is provably in flight: prefill has started it
+# (prefills_finished) and not finished posting it (writes_posted). NIXL over host memory copies by CMA without the
+# target's help, so freezing a peer cannot hold a NIXL WRITE open; its killed-peer tests above kill around the WRITE.
+LARGE_BLOCKS = (416, 416)
+
+
+def _assert_write_in_flight(prefill: RemoteEngine) -> None:
+    assert prefill.wait_stat(name="prefills_finished", value=1, timeout_s=10)
+    time.sleep(0.3)  # let the stream fill the socket buffers
+    assert [s.get("writes_posted", 0) for s in prefill.stats()] == [0], "the WRITE should still be streaming into the frozen decode"
+
+
+def test_prefill_fails_the_transfer_at_once_when_the_decode_process_dies_mid_write(hosts: tuple[EngineHost, EngineHost]) -> None:
+    victim = EngineHost()
+    limits = {"write_timeout_s": 30.0}
+    prefill = hosts[0].create("prefill-midwrite", "dense_large", tp=1, num_blocks=LARGE_BLOCKS[0], transport="mock", limits=limits)
+    try:
+        decode = victim.create("decode-midwrite", "dense_large", tp=1, num_blocks=LARGE_BLOCKS[1], transport="mock")
+        src, _, num_tokens, _ = _push_setup(prefill, decode, "tx-midwrite-d", timeout_s=60.0, model="dense_large", blocks=LARGE_BLOCKS)
+        assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=10)
+        victim.pause()
+        prefill.prefill_finished(transfer_id="tx-midwrite-d", blocks=src, num_tokens=num_tokens)
+        _assert_write_in_flight(prefill)
+        victim.kill()
+        killed = time.monotonic()
+        results = prefill.wait(transfer_id="tx-midwrite-d", timeout_s=40)
+        assert [(r["kind"], r["outcome"]) for r in results] == [("finished_sending", "failed")], results
+        assert time.monotonic() - killed < 3.0, "the broken connection ends the WRITE, long before its 30 s timeout"
+    finally:
+        prefill.close()
+        victim.kill()
+
+
+def test_decode_keeps_the_partial_write_inside_its_blocks_and_fails_at_its_deadline_when_prefill_dies_mid_write(
+    hosts: tuple[EngineHost, EngineHost],
+) -> None:
+    victim = EngineHost()
+    decode_host = EngineHost()
+    try:
+        prefill = victim.create("prefill-midwrite", "dense_large", tp=1, num_blocks=LARGE_BLOCKS[0], transport="mock")
+        decode = decode_host.create("decode-midwrite", "dense_large", tp=1, num_blocks=LARGE_BLOCKS[1], transport="mock")
+        src, dst, num_tokens, asked = _push_setup(prefill, decode, "tx-midwrite-p", timeout_s=6.0, model="dense_large", blocks=LARGE_BLOCKS)
+        whole = [{"dst": dst, "src": src, "num_tokens": num_tokens}]
+        request_bytes = decode.check(received=whole)["wrong_bytes"]
+        assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=10)
+        decode_host.pause()
+        try:
+            prefill.prefill_finished(transfer_id="tx-midwrite-p", blocks=src, num_tokens=num_tokens)
+            _assert_write_in_flight(prefill)
+            victim.kill()
+        finally:
+            decode_host.resume()
+        results = decode.wait(transfer_id="tx-midwrite-p", timeout_s=20)
+        assert [(r["kind"], r["outcome"]) for r in results] == [("failed_recving", "timeout")], results
+        assert time.monotonic() - asked < 6.0 + 1.5
+        # Every byte of the request's blocks is either written with prefill's content or untouched, and nothing else
+        # changed: written + missing add up to the request, the guards are intact, and the write stopped part-way.
+        written, missing = decode.check(received=[]), decode.check(received=whole)
+        assert written["wrong_bytes"] + missing["wrong_bytes"] == request_bytes, (written, missing, request_bytes)
+        assert 0 < written["wrong_bytes"] < request_bytes
+        assert written["guard_bytes"] == 0
+    finally:
+        victim.kill()
+        decode_host.stop()
 
 
 def test_idle_engine_processes_with_nixl_agents_burn_almost_no_cpu(hosts: tuple[EngineHost, EngineHost]) -> None:
