@@ -31,6 +31,7 @@ from pdconnector.vllm.config import ConnectorConfig, parse_connector_config
 from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, check_groups, memory_regions, model_spec
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
+from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
 from pdconnector.vllm.worker import WorkerSide
 from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
 from pdconnector.worker.side_channel import SideChannelServer
@@ -38,6 +39,7 @@ from pdconnector.worker.side_channel import SideChannelServer
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -171,6 +173,19 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PDTransferStats(data) if data is not None else PDTransferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> PDPromMetrics:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

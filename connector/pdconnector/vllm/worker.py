@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import CancelTransfer, ExpectPush, FailRequest, PDConnectorMetadata, PrefillDone, ReadBlocks
+from pdconnector.vllm.stats import Direction, PDTransferStats
 from pdconnector.worker.identity import EngineInfo, RankInfo
 from pdconnector.worker.side_channel import SideChannelClient
 from pdconnector.worker.transfer_worker import ResultKind, TransferWorker, WorkerConfig
@@ -37,6 +39,14 @@ class TransferResults:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Live:
+    """A transfer this rank was told about: whose it is and when, for the wait it adds to the request."""
+
+    request_id: str
+    since: float
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
@@ -64,7 +74,8 @@ class WorkerSide:
             limits=limits,
             pull_lease_s=config.lease_s,
         )
-        self._transfer_ids: dict[str, str] = {}  # transfer id -> vLLM request id, while the transfer is live
+        self._live: dict[str, _Live] = {}  # by transfer id, while the transfer is live
+        self._stats = PDTransferStats()
         self._worker = TransferWorker(layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client)
         self._immediate = TransferResults()
 
@@ -93,10 +104,10 @@ class WorkerSide:
             log.debug("rank %d: %s", self.layout.tp_rank, command)
             match command:
                 case PrefillDone():
-                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
                     self._worker.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull)
                 case ExpectPush():
-                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
                     self._worker.expect_push(
                         command.transfer_id,
                         command.prefill,
@@ -106,7 +117,7 @@ class WorkerSide:
                         cached_blocks=command.cached_blocks,
                     )
                 case ReadBlocks():
-                    self._transfer_ids[command.transfer_id] = command.request_id
+                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
                     self._worker.read(
                         command.transfer_id, command.prefill, command.remote_block_ids, command.block_ids, command.num_tokens, timeout_s=timeout
                     )
@@ -114,17 +125,22 @@ class WorkerSide:
                     self._worker.cancel(command.transfer_id, command.detail)
                 case FailRequest():
                     log.error("%s", command.detail)
+                    self._stats.record(Direction.RECV, "refused", wait_s=self._counted(0.0))
                     self._immediate.finished_recving.add(command.request_id)
                     self._immediate.failed_recving.add(command.request_id)
 
     def results(self) -> TransferResults:
         out, self._immediate = self._immediate, TransferResults()
+        now = time.monotonic()
         for result in self._worker.results():
             log.debug("rank %d: %s", self.layout.tp_rank, result)
-            request_id = self._transfer_ids.pop(result.transfer_id, None)
-            if request_id is None:
+            live = self._live.pop(result.transfer_id, None)
+            if live is None:
                 log.warning("transfer %s ended (%s: %s) but no request of this engine owns it", result.transfer_id, result.outcome, result.detail)
                 continue
+            direction = Direction.SEND if result.kind is ResultKind.FINISHED_SENDING else Direction.RECV
+            self._stats.record(direction, result.outcome, wait_s=self._counted(now - live.since), nbytes=result.nbytes)
+            request_id = live.request_id
             match result.kind:
                 case ResultKind.FINISHED_SENDING:
                     out.finished_sending.add(request_id)
@@ -142,6 +158,13 @@ class WorkerSide:
                     out.finished_recving.add(request_id)
                     out.failed_recving.add(request_id)
         return out
+
+    def take_stats(self) -> PDTransferStats | None:
+        """The transfers that ended since the last call (vLLM's per-step stats), or None."""
+        return self._stats.take()
+
+    def _counted(self, wait_s: float) -> float | None:
+        return wait_s if self.layout.tp_rank == 0 else None
 
     def close(self) -> None:
         self._worker.close()

@@ -418,8 +418,9 @@ def run_concurrently(calls: Sequence[Callable[[], Any]], max_workers: int) -> li
         return [future.result() for future in futures]
 
 
-def metric_total(url: str, name: str, timeout_s: float = 10.0) -> float:
-    """Sum of all samples of a Prometheus metric family (histograms: their ``_sum``) on an engine's ``/metrics``."""
+def metric_total(url: str, name: str, timeout_s: float = 10.0, *, labels: dict[str, str] | None = None) -> float:
+    """Sum of all samples of a Prometheus metric family (histograms: their ``_sum``) on an engine's ``/metrics``,
+    of those samples carrying ``labels`` if given."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as response:
         text = response.read().decode()
     total = 0.0
@@ -427,6 +428,8 @@ def metric_total(url: str, name: str, timeout_s: float = 10.0) -> float:
         if family.name != name:
             continue
         for sample in family.samples:
+            if labels is not None and any(sample.labels.get(key) != value for key, value in labels.items()):
+                continue
             if family.type != "histogram" or sample.name.endswith("_sum"):
                 total += sample.value
     return total

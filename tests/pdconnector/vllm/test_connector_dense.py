@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, PrefillCoordinates, TransferMode, mint_transfer_id, push_decode_leg_params
 
-from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, complete, metric_total, output_differences, run_concurrently
+from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, VllmServer, complete, metric_total, output_differences, run_concurrently
 from tests.pdconnector.vllm.pd_engines import (
     BLOCK_SIZE,
     CONCURRENT,
@@ -106,6 +106,44 @@ def test_sixteen_concurrent_requests_match_their_colocated_outputs(dense_pair: P
         assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {len(prompt)} tokens"
         assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
     assert wait_for_free_blocks(dense_pair) == {"prefill": 0.0, "decode": 0.0}
+
+
+# Layers x (K, V) x KV heads x head dim x tokens x float32 bytes, by hand from the tiny dense model's config.
+KV_BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * BLOCK_SIZE * 4
+
+
+def transfer_counters(pair: PDPair) -> dict[str, float]:
+    """The connector's series on both engines' /metrics: transfers ended by direction and outcome, bytes, waits."""
+
+    def ended(server: VllmServer, direction: str, outcome: str) -> float:
+        return metric_total(server.url, "vllm:pd_kv_transfers", labels={"direction": direction, "outcome": outcome})
+
+    return {
+        "decode_received": ended(pair.decode, "recv", "received"),
+        "decode_bytes": metric_total(pair.decode.url, "vllm:pd_kv_received_bytes"),
+        "decode_waits": metric_total(pair.decode.url, "vllm:pd_kv_transfer_wait_seconds", labels={"direction": "recv"}),
+        "prefill_written": ended(pair.prefill, "send", "written"),
+        "prefill_bytes": metric_total(pair.prefill.url, "vllm:pd_kv_received_bytes"),
+    }
+
+
+@pytest.mark.timeout(600)
+def test_engines_export_each_transfer_its_bytes_and_its_wait_on_their_metrics(dense_pair: PDPair) -> None:
+    before = transfer_counters(dense_pair)
+    pushed = dense_pair.push(prompt_of(300, seed=41), MAX_TOKENS)
+    pulled = dense_pair.pull(prompt_of(BLOCK_SIZE + 1, seed=42), MAX_TOKENS)
+    blocks = sum((r.decode.kv_transfer_params or {})[RECEIVED_KEY]["blocks"] for r in (pushed, pulled))
+    assert blocks == 3 + 2
+    want = {"decode_received": 2, "decode_bytes": blocks * KV_BYTES_PER_BLOCK, "prefill_written": 2, "prefill_bytes": 0}
+    deadline = time.monotonic() + 20  # prefill's releases reach its /metrics a step or two after decode's answer
+    while True:
+        after = transfer_counters(dense_pair)
+        delta = {key: after[key] - before[key] for key in want}
+        if delta == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta == want
+    assert 0 < after["decode_waits"] - before["decode_waits"] < pushed.elapsed_s + pulled.elapsed_s
 
 
 # --- faults (the pair is shared: the destructive ones come last) -----------------------------------------------------

@@ -1,0 +1,128 @@
+"""Transfer telemetry in vLLM's own stats pipeline: the engine's log line and its ``/metrics``.
+
+Each rank's :class:`~pdconnector.vllm.worker.WorkerSide` records how its transfers ended.
+vLLM takes the records after every step (``get_kv_connector_stats``), sums them over the
+ranks (:meth:`PDTransferStats.aggregate`) and ships them to the API process as a plain dict.
+There they become one log line per interval (:meth:`PDTransferStats.reduce`) and Prometheus
+series (:class:`PDPromMetrics`).
+
+Only rank 0 counts transfers and their waits, so a TP-sharded transfer counts once. Every
+rank counts its bytes, because each moves its own shard.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# A KV wait runs from a few milliseconds (a block or two over host memory) to the transfer timeout.
+WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# How many waits one stats object keeps between two reads; vLLM reads them after every step, so this only
+# bounds a stalled reader.
+MAX_WAITS = 4096
+
+
+class Direction(StrEnum):
+    SEND = "send"  # prefill: from prefill done to its blocks released (written, read, expired, ...)
+    RECV = "recv"  # decode: from asking for the KV to having it, or to the failure
+
+
+def _empty() -> dict[str, Any]:
+    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}}
+
+
+@dataclass
+class PDTransferStats(KVConnectorStats):
+    """``data``: ``ended`` maps ``"<direction>/<outcome>"`` to a count, ``bytes_received`` sums the bytes that
+    arrived, ``waits`` holds each direction's wait in seconds. Plain JSON-like values: vLLM serialises them."""
+
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def record(self, direction: Direction, outcome: str, *, wait_s: float | None, nbytes: int = 0) -> None:
+        """One transfer's end on one rank; ``wait_s`` is None on ranks that do not count transfers."""
+        self.data["bytes_received"] += nbytes
+        if wait_s is None:
+            return
+        key = f"{direction.value}/{outcome}"
+        self.data["ended"][key] = self.data["ended"].get(key, 0) + 1
+        waits = self.data["waits"][direction.value]
+        if len(waits) < MAX_WAITS:
+            waits.append(wait_s)
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def take(self) -> PDTransferStats | None:
+        """What was recorded since the last take, or None if nothing was."""
+        if self.is_empty():
+            return None
+        taken = PDTransferStats(self.data)
+        self.reset()
+        return taken
+
+    def is_empty(self) -> bool:
+        return not self.data["ended"] and not self.data["bytes_received"]
+
+    def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
+        ended = dict(self.data["ended"])
+        for key, count in other.data["ended"].items():
+            ended[key] = ended.get(key, 0) + count
+        waits = {direction: self.data["waits"][direction] + other.data["waits"][direction] for direction in self.data["waits"]}
+        return PDTransferStats({"ended": ended, "bytes_received": self.data["bytes_received"] + other.data["bytes_received"], "waits": waits})
+
+    def reduce(self) -> dict[str, int | float]:
+        summary: dict[str, int | float] = {key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())}
+        summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
+        for direction, waits in self.data["waits"].items():
+            if waits:
+                summary[f"{direction}_wait_p50_ms"] = round(statistics.median(waits) * 1e3, 2)
+                summary[f"{direction}_wait_max_ms"] = round(max(waits) * 1e3, 2)
+        return summary
+
+
+class PDPromMetrics(KVConnectorPromMetrics):
+    """The connector's series on the engine's ``/metrics``, labelled like vLLM's own (model name, engine index)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._transfers = self._counter_cls(
+            name="vllm:pd_kv_transfers",
+            documentation="KV transfers of the PD connector that ended, by direction (send: prefill, recv: decode) and outcome.",
+            labelnames=[*labelnames, "direction", "outcome"],
+        )
+        self._bytes = self._counter_cls(
+            name="vllm:pd_kv_received_bytes",
+            documentation="KV bytes that arrived at this engine by the PD connector (padding never crosses the wire, so never counted).",
+            labelnames=labelnames,
+        )
+        self._waits = self._histogram_cls(
+            name="vllm:pd_kv_transfer_wait_seconds",
+            documentation="Seconds a request waited on its KV transfer: decode from asking to arrival, prefill from done to blocks freed.",
+            buckets=list(WAIT_BUCKETS_S),
+            labelnames=[*labelnames, "direction"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, count in transfer_stats_data["ended"].items():
+            direction, outcome = key.split("/", 1)
+            self._transfers.labels(*labels, direction, outcome).inc(count)
+        if transfer_stats_data["bytes_received"]:
+            self._bytes.labels(*labels).inc(transfer_stats_data["bytes_received"])
+        for direction, waits in transfer_stats_data["waits"].items():
+            histogram = self._waits.labels(*labels, direction)
+            for wait in waits:
+                histogram.observe(wait)

@@ -1,0 +1,107 @@
+"""The connector's transfer stats, as vLLM's stats pipeline uses them: recorded per rank, summed over ranks, shipped as a
+plain dict, rebuilt in the API process, logged as one line and exported to Prometheus."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+from pdconnector.vllm.connector import PDConnector
+from pdconnector.vllm.stats import MAX_WAITS, Direction, PDPromMetrics, PDTransferStats
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+def decode_rank0() -> PDTransferStats:
+    stats = PDTransferStats()
+    stats.record(Direction.RECV, "received", wait_s=0.02, nbytes=4096)
+    stats.record(Direction.RECV, "received", wait_s=0.04, nbytes=8192)
+    stats.record(Direction.RECV, "timeout", wait_s=30.0)
+    return stats
+
+
+def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and_bytes() -> None:
+    assert decode_rank0().data == {
+        "ended": {"recv/received": 2, "recv/timeout": 1},
+        "bytes_received": 12288,
+        "waits": {"send": [], "recv": [0.02, 0.04, 30.0]},
+    }
+
+
+def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() -> None:
+    stats = PDTransferStats()
+    stats.record(Direction.RECV, "received", wait_s=None, nbytes=4096)
+    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}}
+    assert not stats.is_empty()
+
+
+def test_aggregating_ranks_sums_counts_and_bytes_and_joins_waits_without_touching_either_side() -> None:
+    rank0, rank1 = decode_rank0(), PDTransferStats()
+    rank1.record(Direction.RECV, "received", wait_s=None, nbytes=12288)
+    before = msgspec.json.encode(rank0.data), msgspec.json.encode(rank1.data)
+    total = rank0.aggregate(rank1).aggregate(PDTransferStats())
+    assert total.data["ended"] == {"recv/received": 2, "recv/timeout": 1}
+    assert total.data["bytes_received"] == 24576
+    assert total.data["waits"]["recv"] == [0.02, 0.04, 30.0]
+    assert (msgspec.json.encode(rank0.data), msgspec.json.encode(rank1.data)) == before
+
+
+def test_take_hands_over_what_was_recorded_once_and_nothing_when_idle() -> None:
+    stats = decode_rank0()
+    taken = stats.take()
+    assert taken is not None and taken.data["ended"] == {"recv/received": 2, "recv/timeout": 1}
+    assert stats.is_empty()
+    assert stats.take() is None
+
+
+def test_the_waits_one_object_keeps_are_bounded() -> None:
+    stats = PDTransferStats()
+    for _ in range(MAX_WAITS + 10):
+        stats.record(Direction.SEND, "written", wait_s=0.001)
+    assert len(stats.data["waits"]["send"]) == MAX_WAITS
+    assert stats.data["ended"] == {"send/written": MAX_WAITS + 10}
+
+
+def test_the_payload_survives_vllms_msgpack_round_trip_and_is_rebuilt_by_the_connector_class() -> None:
+    payload = msgspec.msgpack.decode(msgspec.msgpack.encode(decode_rank0().to_dict()))
+    rebuilt = PDConnector.build_kv_connector_stats(payload)
+    assert isinstance(rebuilt, PDTransferStats)
+    assert rebuilt.data == decode_rank0().data
+    empty = PDConnector.build_kv_connector_stats()
+    assert isinstance(empty, PDTransferStats) and empty.is_empty()
+
+
+def test_the_log_line_summarises_counts_mebibytes_and_wait_percentiles() -> None:
+    assert decode_rank0().reduce() == {
+        "recv_received": 2,
+        "recv_timeout": 1,
+        "received_MiB": 0.012,
+        "recv_wait_p50_ms": 40.0,
+        "recv_wait_max_ms": 30000.0,
+    }
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def prom_metrics(registry: CollectorRegistry) -> PDPromMetrics:
+    metric_types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+    config: Any = SimpleNamespace(kv_transfer_config=None)
+    return PDConnector.build_prom_metrics(config, metric_types, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+
+
+def test_prometheus_counts_transfers_bytes_and_waits_per_engine(registry: CollectorRegistry) -> None:
+    metrics = prom_metrics(registry)
+    metrics.observe(decode_rank0().to_dict(), engine_idx=1)
+    metrics.observe(decode_rank0().to_dict(), engine_idx=1)
+    engine1 = {"model_name": "tiny", "engine": "1"}
+    assert registry.get_sample_value("vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "received"}) == 4
+    assert registry.get_sample_value("vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "timeout"}) == 2
+    assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", engine1) == 2 * 12288
+    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "recv"}) == 6
+    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_bucket", {**engine1, "direction": "recv", "le": "0.025"}) == 2
+    assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", {"model_name": "tiny", "engine": "0"}) is None
