@@ -79,7 +79,8 @@ class PDTransferStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = {key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())}
-        summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
+        if self.data["bytes_received"]:
+            summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
         for direction, waits in self.data["waits"].items():
             if waits:
                 summary[f"{direction}_wait_p50_ms"] = round(statistics.median(waits) * 1e3, 2)
@@ -123,6 +124,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
         if transfer_stats_data["bytes_received"]:
             self._bytes.labels(*labels).inc(transfer_stats_data["bytes_received"])
         for direction, waits in transfer_stats_data["waits"].items():
-            histogram = self._waits.labels(*labels, direction)
-            for wait in waits:
-                histogram.observe(wait)
+            if waits:
+                histogram = self._waits.labels(*labels, direction)
+                for wait in waits:
+                    histogram.observe(wait)

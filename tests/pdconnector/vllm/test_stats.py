@@ -81,6 +81,9 @@ def test_the_log_line_summarises_counts_mebibytes_and_wait_percentiles() -> None
         "recv_wait_p50_ms": 40.0,
         "recv_wait_max_ms": 30000.0,
     }
+    prefill = PDTransferStats()
+    prefill.record(Direction.SEND, "written", wait_s=0.01)
+    assert prefill.reduce() == {"send_written": 1, "send_wait_p50_ms": 10.0, "send_wait_max_ms": 10.0}
 
 
 @pytest.fixture
@@ -105,3 +108,4 @@ def test_prometheus_counts_transfers_bytes_and_waits_per_engine(registry: Collec
     assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "recv"}) == 6
     assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_bucket", {**engine1, "direction": "recv", "le": "0.025"}) == 2
     assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", {"model_name": "tiny", "engine": "0"}) is None
+    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "send"}) is None
