@@ -68,7 +68,8 @@ def _time_transfers(agent: Transport, peer: str, operation: Operation, local: np
         start = time.perf_counter()
         handle = post(peer, local, remote, b"bench")
         while (status := agent.state(handle)).state is TransferState.IN_PROGRESS:
-            pass
+            # Yield the GIL: a spinning poller would starve MockTransport's receiving thread (5 ms switch interval).
+            time.sleep(0)
         elapsed = time.perf_counter() - start
         agent.release(handle)
         if status.state is not TransferState.DONE:
