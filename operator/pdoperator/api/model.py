@@ -411,6 +411,46 @@ class RouterSpec(ApiModel):
     ] = None
 
 
+_LABEL_VALUE = Annotated[str, Field(description="Label value required under this key.")]
+
+
+class ScrapePeer(ApiModel):
+    """Pods admitted to the engines' HTTP port, where vLLM serves /metrics (a NetworkPolicy peer)."""
+
+    namespace_labels: Annotated[
+        dict[str, _LABEL_VALUE] | None,
+        Field(description="Labels of the namespaces the scrapers run in; {} selects every namespace. Unset: this PDService's namespace."),
+    ] = None
+    pod_labels: Annotated[
+        dict[str, _LABEL_VALUE] | None,
+        Field(description="Labels of the scraper pods; {} selects every pod. Unset: every pod of the selected namespaces."),
+    ] = None
+
+
+class MonitoringSpec(ApiModel):
+    """How Prometheus reaches the /metrics of the engines (vLLM's series and the KV connector's) and of the router."""
+
+    pod_annotations: Annotated[
+        bool,
+        Field(
+            description=(
+                "Annotate engine and router pods with prometheus.io/scrape, port and path, for scrape configurations that discover pods "
+                "by annotation. Off by default: turning it on rolls the engine pods."
+            )
+        ),
+    ] = False
+    scrapers: Annotated[
+        list[ScrapePeer],
+        Field(
+            description=(
+                "Pods admitted to the engines' HTTP port through this PDService's NetworkPolicy, which otherwise admits only its own "
+                "engines and router. The router's port is open to every pod already."
+            ),
+            max_length=16,
+        ),
+    ] = Field(default_factory=list)
+
+
 class PDServiceSpec(ApiModel):
     """Desired state of a prefill/decode disaggregated vLLM service."""
 
@@ -433,6 +473,7 @@ class PDServiceSpec(ApiModel):
     engine: Annotated[EngineSpec, Field(description="Engine image, KV connector and transport.")] = Field(default_factory=EngineSpec)
     network: Annotated[NetworkSpec, Field(description="Pod networking (EFA).")] = Field(default_factory=NetworkSpec)
     router: Annotated[RouterSpec, Field(description="The router in front of both roles.")] = Field(default_factory=RouterSpec)
+    monitoring: Annotated[MonitoringSpec, Field(description="Metrics scraping of engines and router.")] = Field(default_factory=MonitoringSpec)
 
 
 # ---------------------------------------------------------------- status

@@ -30,6 +30,7 @@ from pdoperator.api.model import (
     PVCSource,
     RoleSpec,
     Runtime,
+    ScrapePeer,
     SSMFamily,
     Toleration,
     TransportBackend,
@@ -267,6 +268,13 @@ CEL_RULES: tuple[CelRule, ...] = (
         cel="has(self.huggingFace) != has(self.pvc)",
         message="exactly one of huggingFace or pvc must be set",
         holds=lambda source: (source.hugging_face is None) != (source.pvc is None),
+    ),
+    CelRule(
+        name="scrape-peer-selects",
+        owner=ScrapePeer,
+        cel="has(self.namespaceLabels) || has(self.podLabels)",
+        message="set namespaceLabels, podLabels or both ({} selects all)",
+        holds=lambda peer: peer.namespace_labels is not None or peer.pod_labels is not None,
     ),
     CelRule(
         name="pvc-path-inside-volume",

@@ -174,10 +174,10 @@ def _label_key_valid(key: str) -> bool:
     return len(name) <= 63 and bool(_LABEL_NAME.match(name))
 
 
-def _check_node_selector(role: str, selector: dict[str, str]) -> list[FieldError]:
+def _check_labels(field: str, labels: dict[str, str]) -> list[FieldError]:
     errors = []
-    for key, value in selector.items():
-        path = f"spec.{role}.nodeSelector[{path_key(key)}]"
+    for key, value in labels.items():
+        path = f"{field}[{path_key(key)}]"
         if not _label_key_valid(key):
             errors.append(
                 FieldError(path, "key must be a label key: an optional DNS subdomain and '/', then at most 63 letters, digits, '-', '_' or '.'")
@@ -237,9 +237,12 @@ def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
         role_spec: RoleSpec = getattr(spec, role)
         errors += _check_extra_args(role, role_spec.extra_args, spec.engine.runtime)
         errors += _check_env(role, role_spec, spec.network.efa.enabled)
-        errors += _check_node_selector(role, role_spec.node_selector)
+        errors += _check_labels(f"spec.{role}.nodeSelector", role_spec.node_selector)
         errors += _check_resources(role, role_spec.resources, hugepages_requested)
     errors += _check_hugepages(spec.network.efa.hugepages)
+    for index, peer in enumerate(spec.monitoring.scrapers):
+        for field, labels in (("namespaceLabels", peer.namespace_labels), ("podLabels", peer.pod_labels)):
+            errors += _check_labels(f"spec.monitoring.scrapers[{index}].{field}", labels or {})
     return errors
 
 

@@ -20,6 +20,7 @@ from pdoperator.api.model import (
 
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
+from .monitoring import scrape_annotations
 from .names import LABEL_COMPAT, Role, object_labels, selector_labels
 
 BUILTIN_CONNECTOR_CLASS = "PDConnector"
@@ -307,7 +308,7 @@ def render_engine_pod_template(pds: PDService, role: Role, defaults: RenderDefau
     return {
         "metadata": {
             "labels": {**object_labels(pds, role), LABEL_COMPAT: compatibility_hash(spec, defaults)},
-            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME, **scrape_annotations(pds, spec.engine.port)},
         },
         "spec": pod_spec,
     }

@@ -6,6 +6,7 @@ from typing import Any
 
 from pdoperator.api.model import PDService
 
+from .monitoring import scraper_peers
 from .names import (
     ENGINE_ROLES,
     LABEL_ROLE,
@@ -40,22 +41,17 @@ def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
 
     From this PDService's other engines every port is open: besides HTTP and the side
     channel, NIXL's UCX and TCP transports connect on ports they pick at run time (EFA
-    RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router only
-    the engines' HTTP port. Other traffic (metrics scrapers, say) needs a policy of its own.
+    RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router and the
+    spec's metrics scrapers only the engines' HTTP port. Other traffic needs a policy of its own.
     """
-    return _policy(
-        pds,
-        f"{pds.name}-engines",
-        managed_labels(pds, "engines"),
-        _engine_pods(pds),
-        [
-            {"from": [{"podSelector": _engine_pods(pds)}]},
-            {
-                "from": [{"podSelector": {"matchLabels": selector_labels(pds, Role.ROUTER)}}],
-                "ports": [{"protocol": "TCP", "port": pds.spec.engine.port}],
-            },
-        ],
-    )
+    http_only = [{"protocol": "TCP", "port": pds.spec.engine.port}]
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": _engine_pods(pds)}]},
+        {"from": [{"podSelector": {"matchLabels": selector_labels(pds, Role.ROUTER)}}], "ports": http_only},
+    ]
+    if scrapers := scraper_peers(pds):
+        ingress.append({"from": scrapers, "ports": http_only})
+    return _policy(pds, f"{pds.name}-engines", managed_labels(pds, "engines"), _engine_pods(pds), ingress)
 
 
 def render_router_network_policy(pds: PDService) -> dict[str, Any]:

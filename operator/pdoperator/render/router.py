@@ -19,6 +19,7 @@ from pdoperator.api.model import PDService
 from .defaults import RenderDefaults
 from .engine import served_model_name
 from .identity import compatibility_hash, engine_id, role_spec
+from .monitoring import scrape_annotations
 from .names import (
     ENGINE_ROLES,
     ROUTER_HTTP_PORT,
@@ -122,6 +123,13 @@ def _router_container(pds: PDService, defaults: RenderDefaults) -> dict[str, Any
     return container
 
 
+def _router_pod_metadata(pds: PDService) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"labels": object_labels(pds, Role.ROUTER)}
+    if annotations := scrape_annotations(pds, ROUTER_HTTP_PORT):
+        metadata["annotations"] = annotations
+    return metadata
+
+
 def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
     """The router pods; they reload ``router.yaml`` when the ConfigMap changes, so its content is not hashed into the template."""
     return {
@@ -132,7 +140,7 @@ def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[s
             "replicas": pds.spec.router.replicas,
             "selector": {"matchLabels": selector_labels(pds, Role.ROUTER)},
             "template": {
-                "metadata": {"labels": object_labels(pds, Role.ROUTER)},
+                "metadata": _router_pod_metadata(pds),
                 "spec": {
                     # The router finds engines through DNS and its config file, never the Kubernetes API.
                     "automountServiceAccountToken": False,

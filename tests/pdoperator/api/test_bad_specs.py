@@ -345,6 +345,32 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ],
     ),
     (
+        "metrics scraper that selects nothing",
+        document({"monitoring": {"scrapers": [{"podLabels": {"app": "prometheus"}}, {}]}}),
+        ["spec.monitoring.scrapers[1]: set namespaceLabels, podLabels or both ({} selects all)"],
+    ),
+    (
+        "metrics scraper with a bad namespace label key",
+        document({"monitoring": {"scrapers": [{"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring", "team name": "obs"}}]}}),
+        [
+            "spec.monitoring.scrapers[0].namespaceLabels[team name]: key must be a label key: an optional DNS subdomain and '/', then "
+            "at most 63 letters, digits, '-', '_' or '.'"
+        ],
+    ),
+    (
+        "metrics scraper with a bad pod label value",
+        document({"monitoring": {"scrapers": [{"podLabels": {"app": "-prometheus"}}]}}),
+        [
+            "spec.monitoring.scrapers[0].podLabels[app]: value must be a label value: at most 63 letters, digits, '-', '_' or '.', "
+            "starting and ending alphanumeric"
+        ],
+    ),
+    (
+        "too many metrics scrapers",
+        document({"monitoring": {"scrapers": [{"podLabels": {}}] * 17}}),
+        ["spec.monitoring.scrapers: must have at most 16 items"],
+    ),
+    (
         "zero CPU",
         document({"prefill": {"resources": {"cpu": "0"}}}),
         ["spec.prefill.resources.cpu: must be a positive Kubernetes quantity such as 500m or 2"],

@@ -112,6 +112,10 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": MODEL, "prefill": {"tolerations": [{"operator": "Exists"}]}},
         {"model": MODEL, "prefill": {"tolerations": [{"operator": "Equal", "value": "v"}]}},
     ),
+    "scrape-peer-selects": (
+        {"model": MODEL, "monitoring": {"scrapers": [{"namespaceLabels": {}}]}},
+        {"model": MODEL, "monitoring": {"scrapers": [{"namespaceLabels": {}}, {}]}},
+    ),
     "toleration-seconds-requires-noexecute": (
         {"model": MODEL, "decode": {"tolerations": [{"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}]}},
         {"model": MODEL, "decode": {"tolerations": [{"key": "k", "tolerationSeconds": 30}]}},

@@ -92,6 +92,42 @@ def test_engines_admit_peers_on_every_port_and_the_router_on_http_only(make_pds)
     assert router["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
+def test_metrics_scrapers_are_admitted_to_the_engines_http_port_only_with_their_selectors_as_given(make_pds):
+    scrapers = [{"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}, "podLabels": {"app": "prometheus"}}, {"podLabels": {}}]
+    pds = make_pds({"monitoring": {"scrapers": scrapers}})
+    policy = by_kind_and_name(render_pdservice(pds, RenderDefaults()))["NetworkPolicy", "svc-engines"]["spec"]
+    assert policy["ingress"][-1] == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app": "prometheus"}},
+            },
+            {"podSelector": {"matchLabels": {}}},  # every pod of this namespace, none of another
+        ],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }
+    without = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-engines"]["spec"]
+    assert len(without["ingress"]) == len(policy["ingress"]) - 1
+
+
+def pod_annotations(objects):
+    return {(o["kind"], o["metadata"]["name"]): o["spec"]["template"]["metadata"].get("annotations", {}) for o in objects if "template" in o.get("spec", {})}
+
+
+def test_scrape_annotations_are_opt_in_so_an_operator_upgrade_does_not_roll_the_engines(make_pds):
+    for pod in pod_annotations(render_pdservice(make_pds(), RenderDefaults())).values():
+        assert not any(key.startswith("prometheus.io/") for key in pod)
+
+
+def test_scrape_annotations_name_each_pods_metrics_port(make_pds):
+    pds = make_pds({"monitoring": {"podAnnotations": True}, "engine": {"port": 8100}})
+    annotations = pod_annotations(render_pdservice(pds, RenderDefaults()))
+    engine = {"prometheus.io/scrape": "true", "prometheus.io/port": "8100", "prometheus.io/path": "/metrics"}
+    assert annotations["StatefulSet", "svc-prefill"].items() >= engine.items()
+    assert annotations["StatefulSet", "svc-decode"].items() >= engine.items()
+    assert annotations["Deployment", "svc-router"] == {**engine, "prometheus.io/port": "8000"}
+
+
 def test_the_router_port_is_open_to_everyone(make_pds):
     policy = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-router"]["spec"]
     assert policy["podSelector"]["matchLabels"]["inference.pdoperator.dev/role"] == "router"
