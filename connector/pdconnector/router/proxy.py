@@ -114,9 +114,20 @@ def _decode_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[st
     return {**client_body, "kv_transfer_params": params}
 
 
-def _confirmed(payload: dict[str, Any] | None) -> bool:
-    params = payload.get("kv_transfer_params") if payload else None
-    return isinstance(params, dict) and bool(params.get(RECEIVED_KEY))
+def _transfer_report(payload: dict[str, Any] | None) -> Evidence | None:
+    """What one decode answer (a JSON body or a stream event) says about its KV; None when it has no kv_transfer_params.
+
+    vLLM's whole answers always carry the field (null when no KV arrived), so its absence proves nothing: vLLM's streams
+    never carry it, while the mock engine's put it in their final event."""
+    if not payload or "kv_transfer_params" not in payload:
+        return None
+    params = payload["kv_transfer_params"]
+    return Evidence.VERIFIED if isinstance(params, dict) and params.get(RECEIVED_KEY) else Evidence.UNVERIFIED
+
+
+def _stronger(a: Evidence | None, b: Evidence | None) -> Evidence | None:
+    """A stream's report: one event with the receipt verifies it, one with the field and no receipt leaves it unverified."""
+    return Evidence.VERIFIED if Evidence.VERIFIED in (a, b) else a or b
 
 
 def _stream_error(payload: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -405,15 +416,14 @@ class Dispatcher:
             )
         return errors.upstream_failed(role.value, error.backend.name, error.detail)
 
-    def _record_transfer(self, confirmed: bool) -> None:
+    def _record_transfer(self, report: Evidence | None) -> None:
         # Upstream vLLM connectors never report how KV arrived: their answers prove nothing either way.
-        unconfirmable = self.settings.connector == "vllm"
-        evidence = Evidence.UNCONFIRMABLE if unconfirmable else Evidence.VERIFIED if confirmed else Evidence.UNVERIFIED
+        evidence = Evidence.UNCONFIRMABLE if report is None or self.settings.connector == "vllm" else report
         self.ledger.record(evidence)
         self.metrics.transfers.labels(evidence.value).inc()
 
     def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, str]:
-        self._record_transfer(_confirmed(started.body))
+        self._record_transfer(_transfer_report(started.body))
         response = web.Response(body=started.raw, content_type="application/json", headers=exchange.headers())
         return response, "ok"
 
@@ -424,13 +434,13 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         response = web.StreamResponse(status=200, headers={**exchange.headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http_request)
-        confirmed = False
+        report: Evidence | None = None
         finished = False
         error_seen = False
 
         async def forward(event: SseEvent) -> None:
-            nonlocal confirmed, finished, error_seen
-            confirmed = confirmed or _confirmed(event.data)
+            nonlocal report, finished, error_seen
+            report = _stronger(report, _transfer_report(event.data))
             error_seen = error_seen or _stream_error(event.data) is not None
             finished = finished or event.is_done
             await response.write(event.raw + b"\n" if not event.raw.endswith(b"\n\n") else event.raw)
@@ -453,5 +463,5 @@ class Dispatcher:
         await response.write_eof()
         if failure is not None or error_seen:
             return response, "upstream_error"
-        self._record_transfer(confirmed)
+        self._record_transfer(report)
         return response, "ok"

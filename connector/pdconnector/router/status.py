@@ -12,8 +12,8 @@ class Evidence(StrEnum):
     """What a successful request's decode answer says about its KV."""
 
     VERIFIED = "verified"  # decode confirmed KV arrived by transfer
-    UNVERIFIED = "unverified"  # no confirmation from an engine that gives one: decode computed the prompt itself
-    UNCONFIRMABLE = "unconfirmable"  # the engines (upstream vLLM connectors) never say either way
+    UNVERIFIED = "unverified"  # the answer reports on its KV and no receipt is in it: decode computed the prompt itself
+    UNCONFIRMABLE = "unconfirmable"  # the answer says nothing either way (upstream vLLM connectors; vLLM's streams)
 
 
 @dataclass

@@ -5,8 +5,9 @@ transferred from prefill (``verified``) and requests that succeeded without that
 (``unverified``): ``GET /status`` -> ``{"transfers": {"verified": V, "unverified": U}}``. A decode
 that silently recomputes the prompt still answers correctly, only slower and at prefill cost:
 the most common silent failure of P/D deployments, and exactly what ``unverified`` counts.
-Engines running upstream vLLM's connectors never confirm either way; the router counts their
-requests as ``unconfirmable`` (absent from older routers' answers) and the condition stays Unknown.
+Answers that cannot say either way count as ``unconfirmable`` (absent from older routers'
+answers): every answer of upstream vLLM's connectors, and vLLM's streamed answers, which carry
+no ``kv_transfer_params``. While only those arrive the condition stays Unknown.
 
 Verdicts are taken on what changed since the previous probe (so the condition recovers once
 transfers work again), or on the totals when there is no previous probe or the router restarted.
@@ -73,7 +74,8 @@ def verdict(current: TransferCounts, previous: TransferCounts | None, previous_v
         return Verdict(
             ConditionStatus.UNKNOWN,
             "NotConfirmable",
-            "upstream vLLM connectors do not report whether KV arrived by transfer (spec.engine.connector: builtin does)",
+            "decode's answers do not say whether KV arrived by transfer: upstream vLLM connectors never do, and vLLM streams carry no "
+            "kv_transfer_params (non-streaming requests with spec.engine.connector: builtin do)",
         )
     if previous_verdict is not None:
         return previous_verdict

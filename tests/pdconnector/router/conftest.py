@@ -53,6 +53,7 @@ class FakeEngine:
     wait_for: FakeEngine | None = None  # answer only after this engine got a request (proves concurrent dispatch)
     health_status: int = 200
     health_body: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+    stream_reports: bool = True  # the final stream event carries kv_transfer_params, as the mock engine's do (vLLM's never)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -110,6 +111,7 @@ class FakeEngine:
             chunk: dict[str, Any] = {"choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}]}
             if index == 2:
                 chunk["choices"][0]["finish_reason"] = "length"
+            if index == 2 and self.stream_reports:
                 chunk["kv_transfer_params"] = {RECEIVED_KEY: {"transfer_id": body["kv_transfer_params"]["transfer_id"]}}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if self.behaviour == "die_mid_stream" and index == 1:

@@ -114,12 +114,25 @@ async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk
     assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
 
 
-async def test_answer_without_receipt_counts_as_unverified(cluster, make_router):
+async def test_answer_reporting_no_receipt_counts_as_unverified(cluster, make_router):
+    # What vLLM answers when its connector did not load the KV (or no connector is loaded): the field, null.
     for d in cluster.decode:
-        d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}]}  # type: ignore[method-assign]
+        d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": None}  # type: ignore[method-assign]
     client = await make_router()
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
     assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 1, "unconfirmable": 0}
+
+
+async def test_answers_that_say_nothing_about_their_kv_count_as_unconfirmable_not_as_served_without_transfer(cluster, make_router):
+    # vLLM's streams never carry kv_transfer_params: counting them unverified would cry "no transfer" on every chat client.
+    for d in cluster.decode:
+        d.stream_reports = False
+        d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}]}  # type: ignore[method-assign]
+    client = await make_router()
+    streamed = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert streamed.status == 200 and (await streamed.text()).endswith("data: [DONE]\n\n")
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
+    assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0, "unconfirmable": 2}
 
 
 async def test_connect_error_is_retried_on_another_backend(cluster, make_router):

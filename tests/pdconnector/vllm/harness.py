@@ -259,6 +259,22 @@ class Completion:
     raw: dict[str, Any] = field(repr=False)
 
 
+def stream_token_ids(url: str, prompt: Sequence[int], *, max_tokens: int, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[int]:
+    """One greedy streamed completion: the token ids its events carry, in order (the stream must end with [DONE])."""
+    body = {"model": "tiny", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    body |= {"return_token_ids": True, "stream": True}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    token_ids: list[int] = []
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        for line in response:
+            data = line.decode().strip().removeprefix("data: ")
+            if data == "[DONE]":
+                return token_ids
+            if data:
+                token_ids += json.loads(data)["choices"][0].get("token_ids") or []
+    raise CompletionError(url, 200, f"stream ended without [DONE] after {len(token_ids)} tokens")
+
+
 def _token_key_to_id(key: str) -> int:
     # With return_tokens_as_token_ids the logprob keys read "token_id:<n>".
     return int(key.rsplit(":", 1)[1])

@@ -18,7 +18,7 @@ from pdconnector.protocol.params import TransferMode
 from pdconnector.router.config import RouterConfig, dump_router_config
 from pdconnector.sim.cluster import Process
 
-from tests.pdconnector.vllm.harness import LOOPBACK, complete, output_differences
+from tests.pdconnector.vllm.harness import LOOPBACK, complete, output_differences, stream_token_ids
 from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, MAX_TOKENS, PDPair, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
 
 pytestmark = pytest.mark.slow
@@ -71,9 +71,12 @@ def test_requests_through_the_router_equal_colocated_output_and_are_verified(eng
             expected = complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS)
             routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
             assert output_differences(expected, routed, logprob_atol=1e-4) == [], f"{mode} through the router, {length} tokens"
+        # Streamed through the router, token for token; vLLM's streams carry no kv_transfer_params, so it proves nothing either way.
+        prompt = prompt_of(BLOCK_SIZE + 5, 11)
+        assert stream_token_ids(router.url, prompt, max_tokens=MAX_TOKENS) == complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS).token_ids
         with urllib.request.urlopen(f"{router.url}/status", timeout=10) as response:
             transfers = json.loads(response.read())["transfers"]
-        assert transfers == {"verified": 2, "unverified": 0, "unconfirmable": 0}
+        assert transfers == {"verified": 2, "unverified": 0, "unconfirmable": 1}
     finally:
         router.stop()
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
