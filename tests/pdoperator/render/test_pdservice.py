@@ -111,7 +111,8 @@ def test_metrics_scrapers_are_admitted_to_the_engines_http_port_only_with_their_
 
 
 def pod_annotations(objects):
-    return {(o["kind"], o["metadata"]["name"]): o["spec"]["template"]["metadata"].get("annotations", {}) for o in objects if "template" in o.get("spec", {})}
+    workloads = [o for o in objects if "template" in o.get("spec", {})]
+    return {(o["kind"], o["metadata"]["name"]): o["spec"]["template"]["metadata"].get("annotations", {}) for o in workloads}
 
 
 def test_scrape_annotations_are_opt_in_so_an_operator_upgrade_does_not_roll_the_engines(make_pds):
