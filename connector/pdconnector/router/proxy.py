@@ -442,6 +442,9 @@ class Dispatcher:
             nonlocal report, finished, error_seen
             report = _stronger(report, _transfer_report(event.data))
             error_seen = error_seen or _stream_error(event.data) is not None
+            if event.is_done and not finished and not error_seen:
+                # Count the request before the client sees [DONE]: /status must never lag what a client was told.
+                self._record_transfer(report)
             finished = finished or event.is_done
             await response.write(event.raw + b"\n" if not event.raw.endswith(b"\n\n") else event.raw)
 
@@ -463,5 +466,4 @@ class Dispatcher:
         await response.write_eof()
         if failure is not None or error_seen:
             return response, "upstream_error"
-        self._record_transfer(report)
         return response, "ok"
