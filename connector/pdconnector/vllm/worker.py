@@ -100,14 +100,15 @@ class WorkerSide:
         for peer in meta.peers:
             self._worker.add_peers(_engine_decoder.decode(peer))
         timeout = self.config.transfer_timeout_s
+        now = time.monotonic()
         for command in meta.commands:
             log.debug("rank %d: %s", self.layout.tp_rank, command)
             match command:
                 case PrefillDone():
-                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
+                    self._live[command.transfer_id] = _Live(command.request_id, now)
                     self._worker.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull)
                 case ExpectPush():
-                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
+                    self._live[command.transfer_id] = _Live(command.request_id, now)
                     self._worker.expect_push(
                         command.transfer_id,
                         command.prefill,
@@ -117,7 +118,7 @@ class WorkerSide:
                         cached_blocks=command.cached_blocks,
                     )
                 case ReadBlocks():
-                    self._live[command.transfer_id] = _Live(command.request_id, time.monotonic())
+                    self._live[command.transfer_id] = _Live(command.request_id, now)
                     self._worker.read(
                         command.transfer_id, command.prefill, command.remote_block_ids, command.block_ids, command.num_tokens, timeout_s=timeout
                     )
