@@ -6,16 +6,19 @@ destination lies inside its own registered regions (rejecting the whole transfer
 nothing is written outside a region), copies the bytes into place, queues the notification and
 acks. A READ is the same in reverse. The initiator's reader thread turns acks into transfer states.
 
-Threads: public methods run on the owner thread (see :mod:`pdconnector.transport.base`) and are
-the only ones that send on outbound connections. Background threads (listener, one per inbound
-connection, one reader per outbound connection) block on sockets, touch registered memory and the
-inbox / transfer table under ``self._lock``, and exit when their socket is closed.
+Threads: public methods run on the owner thread (see :mod:`pdconnector.transport.base`) and never
+block on a peer: like NIXL's, a post only queues the transfer. Each outbound connection has a
+sender thread, the only one that writes to it (frames in posting order, WRITE data read from
+registered memory), and a reader thread that turns acks into transfer states. The listener and one
+thread per inbound connection apply peers' transfers. Background threads touch the inbox and the
+transfer table under ``self._lock`` and exit when their socket is closed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -57,6 +60,16 @@ class _Transfer:
     receiving: bool = False
 
 
+@dataclass(frozen=True)
+class _Outgoing:
+    """A frame for the sender thread; a WRITE's source bytes (``local`` descriptors) follow its frame."""
+
+    kind: wire.FrameKind
+    meta: bytes
+    local: np.ndarray | None = None
+    nbytes: int = 0
+
+
 @dataclass
 class _Link:
     """The outbound connection to one peer."""
@@ -65,6 +78,8 @@ class _Link:
     regions: RegionTable
     sock: socket.socket
     reader: threading.Thread | None = None
+    sender: threading.Thread | None = None
+    outbox: queue.SimpleQueue[_Outgoing | None] = field(default_factory=queue.SimpleQueue)  # None stops the sender
     error: str = ""
     transfers: set[int] = field(default_factory=set)
 
@@ -138,6 +153,7 @@ class MockTransport(Transport):
             raise TransportError(f"{self.name!r}: cannot connect to peer {info.name!r} at {info.host}:{info.port}: {error}") from None
         link = _Link(info, RegionTable(info.regions), sock)
         link.reader = self._spawn(lambda: self._read_replies(link), f"reader-{info.name}")
+        link.sender = self._spawn(lambda: self._send_queued(link), f"sender-{info.name}")
         self._links[info.name] = link
         return info.name
 
@@ -173,11 +189,7 @@ class MockTransport(Transport):
         link = self._link(peer)
         if link.error:
             raise TransportError(f"{self.name!r}: peer {peer!r} is disconnected: {link.error}")
-        try:
-            wire.send_frame(link.sock, wire.FrameKind.NOTIFY, message)
-        except OSError as error:
-            self._fail_link(link, f"send failed: {error}")
-            raise TransportError(f"{self.name!r}: peer {peer!r} is disconnected: {link.error}") from None
+        link.outbox.put(_Outgoing(wire.FrameKind.NOTIFY, message))
 
     @confined
     def progress(self) -> None:
@@ -235,23 +247,21 @@ class MockTransport(Transport):
                 return handle
             link.transfers.add(handle.id)
         meta = wire.encode_transfer(handle.id, notification, remote)
-        try:
-            if operation is Operation.WRITE:
-                wire.send_frame(link.sock, wire.FrameKind.WRITE, meta, nbytes)
-                wire.send_memory(link.sock, local)
-            else:
-                wire.send_frame(link.sock, wire.FrameKind.READ, meta)
-        except OSError as error:
-            self._fail_link(link, f"send failed: {error}")
+        if operation is Operation.WRITE:
+            link.outbox.put(_Outgoing(wire.FrameKind.WRITE, meta, local, nbytes))
+        else:
+            link.outbox.put(_Outgoing(wire.FrameKind.READ, meta))
         return handle
 
     def _drop_link(self, peer: str, reason: str) -> None:
         link = self._links.pop(peer)
         self._fail_link(link, reason)
+        link.outbox.put(None)
         with contextlib.suppress(OSError):
-            link.sock.shutdown(socket.SHUT_RDWR)
-        if link.reader is not None:
-            link.reader.join(_JOIN_TIMEOUT_S)
+            link.sock.shutdown(socket.SHUT_RDWR)  # also ends a send blocked on a stalled peer
+        for thread in (link.reader, link.sender):
+            if thread is not None:
+                thread.join(_JOIN_TIMEOUT_S)
         link.sock.close()
 
     # -- any thread ---------------------------------------------------------------------------
@@ -276,6 +286,18 @@ class MockTransport(Transport):
             link.transfers.clear()
 
     # -- background threads -------------------------------------------------------------------
+
+    def _send_queued(self, link: _Link) -> None:
+        """Outbound connection: send the queued frames in order; a failed send fails the link and everything on it."""
+        while (outgoing := link.outbox.get()) is not None:
+            if link.error:
+                continue  # its transfer was failed with the link
+            try:
+                wire.send_frame(link.sock, outgoing.kind, outgoing.meta, outgoing.nbytes)
+                if outgoing.local is not None:
+                    wire.send_memory(link.sock, outgoing.local)
+            except OSError as error:
+                self._fail_link(link, f"send failed: {error}")
 
     def _read_replies(self, link: _Link) -> None:
         """Outbound connection: turn acks into transfer states and land READ data."""

@@ -5,14 +5,15 @@ keeps serving everyone else."""
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from pdconnector.transport import Device, MemoryRegion, MockTransport, TransportError
+from pdconnector.transport import Device, MemoryRegion, MockTransport, TransferState, TransportError
 from pdconnector.transport import mock_wire as wire
 
-from tests.pdconnector.transport.harness import Buffer, descs_at, wait_for
+from tests.pdconnector.transport.harness import Buffer, descs_at, finish, wait_for
 
 
 @pytest.fixture
@@ -135,6 +136,30 @@ def test_adding_a_peer_that_is_gone_fails_promptly(target: tuple[MockTransport, 
         metadata = doomed.metadata()
     with pytest.raises(TransportError, match="cannot connect to peer 'doomed'"):
         agent.add_peer(metadata)
+
+
+def test_a_stalled_peer_blocks_neither_the_poster_nor_transfers_to_other_peers(target: tuple[MockTransport, Buffer]) -> None:
+    """Like NIXL, a post only queues the transfer: a peer that stops reading (frozen, CPU-starved) holds its own link only."""
+    healthy, healthy_buffer = target
+    nbytes = 64 << 20  # far beyond the loopback socket buffers, so this WRITE cannot finish while nobody reads
+    with socket.create_server(("127.0.0.1", 0)) as listener, MockTransport("sender") as sender:
+        source = Buffer(nbytes, seed=3)
+        sender.register([source.region])
+        fake_region = MemoryRegion(1 << 40, nbytes)
+        stalled = sender.add_peer(wire.encode_metadata("stalled", "127.0.0.1", listener.getsockname()[1], [fake_region]))
+        connection, _ = listener.accept()  # accepted, never read
+        with connection:
+            started = time.monotonic()
+            stuck = sender.write(stalled, source.descs([(0, nbytes)]), descs_at(fake_region.addr, [(0, nbytes)]), b"stuck")
+            assert time.monotonic() - started < 0.5, "posting must not wait for the peer to read"
+            peer = sender.add_peer(healthy.metadata())
+            other = sender.write(peer, source.descs([(0, 4096)]), healthy_buffer.descs([(0, 4096)]), b"other")
+            assert finish(sender, other, timeout=5).state is TransferState.DONE
+            assert np.array_equal(healthy_buffer.array, source.array[:4096])
+            assert sender.state(stuck).state is TransferState.IN_PROGRESS
+        # The stalled peer goes away: its WRITE fails instead of hanging.
+        status = finish(sender, stuck, timeout=5)
+        assert status.state is TransferState.FAILED and "stalled" in status.error
 
 
 def test_host_memory_only() -> None:

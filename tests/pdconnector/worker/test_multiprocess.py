@@ -115,16 +115,16 @@ def test_prefill_frees_its_blocks_promptly_when_the_decode_process_is_killed(hos
 
 
 # Mid-WRITE kills over MockTransport: a WRITE of ~100 MiB cannot fit the loopback socket buffers (32 MiB receive, 4 MiB
-# send at most), so while the decode process is frozen the WRITE is provably in flight: prefill has started it
-# (prefills_finished) and not finished posting it (writes_posted). NIXL over host memory copies by CMA without the
+# send at most), so while the decode process is frozen the WRITE is provably in flight: prefill has posted it
+# (writes_posted) and it has not ended (no result). NIXL over host memory copies by CMA without the
 # target's help, so freezing a peer cannot hold a NIXL WRITE open; its killed-peer tests above kill around the WRITE.
 LARGE_BLOCKS = (416, 416)
 
 
-def _assert_write_in_flight(prefill: RemoteEngine) -> None:
-    assert prefill.wait_stat(name="prefills_finished", value=1, timeout_s=10)
+def _assert_write_in_flight(prefill: RemoteEngine, transfer_id: str) -> None:
+    assert prefill.wait_stat(name="writes_posted", value=1, timeout_s=10)
     time.sleep(0.3)  # let the stream fill the socket buffers
-    assert [s.get("writes_posted", 0) for s in prefill.stats()] == [0], "the WRITE should still be streaming into the frozen decode"
+    assert prefill.wait(transfer_id=transfer_id, timeout_s=0) == [], "the WRITE should still be streaming into the frozen decode"
 
 
 def test_prefill_fails_the_transfer_at_once_when_the_decode_process_dies_mid_write(hosts: tuple[EngineHost, EngineHost]) -> None:
@@ -137,7 +137,7 @@ def test_prefill_fails_the_transfer_at_once_when_the_decode_process_dies_mid_wri
         assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=10)
         victim.pause()
         prefill.prefill_finished(transfer_id="tx-midwrite-d", blocks=src, num_tokens=num_tokens)
-        _assert_write_in_flight(prefill)
+        _assert_write_in_flight(prefill, "tx-midwrite-d")
         victim.kill()
         killed = time.monotonic()
         results = prefill.wait(transfer_id="tx-midwrite-d", timeout_s=40)
@@ -163,7 +163,7 @@ def test_decode_keeps_the_partial_write_inside_its_blocks_and_fails_at_its_deadl
         decode_host.pause()
         try:
             prefill.prefill_finished(transfer_id="tx-midwrite-p", blocks=src, num_tokens=num_tokens)
-            _assert_write_in_flight(prefill)
+            _assert_write_in_flight(prefill, "tx-midwrite-p")
             victim.kill()
         finally:
             decode_host.resume()
