@@ -12,12 +12,14 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from pdoperator.api import PDService, PDServiceSpec
+from pdoperator.render import RenderDefaults, render_pdservice
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pd-operator"
 KUBERNETES_VERSION = "1.35.0"
 # Kinds that are not built into Kubernetes and so have no offline schema in kubernetes-validate.
-CUSTOM_KINDS = {"PDService", "ServiceMonitor", "ClusterKopfPeering", "KopfPeering"}
+CUSTOM_KINDS = {"PDService", "ServiceMonitor", "PodMonitor", "ClusterKopfPeering", "KopfPeering"}
 
 
 def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -54,6 +56,7 @@ def test_chart_lints_clean_with_default_values(helm: Path) -> None:
         ("image.tag=bad tag", "at '/image/tag': 'bad tag' does not match pattern"),
         ("unknownKey=1", "additional properties 'unknownKey' not allowed"),
         ("metrics.serviceMonitor.interval=soon", "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern"),
+        ("podMonitor.interval=soon", "at '/podMonitor/interval': 'soon' does not match pattern"),
     ],
 )
 def test_lint_rejects_bad_values_with_a_message_naming_the_value(helm: Path, value: str, message: str) -> None:
@@ -69,6 +72,7 @@ def test_lint_rejects_bad_values_with_a_message_naming_the_value(helm: Path, val
         pytest.param(("watchNamespaces={team-a,team-b}",), id="namespaced"),
         pytest.param(("metrics.enabled=true", "metrics.serviceMonitor.enabled=true", "replicaCount=2"), id="metrics-and-peering"),
         pytest.param(("samplePDService.enabled=true",), id="sample"),
+        pytest.param(("podMonitor.enabled=true", "watchNamespaces={team-a}"), id="podmonitor"),
     ],
 )
 def test_rendered_objects_pass_strict_kubernetes_validation(helm: Path, set_args: tuple[str, ...]) -> None:
@@ -174,6 +178,33 @@ def test_metrics_service_and_service_monitor_only_when_enabled(helm: Path) -> No
     (service,) = by_kind(docs, "Service")
     (monitor,) = by_kind(docs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    exact = all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
+    return exact and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In")
+
+
+def test_pod_monitor_scrapes_the_engines_and_routers_the_operator_renders_and_nothing_else(helm: Path) -> None:
+    assert not by_kind(render(helm), "PodMonitor")
+    (monitor,) = by_kind(render(helm, "podMonitor.enabled=true", "podMonitor.labels.release=kube-prometheus"), "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "15s")
+
+    document = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    pds = PDService(name=document["metadata"]["name"], namespace="default", spec=PDServiceSpec.model_validate(document["spec"]))
+    pods = [o["spec"]["template"] for o in render_pdservice(pds, RenderDefaults()) if o["kind"] in ("StatefulSet", "Deployment")]
+    assert len(pods) == 3  # prefill, decode, router
+    for pod in pods:
+        assert _matches(monitor["spec"]["selector"], pod["metadata"]["labels"])
+        assert endpoint["port"] in [port["name"] for c in pod["spec"]["containers"] for port in c.get("ports", [])]
+    (operator,) = by_kind(render(helm), "Deployment")
+    assert not _matches(monitor["spec"]["selector"], operator["spec"]["template"]["metadata"]["labels"])
+
+    (scoped,) = by_kind(render(helm, "podMonitor.enabled=true", "watchNamespaces={team-a,team-b}"), "PodMonitor")
+    assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 def chart_metadata() -> dict[str, Any]:
