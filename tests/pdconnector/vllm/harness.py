@@ -434,11 +434,15 @@ def run_concurrently(calls: Sequence[Callable[[], Any]], max_workers: int) -> li
         return [future.result() for future in futures]
 
 
-def metric_total(url: str, name: str, timeout_s: float = 10.0, *, labels: dict[str, str] | None = None) -> float:
-    """Sum of all samples of a Prometheus metric family (histograms: their ``_sum``) on an engine's ``/metrics``,
-    of those samples carrying ``labels`` if given."""
+def scrape_metrics(url: str, timeout_s: float = 10.0) -> str:
+    """An engine's ``/metrics`` text: one snapshot to read several series from."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def metric_sum(text: str, name: str, *, labels: dict[str, str] | None = None) -> float:
+    """Sum of all samples of a Prometheus metric family (histograms: their ``_sum``) in ``text``,
+    of those samples carrying ``labels`` if given."""
     total = 0.0
     for family in text_string_to_metric_families(text):
         if family.name != name:
@@ -449,6 +453,11 @@ def metric_total(url: str, name: str, timeout_s: float = 10.0, *, labels: dict[s
             if family.type != "histogram" or sample.name.endswith("_sum"):
                 total += sample.value
     return total
+
+
+def metric_total(url: str, name: str, timeout_s: float = 10.0) -> float:
+    """:func:`metric_sum` of one family on an engine's ``/metrics``."""
+    return metric_sum(scrape_metrics(url, timeout_s), name)
 
 
 # ---------------------------------------------------------------- CPU accounting

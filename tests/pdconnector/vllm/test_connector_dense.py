@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, PrefillCoordinates, TransferMode, mint_transfer_id, push_decode_leg_params
 
-from tests.pdconnector.vllm.harness import LOOPBACK, CompletionError, VllmServer, complete, metric_total, output_differences, run_concurrently
+from tests.pdconnector.vllm.harness import (
+    LOOPBACK,
+    CompletionError,
+    complete,
+    metric_sum,
+    metric_total,
+    output_differences,
+    run_concurrently,
+    scrape_metrics,
+)
 from tests.pdconnector.vllm.pd_engines import (
     BLOCK_SIZE,
     CONCURRENT,
@@ -113,17 +122,14 @@ KV_BYTES_PER_BLOCK = 2 * 2 * 2 * 32 * BLOCK_SIZE * 4
 
 
 def transfer_counters(pair: PDPair) -> dict[str, float]:
-    """The connector's series on both engines' /metrics: transfers ended by direction and outcome, bytes, waits."""
-
-    def ended(server: VllmServer, direction: str, outcome: str) -> float:
-        return metric_total(server.url, "vllm:pd_kv_transfers", labels={"direction": direction, "outcome": outcome})
-
+    """The connector's series on both engines' /metrics (one scrape each): transfers ended by direction and outcome, bytes, waits."""
+    decode, prefill = scrape_metrics(pair.decode.url), scrape_metrics(pair.prefill.url)
     return {
-        "decode_received": ended(pair.decode, "recv", "received"),
-        "decode_bytes": metric_total(pair.decode.url, "vllm:pd_kv_received_bytes"),
-        "decode_waits": metric_total(pair.decode.url, "vllm:pd_kv_transfer_wait_seconds", labels={"direction": "recv"}),
-        "prefill_written": ended(pair.prefill, "send", "written"),
-        "prefill_bytes": metric_total(pair.prefill.url, "vllm:pd_kv_received_bytes"),
+        "decode_received": metric_sum(decode, "vllm:pd_kv_transfers", labels={"direction": "recv", "outcome": "received"}),
+        "decode_bytes": metric_sum(decode, "vllm:pd_kv_received_bytes"),
+        "decode_waits": metric_sum(decode, "vllm:pd_kv_transfer_wait_seconds", labels={"direction": "recv"}),
+        "prefill_written": metric_sum(prefill, "vllm:pd_kv_transfers", labels={"direction": "send", "outcome": "written"}),
+        "prefill_bytes": metric_sum(prefill, "vllm:pd_kv_received_bytes"),
     }
 
 
