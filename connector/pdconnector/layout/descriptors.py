@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdconnector.layout.model import LayerKind
-from pdconnector.layout.plan import check_compatible, group_transfers, shard_pieces
+from pdconnector.layout.plan import check_compatible, group_transfers, region_descriptors, shard_pieces
 from pdconnector.layout.regions import RankLayout
 
 
@@ -34,15 +34,12 @@ class DescriptorTable:
     def __len__(self) -> int:
         return int(self.length.size)
 
-    def to_descriptors(self, region_addrs: Sequence[int]) -> np.ndarray:
-        """``(M, 3)`` int64 ``[addr, length, dev_id=0]`` for NIXL ``get_xfer_descs`` / ``prep_xfer_dlist``."""
-        base = np.asarray(region_addrs, dtype=np.int64)
-        if base.size != int(self.region.max(initial=-1)) + 1:
-            raise ValueError(f"region_addrs: expected {int(self.region.max(initial=-1)) + 1} addresses, got {base.size}")
-        out = np.zeros((self.length.size, 3), dtype=np.int64)
-        out[:, 0] = base[self.region] + self.offset
-        out[:, 1] = self.length
-        return out
+    def to_descriptors(self, region_addrs: Sequence[int], *, device_id: int = 0) -> np.ndarray:
+        """``(M, 3)`` int64 ``[addr, length, device_id]`` for NIXL ``get_xfer_descs`` / ``prep_xfer_dlist``."""
+        expected = int(self.region.max(initial=-1)) + 1
+        if len(region_addrs) != expected:
+            raise ValueError(f"region_addrs: expected {expected} addresses, got {len(region_addrs)}")
+        return region_descriptors(self.region, self.offset, self.length, region_addrs, device_id=device_id, name="region_addrs")
 
 
 def descriptor_tables(src: RankLayout, dst: RankLayout) -> tuple[DescriptorTable, DescriptorTable]:

@@ -292,6 +292,7 @@ def model_from_hf_config(
     config: Mapping[str, Any],
     *,
     dtype_bytes: int | None = None,
+    ssm_conv_dtype_bytes: int | None = None,
     ssm_state_dtype_bytes: int | None = None,
     block_size: int | None = None,
     kernel_block_size: int | None = None,
@@ -303,16 +304,19 @@ def model_from_hf_config(
 
     Understands NemotronH (``hybrid_override_pattern``: ``M`` Mamba2, ``*`` attention),
     Qwen3-Next style GDN hybrids (``layer_types`` with ``linear_attention``) and dense
-    Llama-like models. Dtypes default to ``torch_dtype`` and ``mamba_ssm_cache_dtype``;
+    Llama-like models. ``dtype_bytes`` is the KV cache's (attention) element size; the conv state follows
+    ``ssm_conv_dtype_bytes`` (vLLM keeps it in the model dtype when the KV cache is fp8), the temporal state
+    ``ssm_state_dtype_bytes``; they default to ``torch_dtype`` and ``mamba_ssm_cache_dtype``.
     ``block_size`` defaults to vLLM's choice (16 for dense, :func:`hybrid_block_size` for hybrids).
     """
-    conv_bytes = dtype_bytes or _dtype_bytes(config, "torch_dtype", default="bfloat16")
+    kv_bytes = dtype_bytes or _dtype_bytes(config, "torch_dtype", default="bfloat16")
+    conv_bytes = ssm_conv_dtype_bytes or kv_bytes
     layers, ssm = _ssm_layers(config, conv_bytes, ssm_state_dtype_bytes, conv_layout)
     attention = None
     if LayerKind.ATTENTION in layers:
         heads = _field(config, "num_attention_heads")
         head_dim = config.get("head_dim") or config.get("attention_head_dim") or _field(config, "hidden_size") // heads
-        attention = AttentionSpec(int(config.get("num_key_value_heads") or heads), int(head_dim), conv_bytes, attention_layout)
+        attention = AttentionSpec(int(config.get("num_key_value_heads") or heads), int(head_dim), kv_bytes, attention_layout)
     if block_size is None:
         block_size = hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment) if attention and ssm else max(16, kernel_alignment)
     return ModelSpec(layers, block_size, attention, ssm, kernel_block_size or block_size)

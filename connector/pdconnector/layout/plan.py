@@ -77,20 +77,29 @@ class TransferPlan:
             self.naive_nbytes,
         )
 
-    def to_descriptors(self, src_region_addrs: Sequence[int], dst_region_addrs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Two ``(N, 3)`` int64 arrays ``[addr, length, dev_id=0]`` for NIXL ``get_xfer_descs``."""
-        src = _descriptors(self.src_region, self.src_offset, self.length, src_region_addrs, "src_region_addrs")
-        dst = _descriptors(self.dst_region, self.dst_offset, self.length, dst_region_addrs, "dst_region_addrs")
+    def to_descriptors(
+        self, src_region_addrs: Sequence[int], dst_region_addrs: Sequence[int], *, src_device_id: int = 0, dst_device_id: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Two ``(N, 3)`` int64 arrays ``[addr, length, device_id]`` for NIXL ``get_xfer_descs``.
+
+        Each side names its own device: TP rank ``r`` of a GPU engine holds its pools on ``cuda:r``, and NIXL looks a
+        descriptor up in the registrations of that device only."""
+        src = region_descriptors(self.src_region, self.src_offset, self.length, src_region_addrs, device_id=src_device_id, name="src_region_addrs")
+        dst = region_descriptors(self.dst_region, self.dst_offset, self.length, dst_region_addrs, device_id=dst_device_id, name="dst_region_addrs")
         return src, dst
 
 
-def _descriptors(region: np.ndarray, offset: np.ndarray, length: np.ndarray, addrs: Sequence[int], name: str) -> np.ndarray:
+def region_descriptors(region: np.ndarray, offset: np.ndarray, length: np.ndarray, addrs: Sequence[int], *, device_id: int, name: str) -> np.ndarray:
+    """``[addr, length, device_id]`` rows from region-relative runs and the regions' base addresses."""
     base = np.asarray(addrs, dtype=np.int64)
     if region.size and int(region.max()) >= base.size:
-        raise ValueError(f"{name}: plan uses region {int(region.max())} but only {base.size} addresses were given")
-    out = np.zeros((length.size, 3), dtype=np.int64)
+        raise ValueError(f"{name}: uses region {int(region.max())} but only {base.size} addresses were given")
+    if device_id < 0:
+        raise ValueError(f"{name}: device id must be >= 0, got {device_id}")
+    out = np.empty((length.size, 3), dtype=np.int64)
     out[:, 0] = base[region] + offset
     out[:, 1] = length
+    out[:, 2] = device_id
     return out
 
 

@@ -7,11 +7,16 @@ segment; each TP rank holds its shard of it. A prefill rank fills its pools with
 hold afterwards by writing the same tags (the prefill block ids) at its own block ids into a
 copy of its pools. Padding and blocks outside the request are never written, so a
 byte-for-byte comparison also proves they stayed untouched.
+
+Pools are numpy arrays or torch tensors on any device; the content is computed where the pools
+live (GBs of VRAM are tagged and compared on the GPU) and is the same bits either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +24,51 @@ from pdconnector.layout.model import LayerKind
 from pdconnector.layout.plan import TransferPlan
 from pdconnector.layout.regions import PageSchema, RankLayout
 
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9), np.uint64(0xD6E8FEB86659FD93))
+_MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
+_WORD = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class _Backend:
+    """Arrays where the pools live: numpy on the host, or torch on ``device``.
+
+    Words are 64 bits: numpy ``uint64``, torch ``int64`` (torch's unsigned types lack arithmetic). Multiplication wraps
+    alike and constants go in as their two's-complement value; only right shifts differ (arithmetic in int64), so the
+    mixing masks every shift to make it logical and both compute the same bits."""
+
+    torch: Any = None
+    device: Any = None
+
+    @classmethod
+    def of(cls, array: Any) -> _Backend:
+        if isinstance(array, np.ndarray | Sequence):
+            return cls()
+        import torch  # noqa: PLC0415 (only torch pools need it)
+
+        return cls(torch, array.device)
+
+    def ints(self, values: np.ndarray) -> Any:
+        """An int64 index array."""
+        return values if self.torch is None else self.torch.as_tensor(values, dtype=self.torch.int64, device=self.device)
+
+    def words(self, values: Any) -> Any:
+        if self.torch is None:
+            return np.asarray(values, dtype=np.uint64)
+        return self.torch.as_tensor(values, dtype=self.torch.int64, device=self.device)
+
+    def word(self, value: int) -> Any:
+        value &= _WORD
+        return np.uint64(value) if self.torch is None else value - (1 << 64) * (value >> 63)
+
+    def word_range(self, start: int, stop: int) -> Any:
+        if self.torch is None:
+            return np.arange(start, stop, dtype=np.uint64)
+        return self.torch.arange(start, stop, dtype=self.torch.int64, device=self.device)
+
+    def empty_bytes(self, rows: int, cols: int) -> Any:
+        if self.torch is None:
+            return np.empty((rows, cols), dtype=np.uint8)
+        return self.torch.empty((rows, cols), dtype=self.torch.uint8, device=self.device)
 
 
 def allocate_pools(layout: RankLayout, fill: int = 0) -> list[np.ndarray]:
@@ -27,31 +76,36 @@ def allocate_pools(layout: RankLayout, fill: int = 0) -> list[np.ndarray]:
     return [np.full(r.nbytes, fill, dtype=np.uint8) for r in layout.regions]
 
 
-def tagged_shard(schema: PageSchema, tp_rank: int, region: int, tags: np.ndarray) -> np.ndarray:
-    """``(len(tags), schema.nbytes)`` bytes: this rank's shard of the tagged global pages."""
-    tags = np.asarray(tags, dtype=np.uint64)
-    out = np.empty((tags.size, schema.nbytes), dtype=np.uint8)
+def tagged_shard(schema: PageSchema, tp_rank: int, region: int, tags: Any) -> Any:
+    """``(len(tags), schema.nbytes)`` bytes: this rank's shard of the tagged global pages.
+
+    ``tags``: integers (numpy or a list: the result is a numpy array) or a torch tensor (the result is on its device)."""
+    xp = _Backend.of(tags)
+    tags = xp.words(tags)
+    out = xp.empty_bytes(int(tags.shape[0]), schema.nbytes)
     for seg, (offset, size) in enumerate(zip(schema.offsets.tolist(), schema.sizes.tolist(), strict=True)):
-        global_pos = np.arange(tp_rank * size, (tp_rank + 1) * size, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            seed = (tags[:, None] * _MIX[0]) ^ (np.uint64(region * 1031 + seg + 1) * _MIX[1])
-            x = seed ^ (global_pos[None, :] * _MIX[2])
-            x = (x ^ (x >> np.uint64(29))) * _MIX[3]
-            x ^= x >> np.uint64(32)
-        out[:, offset : offset + size] = (x & np.uint64(0xFF)).astype(np.uint8)
+        seed = (tags[:, None] * xp.word(_MIX[0])) ^ xp.word((region * 1031 + seg + 1) * _MIX[1])
+        x = seed ^ (xp.word_range(tp_rank * size, (tp_rank + 1) * size)[None, :] * xp.word(_MIX[2]))
+        x ^= (x >> 29) & ((1 << 35) - 1)
+        x *= xp.word(_MIX[3])
+        x ^= (x >> 32) & ((1 << 32) - 1)
+        out[:, offset : offset + size] = x & 0xFF
     return out
 
 
 def write_tagged_blocks(
     layout: RankLayout,
-    pools: Sequence[np.ndarray],
+    pools: Sequence[Any],
     blocks: Sequence[Sequence[int]],
     tags: Sequence[Sequence[int]],
     *,
     num_tokens: int | None = None,
 ) -> None:
     """Write this rank's shard of the content tagged ``tags[g]`` at logical ``blocks[g]`` of every
-    region of KV group ``g`` (attention: every kernel block, or those holding ``num_tokens``)."""
+    region of KV group ``g`` (attention: every kernel block, or those holding ``num_tokens``).
+
+    ``pools``: one flat uint8 buffer per region, numpy arrays or torch tensors (written on their device)."""
+    xp = _Backend.of(pools[0])
     ratio = layout.model.physical_blocks_per_logical
     for group in layout.groups:
         ids = np.asarray(blocks[group.index], dtype=np.int64).reshape(-1)
@@ -67,11 +121,9 @@ def write_tagged_blocks(
             schema, stride = layout.ssm_schema, layout.page_bytes
             # SSM content must differ from attention content that may sit in the same bytes.
             unit_tags = unit_tags + (1 << 40)
+        index, unit_tags = xp.ints(ids), xp.words(unit_tags)
         for region in group.regions:
-            pages = tagged_shard(schema, layout.tp_rank, region, unit_tags)
-            rows = pools[region].reshape(-1)
-            targets = ids[:, None] * stride + np.arange(schema.nbytes)
-            rows[targets] = pages
+            pools[region].reshape(-1, stride)[index, : schema.nbytes] = tagged_shard(schema, layout.tp_rank, region, unit_tags)
 
 
 def apply_plan(plan: TransferPlan, src_pools: Sequence[np.ndarray], dst_pools: Sequence[np.ndarray]) -> None:

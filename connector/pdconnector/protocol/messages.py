@@ -32,6 +32,7 @@ MAX_TP_SIZE: Final = 1024
 MAX_REGIONS: Final = 8192
 MAX_AGENT_METADATA_BYTES: Final = 256 << 10
 MAX_DETAIL_CHARS: Final = 1024
+MAX_DEVICE_ID: Final = 1023
 
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -47,6 +48,7 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 BlockGroup = Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 Address = Annotated[int, msgspec.Meta(ge=0)]  # msgpack caps ints at 64 bits
 Detail = Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_CHARS)]
+DeviceId = Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_ID)]
 
 
 class ProtocolError(ValueError):
@@ -91,6 +93,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     ``cached_blocks``: how many leading blocks of every attention KV group decode
     already holds (its prefix cache); ``block_ids`` list only the blocks after them,
     so prefill skips as many of its own. SSM groups always move their one state block.
+    ``device_id``: the device the decode rank's regions live on (``cuda:device_id``), named in every remote descriptor.
     Fields at their default are left out of the frame: a registration without a
     prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
     a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
@@ -109,6 +112,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     region_base_addresses: Annotated[tuple[Address, ...], msgspec.Meta(max_length=MAX_REGIONS)] = ()
     layout_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
     cached_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_PER_GROUP)] = 0
+    device_id: DeviceId = 0
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:

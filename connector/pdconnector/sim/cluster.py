@@ -96,14 +96,19 @@ class Engine(Process):
 
     def metrics(self) -> dict[str, float]:
         """Current metric samples by name (labels folded into the name as ``name{k=v,...}``)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as response:
-            text = response.read().decode()
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return metric_samples(self.url)
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """The samples of ``url``'s ``/metrics`` by name, labels folded into the name as ``name{k=v,...}``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
 
 
 @dataclass

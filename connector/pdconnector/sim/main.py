@@ -1,4 +1,4 @@
-"""``pd-mock-engine``: a vLLM stand-in for GPU-free runs (OpenAI endpoints, kv_transfer_params, KV pools in host memory)."""
+"""``pd-mock-engine``: a vLLM stand-in (OpenAI endpoints, kv_transfer_params, KV pools in host or GPU memory, no model)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from aiohttp import web
 from pdconnector.router.logs import configure_logging
 from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.mover import MoverUnavailable, create_mover
-from pdconnector.sim.pool import KVPool
+from pdconnector.sim.mover import create_mover, mover_unavailable_reason
+from pdconnector.sim.pool import KVDevice, KVPool, kv_device_unavailable_reason
 from pdconnector.sim.server import create_engine_app
 
 log = logging.getLogger("pdconnector.sim")
@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--side-channel-host", default="127.0.0.1", help="address peers use for KV transfers (the pod IP)")
     parser.add_argument("--side-channel-port", type=int, default=5600)
     parser.add_argument("--transport", choices=["mock", "nixl"], default="mock")
+    parser.add_argument(
+        "--kv-device",
+        choices=[d.value for d in KVDevice],
+        default=KVDevice.CPU.value,
+        help="where the KV pools live: host memory, or GPU memory (rank r on cuda:r modulo the GPUs; needs --transport nixl)",
+    )
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--compat-hash", default=None, help="advertised on /health so the router pairs only compatible engines")
     parser.add_argument("--num-blocks", type=int, default=4096)
@@ -44,21 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format)
     role = Role(args.role)
-    pool = KVPool(args.num_blocks, args.block_size, args.tp_size)
+    kv_device = KVDevice(args.kv_device)
+    # Checked before any memory is allocated, so a bad combination fails the same way on every machine.
+    problem = mover_unavailable_reason(args.transport, kv_device) if role is not Role.BOTH else None
+    if problem is None and (reason := kv_device_unavailable_reason(kv_device)) is not None:
+        problem = f"--kv-device {kv_device.value}: {reason}"
+    if problem is not None:
+        print(f"pd-mock-engine: {problem}", file=sys.stderr)
+        return 2
+    pool = KVPool(args.num_blocks, args.block_size, args.tp_size, kv_device)
     mover = None
     if role is not Role.BOTH:
-        try:
-            mover = create_mover(
-                args.transport,
-                pool=pool,
-                engine_id=args.engine_id,
-                host=args.side_channel_host,
-                side_channel_port=args.side_channel_port,
-                lease_s=args.lease,
-            )
-        except MoverUnavailable as error:
-            print(f"pd-mock-engine: {error}", file=sys.stderr)
-            return 2
+        mover = create_mover(
+            args.transport,
+            pool=pool,
+            engine_id=args.engine_id,
+            host=args.side_channel_host,
+            side_channel_port=args.side_channel_port,
+            lease_s=args.lease,
+        )
     settings = EngineSettings(
         role=role,
         engine_id=args.engine_id,
@@ -66,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         transfer_timeout_s=args.transfer_timeout,
     )
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
-    log.info("pd-mock-engine starting", extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport})
+    log.info(
+        "pd-mock-engine starting",
+        extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport, "kv_device": kv_device.value},
+    )
     web.run_app(
         create_engine_app(engine, args.model, args.compat_hash),
         host=args.host,

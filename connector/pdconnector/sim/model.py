@@ -12,6 +12,8 @@ import hashlib
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from pdconnector.layout import write_tagged_blocks
 from pdconnector.sim.pool import KVPool
 
@@ -59,10 +61,18 @@ def block_tags(tokens: Sequence[int], block_size: int) -> list[int]:
 
 
 def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
-    """Compute the prompt's KV into ``blocks`` on every TP rank."""
+    """Compute the prompt's KV into ``blocks`` on every TP rank.
+
+    The pages are computed on the host, as if ``blocks`` were blocks 0..n-1 of a pool of their own, then stored
+    wherever the pool lives (host or GPU); the mock model's pages are written whole, so nothing else is lost.
+    """
     tags = block_tags(tokens, pool.block_size)
-    for layout, buffers in zip(pool.layouts, pool.buffers, strict=True):
-        write_tagged_blocks(layout, buffers, [list(blocks)], [tags], num_tokens=len(tokens))
+    staged = list(range(len(blocks)))
+    for rank, layout in enumerate(pool.layouts):
+        pages = [np.zeros((len(blocks), layout.page_bytes), dtype=np.uint8) for _ in layout.regions]
+        write_tagged_blocks(layout, pages, [staged], [tags], num_tokens=len(tokens))
+        for region, region_pages in enumerate(pages):
+            pool.write_pages(rank, region, blocks, region_pages)
 
 
 def generate(kv: bytes, count: int) -> list[int]:

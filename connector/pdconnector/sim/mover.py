@@ -13,7 +13,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from pdconnector.protocol.params import TRANSFER_FAILED_CODE, TRANSFER_TIMEOUT_CODE, PrefillCoordinates, TransferMode
-from pdconnector.sim.pool import KVPool
+from pdconnector.sim.pool import KVDevice, KVPool
 
 
 class TransferFailed(Exception):
@@ -76,7 +76,7 @@ class MoverUnavailable(RuntimeError):
 
 def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float) -> KVMover:
     """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``: NIXL)."""
-    reason = mover_unavailable_reason(transport)
+    reason = mover_unavailable_reason(transport, pool.device)
     if reason is not None:
         raise MoverUnavailable(reason)
     from pdconnector.sim.worker_mover import WorkerMover  # noqa: PLC0415 - keeps NIXL out of co-located engines
@@ -84,8 +84,11 @@ def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, sid
     return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s)
 
 
-def mover_unavailable_reason(transport: str) -> str | None:
-    """Why a mover over ``transport`` cannot be built here, or None when it can."""
+def mover_unavailable_reason(transport: str, kv_device: KVDevice = KVDevice.CPU) -> str | None:
+    """Why a mover over ``transport`` for pools on ``kv_device`` cannot be built here, or None when it can."""
+    if kv_device is KVDevice.CUDA and transport != "nixl":
+        # The mock transport copies registered memory through sockets with the CPU: it cannot read GPU memory.
+        return f"--kv-device cuda needs --transport nixl (the {transport} transport moves host memory only)"
     try:
         import pdconnector.sim.worker_mover  # noqa: F401, PLC0415 - the connector core's worker and transports
     except ImportError as error:

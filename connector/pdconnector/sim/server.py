@@ -203,7 +203,13 @@ def create_engine_app(engine: MockEngine, model: str, compat_hash: str | None = 
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response(
-            {"status": "ok", "engine_id": engine.settings.engine_id, "role": engine.settings.role.value, "compat_hash": compat_hash}
+            {
+                "status": "ok",
+                "engine_id": engine.settings.engine_id,
+                "role": engine.settings.role.value,
+                "compat_hash": compat_hash,
+                "kv_device": engine.pool.device.value,
+            }
         )
 
     async def metrics_handler(_: web.Request) -> web.Response:

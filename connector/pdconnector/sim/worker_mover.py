@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pdconnector.protocol.params import PrefillCoordinates, TransferMode
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.sim.mover import ExportOutcome, Receipt, TransferFailed
-from pdconnector.sim.pool import KVPool
-from pdconnector.transport.base import MemoryRegion
+from pdconnector.sim.pool import KVPool, PageBuffer
+from pdconnector.transport.base import Device, MemoryRegion
 from pdconnector.transport.factory import create_transport
 from pdconnector.worker import EngineTransfers, ResultKind, TransferResult, WorkerConfig
 
@@ -29,7 +29,13 @@ CANCEL_CONFIRM_TIMEOUT_S = 10.0
 
 def memory_regions(pool: KVPool) -> list[list[MemoryRegion]]:
     """Per rank, the pool's buffers as regions to register (their addresses stay valid: the buffers never move)."""
-    return [[MemoryRegion(buffer.ctypes.data, buffer.nbytes) for buffer in buffers] for buffers in pool.buffers]
+    return [[_memory_region(buffer) for buffer in buffers] for buffers in pool.buffers]
+
+
+def _memory_region(buffer: PageBuffer) -> MemoryRegion:
+    if buffer.device_id is None:
+        return MemoryRegion(buffer.address, buffer.nbytes)
+    return MemoryRegion(buffer.address, buffer.nbytes, Device.VRAM, buffer.device_id)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class WorkerMover:
         )
 
         def transport_factory(rank: int) -> object:
+            # Runs on the rank's worker thread, which has bound its CUDA device already for VRAM pools.
             options = {"host": host} if transport == "mock" else {}
             return create_transport(transport, f"{engine_id}-r{rank}", **options)  # type: ignore[arg-type]
 

@@ -7,6 +7,7 @@ instances to :class:`WorkerSide`. See :mod:`pdconnector.vllm.config` for the con
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -25,10 +26,9 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.request import RequestStatus
 
-from pdconnector.layout import ConvLayout, RankLayout
-from pdconnector.transport.base import Device
+from pdconnector.layout import ConvLayout
 from pdconnector.vllm.config import ConnectorConfig, parse_connector_config
-from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, check_groups, memory_regions, model_spec
+from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, kv_buffer_device, memory_regions, rank_layout
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
@@ -130,23 +130,38 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     # --- worker side -----------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        model = model_spec(_hf_config(self._vllm_config), self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
-        layout = RankLayout(model, self._tp_size, get_tensor_model_parallel_rank(), self._kv_cache_config.num_blocks)
-        check_groups(layout, self._kv_cache_config)
-        device = Device.VRAM if self.config.buffer_device == "cuda" else Device.DRAM
+        device = kv_buffer_device(self.config.buffer_device, kv_caches)
+        layout = rank_layout(
+            _hf_config(self._vllm_config),
+            self._kv_cache_config,
+            kv_caches,
+            tp_size=self._tp_size,
+            tp_rank=get_tensor_model_parallel_rank(),
+            conv_layout=_conv_layout(self._kv_cache_config),
+            resolved_layout=self._vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+            speculative=self._vllm_config.speculative_config is not None,
+        )
         regions = memory_regions(layout, self._kv_cache_config, kv_caches, device)
         self._worker = WorkerSide(self.config, layout, regions)
         self._rank_info = self._worker.start()
+        self._layout_summary = layout_summary(layout.model)
         log.info(
-            "PDConnector rank %d: %d regions of %d B registered (%s)",
+            "PDConnector rank %d: %d regions of %d B registered on %s:%d (%s, kernel block %d of %d tokens, %s)",
             layout.tp_rank,
             len(regions),
             layout.regions[0].nbytes,
+            device.value,
+            regions[0].device_id,
             self._rank_info.agent_name,
+            layout.model.kernel_block_size,
+            layout.model.block_size,
+            layout.model.attention.layout if layout.model.attention else "no attention",
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return RankHandshake(_encoder.encode(self._rank_info)) if self._worker is not None else None
+        if self._worker is None:
+            return None
+        return RankHandshake(_encoder.encode(self._rank_info), self._layout_summary)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -203,9 +218,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         """Every rank's agent is known: build this engine's description and serve it on the side channel."""
-        ranks = tuple(_rank_decoder.decode(m.rank_info) for _, m in sorted(metadata.items()) if isinstance(m, RankHandshake))
-        model = model_spec(_hf_config(self._vllm_config), self._kv_cache_config, conv_layout=_conv_layout(self._kv_cache_config))
-        info = EngineInfo(self.config.engine_id, self._tp_size, layout_summary(model), ranks)
+        handshakes = [m for _, m in sorted(metadata.items()) if isinstance(m, RankHandshake)]
+        ranks = tuple(_rank_decoder.decode(m.rank_info) for m in handshakes)
+        # The workers saw the tensors (kernel block, layout); the scheduler side only serves what they found.
+        summaries = {json.dumps(m.layout, sort_keys=True) for m in handshakes}
+        if len(summaries) != 1:
+            raise LayoutMismatch(f"engine {self.config.engine_id}: TP ranks report different KV layouts: {sorted(summaries)}")
+        info = EngineInfo(self.config.engine_id, self._tp_size, handshakes[0].layout, ranks)
         scheduler = self._sched()
         scheduler.set_engine_info(_encoder.encode(info))
         self._server = SideChannelServer(

@@ -17,7 +17,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
-from pdconnector.layout import ConvLayout, LayerKind, ModelSpec, RankLayout, model_from_hf_config
+from pdconnector.layout import AttentionLayout, ConvLayout, LayerKind, ModelSpec, RankLayout, model_from_hf_config
 from pdconnector.transport.base import Device, MemoryRegion
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -50,28 +50,168 @@ def cache_groups(kv_cache_config: KVCacheConfig) -> CacheGroups:
     return CacheGroups(len(kv_cache_config.kv_cache_groups), ssm, int(block_size))
 
 
-def model_spec(
-    hf_config: Mapping[str, Any], kv_cache_config: KVCacheConfig, *, conv_layout: ConvLayout, kernel_block_size: int | None = None
-) -> ModelSpec:
-    """The layout model of the served model, with dtypes and block size taken from vLLM's own cache specs."""
-    attention = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, VllmAttentionSpec)]
-    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+# vLLM's per-layer physical orders (``KVCacheLayout`` names) the layout model describes, and what it calls them.
+SUPPORTED_LAYOUTS: Mapping[str, AttentionLayout] = {"LBHNC": AttentionLayout.PACKED_HND, "LBNHC": AttentionLayout.PACKED_NHD}
+_SUPPORTED_MAMBA_TYPES = frozenset({"MAMBA2", "GDN_ATTN"})
+
+
+def check_supported(kv_cache_config: KVCacheConfig, *, speculative: bool) -> None:
+    """Refuse, at start-up, the cache specs whose state the connector cannot move: a wrong transfer would be silent."""
     unknown = [
         type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups if not isinstance(g.kv_cache_spec, VllmAttentionSpec | MambaSpec)
     ]
     if unknown:
         raise LayoutMismatch(f"unsupported KV cache spec(s) {unknown}: the connector moves full attention and Mamba/GDN state only")
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            continue
+        kind = spec.mamba_type.name
+        if kind not in _SUPPORTED_MAMBA_TYPES:
+            raise LayoutMismatch(f"KV cache group {g}: {kind} state layers are not supported by PDConnector (it moves Mamba2 and GDN state)")
+        if spec.mamba_cache_mode != "none":
+            raise LayoutMismatch(
+                f"KV cache group {g}: mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM sets 'align' when prefix caching is on) places SSM "
+                "state blocks the connector does not model; start hybrid engines with --no-enable-prefix-caching"
+            )
+        if speculative or spec.num_speculative_blocks:
+            raise LayoutMismatch(
+                f"KV cache group {g}: speculative decoding (--speculative-config) adds Mamba state slots the connector does not move; "
+                "hybrid engines cannot use it with PDConnector"
+            )
+
+
+def kv_buffer_device(buffer_device: str, kv_caches: Mapping[str, Any]) -> Device:
+    """The memory kind to register, checked against where vLLM put the cache (``kv_buffer_device`` names it)."""
+    tensors = [t for value in kv_caches.values() for t in _tensors(value)]
+    on_gpu = {t.device.type == "cuda" for t in tensors}
+    if on_gpu == {True} and buffer_device != "cuda":
+        raise LayoutMismatch(
+            f"kv_buffer_device {buffer_device!r} but the KV cache is in GPU memory: PDConnector registers the cache itself and has no "
+            "host staging; set kv_buffer_device to 'cuda'"
+        )
+    if on_gpu == {False} and buffer_device == "cuda":
+        raise LayoutMismatch("kv_buffer_device 'cuda' but the KV cache is in host memory: set kv_buffer_device to 'cpu'")
+    devices = {str(t.device) for t in tensors}
+    if len(devices) > 1:
+        raise LayoutMismatch(f"the KV cache tensors of one rank span devices {sorted(devices)}")
+    return Device.VRAM if buffer_device == "cuda" else Device.DRAM
+
+
+def kernel_block_size(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> int | None:
+    """The attention kernel's block (``None`` without attention), read off the views vLLM hands connectors.
+
+    When a backend's kernel block is smaller than the scheduler's block, vLLM views each attention layer as
+    ``[num_blocks * ratio, heads, kernel_block_size, K||V]``: the bytes of a logical block are ``ratio`` kernel blocks."""
+    found: dict[int, str] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, VllmAttentionSpec):
+            continue
+        for name in group.layer_names:
+            tensor = _tensors(kv_caches[name])[0] if name in kv_caches else None
+            if tensor is None or tensor.dim() != 4:
+                continue
+            blocks, tokens = int(tensor.shape[0]), int(tensor.shape[2])
+            if (
+                tokens <= 0
+                or group.kv_cache_spec.block_size % tokens
+                or blocks != kv_cache_config.num_blocks * (group.kv_cache_spec.block_size // tokens)
+            ):
+                raise LayoutMismatch(
+                    f"attention layer {name!r}: view {tuple(tensor.shape)} is not [num_blocks * ratio, heads, kernel block, K||V] for "
+                    f"{kv_cache_config.num_blocks} blocks of {group.kv_cache_spec.block_size} tokens"
+                )
+            found.setdefault(tokens, name)
+    if len(found) > 1:
+        raise LayoutMismatch(f"attention layers use different kernel block sizes {sorted(found)} (e.g. {sorted(found.values())})")
+    return next(iter(found), None)
+
+
+def attention_layout(resolved: str, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> AttentionLayout:
+    """The layout model's name for vLLM's resolved KV cache layout, verified against every attention view's strides.
+
+    The name alone is not trusted: a backend may drop the connector's preference, and an LBNHC cache passes every size
+    check while making head slices of heterogeneous TP land on the wrong bytes."""
+    if resolved not in SUPPORTED_LAYOUTS:
+        raise LayoutMismatch(
+            f"KV cache layout {resolved} is not supported by PDConnector (it moves {sorted(SUPPORTED_LAYOUTS)} caches): unset "
+            "VLLM_KV_CACHE_LAYOUT or set it to LBHNC, or choose an attention backend that accepts LBHNC"
+        )
+    layout = SUPPORTED_LAYOUTS[resolved]
+    for group in kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, VllmAttentionSpec):
+            continue
+        for name in group.layer_names:
+            if name in kv_caches and layout not in _orders_of(_tensors(kv_caches[name])[0]):
+                tensor = _tensors(kv_caches[name])[0]
+                raise LayoutMismatch(
+                    f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view {tuple(tensor.shape)} has "
+                    f"strides {tuple(tensor.stride())}, which is not {resolved}"
+                )
+    return layout
+
+
+def _orders_of(view: torch.Tensor) -> set[AttentionLayout]:
+    """The in-block orders a ``[blocks, heads, tokens, K||V]`` view's strides fit (both when heads or tokens is 1)."""
+    _, heads, tokens, channels = (int(d) for d in view.shape)
+    _, head_stride, token_stride, channel_stride = view.stride()
+    orders = set()
+    if channel_stride == 1 and (heads == 1 or head_stride == tokens * channels) and (tokens == 1 or token_stride == channels):
+        orders.add(AttentionLayout.PACKED_HND)
+    if channel_stride == 1 and (tokens == 1 or token_stride == heads * channels) and (heads == 1 or head_stride == channels):
+        orders.add(AttentionLayout.PACKED_NHD)
+    return orders
+
+
+def model_spec(
+    hf_config: Mapping[str, Any],
+    kv_cache_config: KVCacheConfig,
+    *,
+    conv_layout: ConvLayout,
+    kernel_block_size: int | None = None,
+    attention_layout: AttentionLayout = AttentionLayout.PACKED_HND,
+) -> ModelSpec:
+    """The layout model of the served model, with dtypes and block size taken from vLLM's own cache specs
+    (attention from the attention spec, conv and temporal state from the Mamba spec: an fp8 KV cache keeps them wide)."""
+    attention = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, VllmAttentionSpec)]
+    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
     spec = attention[0] if attention else mamba[0]
-    dtype_bytes = spec.dtype.itemsize if attention else mamba[0].dtypes[0].itemsize
-    state_bytes = mamba[0].dtypes[-1].itemsize if mamba else None
     return model_from_hf_config(
         hf_config,
-        dtype_bytes=dtype_bytes,
-        ssm_state_dtype_bytes=state_bytes,
+        dtype_bytes=attention[0].dtype.itemsize if attention else mamba[0].dtypes[0].itemsize,
+        ssm_conv_dtype_bytes=mamba[0].dtypes[0].itemsize if mamba else None,
+        ssm_state_dtype_bytes=mamba[0].dtypes[-1].itemsize if mamba else None,
         block_size=int(spec.block_size),
         kernel_block_size=kernel_block_size,
+        attention_layout=attention_layout,
         conv_layout=conv_layout,
     )
+
+
+def rank_layout(
+    hf_config: Mapping[str, Any],
+    kv_cache_config: KVCacheConfig,
+    kv_caches: Mapping[str, Any],
+    *,
+    tp_size: int,
+    tp_rank: int,
+    conv_layout: ConvLayout,
+    resolved_layout: str,
+    speculative: bool = False,
+) -> RankLayout:
+    """This rank's layout as the tensors vLLM allocated show it, refused with a reason unless the connector can move it:
+    supported specs, the resolved layout and the views' strides, kernel blocks, HMA groups and page sizes."""
+    check_supported(kv_cache_config, speculative=speculative)
+    model = model_spec(
+        hf_config,
+        kv_cache_config,
+        conv_layout=conv_layout,
+        kernel_block_size=kernel_block_size(kv_cache_config, kv_caches),
+        attention_layout=attention_layout(resolved_layout, kv_cache_config, kv_caches),
+    )
+    layout = RankLayout(model, tp_size, tp_rank, kv_cache_config.num_blocks)
+    check_groups(layout, kv_cache_config)
+    return layout
 
 
 def check_groups(layout: RankLayout, kv_cache_config: KVCacheConfig) -> None:
@@ -107,7 +247,8 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
         if bases.setdefault(region, base) != base:
             raise LayoutMismatch(f"layer {name!r} starts at {base:#x}, other layers of region {region} at {bases[region]:#x}")
         _check_layer_tensors(layout, name, layout.model.layers[position], tensors, base)
-    return [MemoryRegion(bases[r.index], r.nbytes, device, _device_index(kv_caches)) for r in layout.regions]
+    device_id = _tensors(kv_caches[names[0]])[0].device.index or 0
+    return [MemoryRegion(bases[r.index], r.nbytes, device, device_id) for r in layout.regions]
 
 
 def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors: list[torch.Tensor], base: int) -> None:
@@ -127,8 +268,3 @@ def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors
             f"{kind} layer {name!r}: vLLM tensors {[tuple(t.shape) for t in tensors]} have (offset, block stride, blocks) {got} covering "
             f"{spans} of each block; the layout model expects block stride {stride}, {blocks} blocks, bytes [0, {extent}) covered"
         )
-
-
-def _device_index(kv_caches: Mapping[str, Any]) -> int:
-    first = _tensors(next(iter(kv_caches.values())))[0]
-    return first.device.index or 0

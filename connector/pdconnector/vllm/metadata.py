@@ -85,6 +85,8 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RankHandshake(KVConnectorHandshakeMetadata):
-    """One worker rank's :class:`~pdconnector.worker.identity.RankInfo` (msgpack), gathered by vLLM into the scheduler side."""
+    """One worker rank's :class:`~pdconnector.worker.identity.RankInfo` (msgpack) and the KV layout it registered
+    (:func:`~pdconnector.worker.identity.layout_summary`), gathered by vLLM into the scheduler side."""
 
     rank_info: bytes
+    layout: dict[str, str]

@@ -64,7 +64,8 @@ from pdconnector.protocol.rendezvous import (
     StartWrite,
     WriteKey,
 )
-from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
+from pdconnector.transport.base import Device, MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
+from pdconnector.transport.cuda import bind_cuda_device
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, RankInfo, check_peer, fingerprint, layout_summary
 from pdconnector.worker.pull import PullHolds, Released
 from pdconnector.worker.side_channel import SideChannelClient
@@ -205,10 +206,14 @@ class TransferWorker:
         for region, expected in zip(regions, layout.regions, strict=True):
             if region.nbytes < expected.nbytes:
                 raise ValueError(f"memory region {expected.index} has {region.nbytes} bytes, the layout needs {expected.nbytes}")
+        devices = {(r.device, r.device_id) for r in regions}
+        if len(devices) > 1:
+            raise ValueError(f"the memory regions of one rank must live on one device, got {sorted(f'{kind}:{index}' for kind, index in devices)}")
         self.layout = layout
         self.config = config
         self._regions = tuple(regions)
         self._region_addrs = np.array([r.addr for r in regions], dtype=np.int64)
+        self._device_id = regions[0].device_id if regions else 0
         self._transport_factory = transport_factory
         self._side_channel = side_channel
         self._on_result = on_result
@@ -341,6 +346,8 @@ class TransferWorker:
 
     def _run(self) -> None:
         try:
+            if self._regions and self._regions[0].device is Device.VRAM:
+                bind_cuda_device(self._device_id)  # before the agent exists: UCX binds to the thread's CUDA context
             transport = self._transport_factory()
             transport.register(self._regions)
             self._transport = transport
@@ -350,6 +357,7 @@ class TransferWorker:
                 agent_metadata=transport.metadata(),
                 region_base_addresses=tuple(r.addr for r in self._regions),
                 num_blocks=self.layout.num_blocks,
+                device_id=self._device_id,
             )
         except BaseException as error:
             self._start_error = error
@@ -469,7 +477,9 @@ class TransferWorker:
                 count = len(registration.region_base_addresses)
                 raise ValueError(f"registration has {count} region addresses, the layout has {len(destination.regions)}")
             plan = plan_transfer(self.layout, destination, event.prefill.block_ids, registration.block_ids, num_tokens=event.prefill.num_tokens)
-            local, remote = plan.to_descriptors(self._region_addrs, registration.region_base_addresses)
+            local, remote = plan.to_descriptors(
+                self._region_addrs, registration.region_base_addresses, src_device_id=self._device_id, dst_device_id=registration.device_id
+            )
             notification = encode(
                 CompletionMessage(
                     transfer_id=key.transfer_id,
@@ -562,6 +572,7 @@ class TransferWorker:
                 region_base_addresses=self._rank_info.region_base_addresses,
                 layout_fingerprint=self.layout_fingerprint,
                 cached_blocks=request.cached_blocks,
+                device_id=self._device_id,
             )
             frame = encode(message)
         except (ProtocolError, ValueError) as error:
@@ -589,7 +600,9 @@ class TransferWorker:
             for p in sources:
                 source = engine.rank_layout(self.layout.model, p)
                 plan = plan_transfer(source, self.layout, request.remote_block_ids, request.block_ids, num_tokens=request.num_tokens)
-                remote, local = plan.to_descriptors(engine.ranks[p].region_base_addresses, self._region_addrs)
+                remote, local = plan.to_descriptors(
+                    engine.ranks[p].region_base_addresses, self._region_addrs, src_device_id=engine.ranks[p].device_id, dst_device_id=self._device_id
+                )
                 done = ReadDoneMessage(transfer_id=request.transfer_id, attempt=0, decode_rank=rank, decode_tp_size=d_tp, bytes_read=plan.nbytes)
                 reading.handles[p] = self._transport.read(engine.ranks[p].agent_name, local, remote, encode(done))
                 self._count("reads_posted")

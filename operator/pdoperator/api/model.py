@@ -217,7 +217,10 @@ class SSMSpec(ApiModel):
     family: Annotated[
         SSMFamily,
         Field(
-            description="Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state) or gdn (gated delta net, Q/K/V conv)."
+            description=(
+                "Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state; the builtin connector "
+                "serves it in the mock engine only) or gdn (gated delta net, Q/K/V conv)."
+            )
         ),
     ]
     conv_state_layout: Annotated[
@@ -279,7 +282,7 @@ class RoleSpec(ApiModel):
     max_num_seqs: Annotated[int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)] = None
     enable_prefix_caching: Annotated[
         bool | None,
-        Field(description="Prefix caching on this role; unset lets the operator choose (off on decode for hybrid models)."),
+        Field(description="Prefix caching on this role; unset lets the operator choose (off on both roles for hybrid models, which reject true)."),
     ] = None
     node_selector: Annotated[
         dict[str, Annotated[str, Field(description="Label value the node must carry under this key.")]],

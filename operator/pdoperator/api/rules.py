@@ -77,6 +77,31 @@ def _tp_differs(spec: PDServiceSpec) -> bool:
 
 _HYBRID = f"'{Architecture.HYBRID_SSM}'"
 
+# vLLM reads both spellings, also as --flag=value or --flag.key=value.
+_SPECULATIVE_FLAGS = ("--speculative-config", "--speculative_config")
+
+
+def _no_speculative_args(spec: PDServiceSpec, role: RoleSpec) -> bool:
+    return spec.model.architecture != Architecture.HYBRID_SSM or not any(arg.startswith(_SPECULATIVE_FLAGS) for arg in role.extra_args)
+
+
+def _no_speculative_decoding_rule(role: str) -> CelRule:
+    """Hybrid engines of ``role`` (prefill or decode) take no speculative decoding flag."""
+    starts = " || ".join(f"a.startsWith('{flag}')" for flag in _SPECULATIVE_FLAGS)
+    return CelRule(
+        name=f"hybrid-{role}-no-speculative-decoding",
+        owner=PDServiceSpec,
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.{role}.extraArgs) || !self.{role}.extraArgs.exists(a, {starts})",
+        message=(
+            "--speculative-config is not supported with architecture hybrid-ssm "
+            "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
+        ),
+        field_path=f".{role}.extraArgs",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: _no_speculative_args(spec, getattr(spec, role)),
+    )
+
+
 CEL_RULES: tuple[CelRule, ...] = (
     # ------------------------------------------------------------ spec: model shape vs. TP
     CelRule(
@@ -127,6 +152,19 @@ CEL_RULES: tuple[CelRule, ...] = (
         holds=lambda spec: spec.ssm is None or spec.ssm.family != SSMFamily.MAMBA1 or not _tp_differs(spec),
     ),
     CelRule(
+        name="mamba1-only-on-mock-with-builtin-connector",
+        owner=PDServiceSpec,
+        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.engine.runtime != 'vllm' || self.engine.connector != 'builtin'",
+        message="mamba1 is supported by the mock engine only (spec.engine.runtime mock); PDConnector serves mamba2 and gdn hybrids through vLLM",
+        field_path=".ssm.family",
+        holds=lambda spec: (
+            spec.ssm is None
+            or spec.ssm.family != SSMFamily.MAMBA1
+            or spec.engine.runtime != Runtime.VLLM
+            or spec.engine.connector != ConnectorImpl.BUILTIN
+        ),
+    ),
+    CelRule(
         name="prefill-tp-above-decode-only-hybrid-or-mla",
         owner=PDServiceSpec,
         cel=f"self.prefill.tensorParallelSize <= self.decode.tensorParallelSize || self.model.architecture in [{_HYBRID}, 'mla']",
@@ -152,6 +190,18 @@ CEL_RULES: tuple[CelRule, ...] = (
         ),
     ),
     CelRule(
+        name="hybrid-prefill-prefix-caching-off",
+        owner=PDServiceSpec,
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.prefill.enablePrefixCaching) || !self.prefill.enablePrefixCaching",
+        message=(
+            "must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its 'align' cache mode, "
+            "whose state block placement the KV connector does not model)"
+        ),
+        field_path=".prefill.enablePrefixCaching",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.prefill.enable_prefix_caching is not True,
+    ),
+    CelRule(
         name="hybrid-decode-prefix-caching-off",
         owner=PDServiceSpec,
         cel=f"self.model.architecture != {_HYBRID} || !has(self.decode.enablePrefixCaching) || !self.decode.enablePrefixCaching",
@@ -160,6 +210,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         reason=Reason.FORBIDDEN,
         holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.decode.enable_prefix_caching is not True,
     ),
+    *(_no_speculative_decoding_rule(role) for role in ("prefill", "decode")),
     # ------------------------------------------------------------ spec: transport and connector
     CelRule(
         name="efa-requires-libfabric",

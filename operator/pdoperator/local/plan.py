@@ -104,13 +104,21 @@ def _pod_env(container: dict[str, Any], fields: Mapping[str, str]) -> dict[str, 
     return env
 
 
+# The images' console scripts as modules, for a source tree on PYTHONPATH that was never installed (no scripts to run).
+_CONSOLE_SCRIPT_MODULES = {"pd-mock-engine": "pdconnector.sim.main", "pd-router": "pdconnector.router.main"}
+
+
 def _executable(argv: list[str]) -> list[str]:
     """Console scripts and python3 resolve to this interpreter's environment, wherever pdctl was started from."""
     bin_dir = Path(sys.executable).parent
     if argv[0] in {"python3", "python"}:
         return [sys.executable, *argv[1:]]
     script = bin_dir / argv[0]
-    return [str(script), *argv[1:]] if script.exists() else argv
+    if script.exists():
+        return [str(script), *argv[1:]]
+    if argv[0] in _CONSOLE_SCRIPT_MODULES:
+        return [sys.executable, "-m", _CONSOLE_SCRIPT_MODULES[argv[0]], *argv[1:]]
+    return argv
 
 
 @dataclass(frozen=True)

@@ -56,13 +56,15 @@ def served_model_name(spec: PDServiceSpec) -> str:
 def prefix_caching_enabled(spec: PDServiceSpec, role: Role) -> bool | None:
     """True/False to force prefix caching on/off, None to keep vLLM's default (on).
 
-    Unset on a hybrid model's decode means off: a decode cache hit would skip the transfer
-    of the SSM state the request needs, and vLLM's hybrid prefix caching is not safe there.
+    Unset on either role of a hybrid model means off (validation rejects true there). On decode
+    a cache hit would skip the transfer of the SSM state the request needs; on GPUs, prefix
+    caching also switches vLLM's Mamba cache to 'align' mode, whose state block placement the
+    KV connector does not model, so neither role may run with vLLM's default.
     """
     explicit = role_spec(spec, role).enable_prefix_caching
     if explicit is not None:
         return explicit
-    if role is Role.DECODE and spec.model.architecture is Architecture.HYBRID_SSM:
+    if spec.model.architecture is Architecture.HYBRID_SSM:
         return False
     return None
 
@@ -119,8 +121,10 @@ def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
 
 
 def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str, compat_hash: str) -> list[str]:
-    # The mock engine's transports: bytes over TCP, or NIXL (its UCX backend) over host memory.
+    # The mock engine's transports: bytes over TCP, or NIXL (its UCX backend) over host or GPU memory.
     transport = "mock" if spec.engine.transport.backend is TransportBackend.MOCK else "nixl"
+    # A pod with GPUs keeps its KV in them when NIXL moves it; the TCP mock transport can only move host memory.
+    kv_device = ["--kv-device", "cuda"] if transport == "nixl" and engine_gpus(spec, role) > 0 else []
     return [
         "--role",
         role.value,
@@ -143,6 +147,7 @@ def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
         compat_hash,
         "--transfer-timeout",
         str(spec.engine.transfer_timeout_seconds),
+        *kv_device,
     ]
 
 

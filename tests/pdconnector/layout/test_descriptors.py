@@ -86,3 +86,11 @@ def test_table_addresses_need_one_base_per_region() -> None:
     assert descs[0, 0] == 4096 and descs[-1, 0] == (1 << 33) + table.offset[-1]
     with pytest.raises(ValueError, match="expected 2 addresses, got 1"):
         table.to_descriptors([0])
+
+
+def test_table_descriptors_carry_the_ranks_device() -> None:
+    rank = RankLayout(MODELS[0], 1, 0, 4)
+    table, _ = descriptor_tables(rank, rank)
+    descs = table.to_descriptors([4096, 1 << 33], device_id=7)
+    assert (descs[:, 2] == 7).all()
+    assert descs[:, :2].tolist() == table.to_descriptors([4096, 1 << 33])[:, :2].tolist()

@@ -490,6 +490,18 @@ def test_to_descriptors_adds_region_base_addresses() -> None:
         plan.to_descriptors([1, 2], [3])
 
 
+def test_descriptors_name_each_sides_device() -> None:
+    """Rank 5 of a TP-8 prefill (cuda:5) writing into rank 2 of a decode (cuda:2): every row names its own side's device."""
+    model = _nemotron_like()
+    p = RankLayout(model, 1, 0, 4)
+    plan = plan_transfer(p, p, [[1], [2]], [[3], [0]])
+    src, dst = plan.to_descriptors([1000, 10**12], [5, 7 * 10**11], src_device_id=5, dst_device_id=2)
+    assert (src[:, 2] == 5).all() and (dst[:, 2] == 2).all()
+    assert src[:, :2].tolist() == plan.to_descriptors([1000, 10**12], [5, 7 * 10**11])[0][:, :2].tolist()
+    with pytest.raises(ValueError, match="device id must be >= 0"):
+        plan.to_descriptors([1, 2], [3, 4], dst_device_id=-1)
+
+
 def test_naive_bytes_count_whole_pages_per_writer() -> None:
     model = _nemotron_like()
     for p_tp, d_tp in [(1, 1), (1, 2), (2, 1), (4, 2)]:

@@ -33,7 +33,9 @@ def test_a_single_flipped_kv_byte_changes_the_output():
     blocks = pool.allocate(20)
     prefill(pool, blocks, list(range(20)))
     before = generate(pool.token_bytes(blocks, 20), 8)
-    pool.buffers[0][1][blocks[1] * pool.layouts[0].regions[1].page_bytes] ^= 1  # first byte of the second block, layer 1
+    page = pool.read_pages(0, 1, [blocks[1]])  # the second block, layer 1
+    page[0, 0] ^= 1
+    pool.write_pages(0, 1, [blocks[1]], page)
     assert generate(pool.token_bytes(blocks, 20), 8) != before
 
 

@@ -111,6 +111,6 @@ async def test_full_pool_answers_503_and_keeps_serving(engine_client):
 
 async def test_health_advertises_identity_and_metrics_show_pool_occupancy(engine_client):
     client, _ = await engine_client()
-    assert await (await client.get("/health")).json() == {"status": "ok", "engine_id": "e0", "role": "both", "compat_hash": "abc"}
+    assert await (await client.get("/health")).json() == {"status": "ok", "engine_id": "e0", "role": "both", "compat_hash": "abc", "kv_device": "cpu"}
     metrics = await (await client.get("/metrics")).text()
     assert "pd_mock_kv_blocks_free 64.0" in metrics and "pd_mock_kv_blocks_total 64.0" in metrics

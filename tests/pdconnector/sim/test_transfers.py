@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from pdconnector.protocol.params import (
     PrefillCoordinates,
     TransferMode,
@@ -14,15 +13,12 @@ from pdconnector.protocol.params import (
     pull_decode_leg_params,
     push_decode_leg_params,
 )
-from pdconnector.sim.engine import EngineSettings, MockEngine, Role
-from pdconnector.sim.metrics import EngineMetrics
+from pdconnector.sim.engine import Role
 from pdconnector.sim.model import reference_tokens
 from pdconnector.sim.mover import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVPool
-from pdconnector.sim.server import create_engine_app
 
-MODEL = "tiny"
-PROMPT = list(range(100, 150))
+from tests.pdconnector.sim.engines import PROMPT, engine_servers, leg
 
 
 @pytest.fixture(autouse=True)
@@ -33,24 +29,8 @@ def _mock_mover_available() -> None:
 
 @pytest.fixture
 async def pair():
-    clients = []
-
-    async def engine(role: Role, name: str, transfer_timeout_s: float = 5.0, lease_s: float = 5.0) -> tuple[TestClient, MockEngine]:
-        pool = KVPool(64, 16)
-        mover = create_mover("mock", pool=pool, engine_id=name, host="127.0.0.1", side_channel_port=0, lease_s=lease_s)
-        engine = MockEngine(EngineSettings(role=role, engine_id=name, transfer_timeout_s=transfer_timeout_s), pool, mover, EngineMetrics(pool))
-        client = TestClient(TestServer(create_engine_app(engine, MODEL)))
-        await client.start_server()
-        clients.append(client)
-        return client, engine
-
-    yield engine
-    for client in clients:
-        await client.close()
-
-
-def leg(params: dict, max_tokens: int = 5) -> dict:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "kv_transfer_params": params}
+    async with engine_servers("mock") as serve:
+        yield serve
 
 
 async def test_pull_moves_the_prompt_kv_and_frees_both_sides(pair):

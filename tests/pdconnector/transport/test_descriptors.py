@@ -32,6 +32,16 @@ def test_first_outside_agrees_with_a_brute_force_check(case: tuple[list[MemoryRe
     assert RegionTable(regions).first_outside(descriptors) == expected
 
 
+def test_rank_five_descriptors_match_only_device_five_registrations() -> None:
+    """TP rank 5 of a GPU engine registers cuda:5 memory; rows naming device 0 at the same address lie outside it."""
+    table = RegionTable([MemoryRegion(1 << 40, 1 << 20, Device.VRAM, device_id=5), MemoryRegion(1 << 41, 1 << 20, Device.VRAM, device_id=5)])
+    inside = np.array([[1 << 40, 4096, 5], [(1 << 41) + 4096, 1 << 19, 5]])
+    assert table.first_outside(inside) is None
+    assert table.first_outside(np.array([[1 << 40, 4096, 5], [1 << 40, 4096, 0]])) == 1
+    with pytest.raises(TransportError, match=r"descriptor 0 .*dev 0\] lies outside the memory registered by 'decode-tp5'"):
+        table.check(np.array([[1 << 40, 4096, 0]]), "local", "decode-tp5")
+
+
 def test_a_region_ends_exactly_at_its_last_byte() -> None:
     table = RegionTable([MemoryRegion(1000, 100)])
     assert table.first_outside(np.array([[1000, 100, 0], [1099, 1, 0]])) is None

@@ -9,6 +9,8 @@ hold tagged content (``layout.synthetic``), decode regions start filled with ``D
 A check compares the decode pools with an independently computed expectation (the prefill
 block ids as tags, written at decode's block ids into a copy filled the same way), so bytes
 written wrongly, bytes not written and bytes written outside the request all show up.
+The pools are numpy host arrays, or torch tensors on ``device`` (``vram.PoolMemory``: ``"cuda"``
+registers VRAM); tagging and checks run on that device.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import asdict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, SsmSpec, write_tagged_blocks
+from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
-from pdconnector.transport.base import MemoryRegion, Transport
+from pdconnector.transport.base import Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.worker import EngineTransfers, WorkerConfig
+
+from tests.pdconnector.worker.vram import PoolMemory
 
 A, S = LayerKind.ATTENTION, LayerKind.SSM
 GUARD_BYTES = 256
@@ -80,25 +86,44 @@ def request_blocks(model: ModelSpec, num_blocks: int, num_tokens: int, seed: int
 
 
 class Engine:
-    """One engine: ``tp`` ranks, each with guarded pools and a transfer worker."""
+    """One engine: ``tp`` ranks, each with guarded pools and a transfer worker.
 
-    def __init__(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> None:
-        self.model = MODELS[model]
+    ``model``: a name in :data:`MODELS` or an HF ``config.json`` (dict); ``device``: None for numpy host pools, else the
+    torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers its host pools as device
+    ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU is."""
+
+    def __init__(
+        self,
+        name: str,
+        model: str | dict[str, Any],
+        *,
+        tp: int,
+        num_blocks: int,
+        transport: str,
+        limits: dict[str, float] | None = None,
+        device: str | None = None,
+        first_device_id: int = 0,
+    ) -> None:
+        self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
+        self.memory = PoolMemory(device)
         self.layouts = [RankLayout(self.model, tp, rank, num_blocks) for rank in range(tp)]
-        self.buffers = [[np.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL, dtype=np.uint8) for r in lay.regions] for lay in self.layouts]
+        self.buffers = [[self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions] for lay in self.layouts]
         self.pools = [[buf[GUARD_BYTES:-GUARD_BYTES] for buf in bufs] for bufs in self.buffers]
-        for pools in self.pools:
-            for pool in pools:
-                pool[:] = DECODE_FILL
+        self.reset()
         self._results: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._changed = threading.Condition()
+        self._transport_threads: dict[int, dict[str, Any]] = {}
         suffix = uuid.uuid4().hex[:8]
 
         def factory(rank: int) -> Transport:
+            # Called on the rank's worker thread: what that thread looks like when the agent comes to exist.
+            self._transport_threads[rank] = {"thread": threading.current_thread().name, "cuda_device": self.memory.current_device()}
             return create_transport(transport, f"{name}-r{rank}-{suffix}")  # type: ignore[arg-type]
 
-        regions = [[MemoryRegion(p.ctypes.data, p.nbytes) for p in pools] for pools in self.pools]
+        regions = [[self.memory.region(p) for p in pools] for pools in self.pools]
+        if first_device_id:
+            regions = [[replace(r, device_id=first_device_id + rank) for r in rank_regions] for rank, rank_regions in enumerate(regions)]
         limits = limits or {}
         config = WorkerConfig(
             engine_id=name, side_channel_port=0, limits=RendezvousLimits(**limits), pull_lease_s=limits.get("registration_lease_s", 30.0)
@@ -122,6 +147,7 @@ class Engine:
         """Write the tagged content of ``blocks`` (tags = the block ids) on every rank, as a prefill would compute it."""
         for layout, pools in zip(self.layouts, self.pools, strict=True):
             write_tagged_blocks(layout, pools, blocks, blocks, num_tokens=num_tokens)
+        self.memory.synchronize()
 
     def check(self, received: list[dict[str, Any]]) -> dict[str, int]:
         """Compare every rank's pools with the expectation after the transfers in ``received`` ({dst, src, num_tokens}).
@@ -129,17 +155,39 @@ class Engine:
         Returns the number of differing bytes inside the regions and outside them (guards)."""
         wrong = guards = 0
         for layout, pools, buffers in zip(self.layouts, self.pools, self.buffers, strict=True):
-            expected = [np.full(p.nbytes, DECODE_FILL, dtype=np.uint8) for p in pools]
-            for transfer in received:
-                write_tagged_blocks(layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"])
-            wrong += sum(int(np.count_nonzero(a != b)) for a, b in zip(expected, pools, strict=True))
-            guards += sum(int(np.count_nonzero(np.concatenate((buf[:GUARD_BYTES], buf[-GUARD_BYTES:])) != GUARD_FILL)) for buf in buffers)
+            expected = self._expected(layout, received)
+            wrong += sum(int((a != b).sum()) for a, b in zip(expected, pools, strict=True))
+            guards += sum(int((buf[:GUARD_BYTES] != GUARD_FILL).sum()) + int((buf[-GUARD_BYTES:] != GUARD_FILL).sum()) for buf in buffers)
         return {"wrong_bytes": wrong, "guard_bytes": guards}
+
+    def differences(self, received: list[dict[str, Any]], limit: int = 12) -> list[dict[str, int]]:
+        """The first ``limit`` pages that differ from the expectation of :meth:`check` (rank, region, block, bytes): where
+        a failed check went wrong."""
+        found = []
+        for rank, (layout, pools) in enumerate(zip(self.layouts, self.pools, strict=True)):
+            for region, (want, got) in enumerate(zip(self._expected(layout, received), pools, strict=True)):
+                per_block = (want != got).reshape(-1, layout.page_bytes).sum(1).tolist()
+                found += [{"rank": rank, "region": region, "block": b, "bytes": int(n)} for b, n in enumerate(per_block) if n]
+                if len(found) >= limit:
+                    return found[:limit]
+        return found
+
+    def _expected(self, layout: RankLayout, received: list[dict[str, Any]]) -> list[Any]:
+        expected = [self.memory.full(r.nbytes, DECODE_FILL) for r in layout.regions]
+        for transfer in received:
+            write_tagged_blocks(layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"])
+        return expected
 
     def reset(self) -> None:
         for pools in self.pools:
             for pool in pools:
                 pool[:] = DECODE_FILL
+        self.memory.synchronize()
+
+    def transport_threads(self) -> list[dict[str, Any]]:
+        """Per rank, the thread its transport was created on: its name and the device of its current CUDA context
+        (:meth:`PoolMemory.current_device`)."""
+        return [self._transport_threads[rank] for rank in range(self.tp)]
 
     # --- transfers (every rank) -----------------------------------------------------------------------------------
 
@@ -221,25 +269,31 @@ class EngineHost:
 
     PREFIX = "@@"
 
-    def __init__(self) -> None:
+    def __init__(self, log: Path | None = None) -> None:
+        """``log``: a file that receives the process's stderr (NIXL, UCX and worker logs); discarded without one."""
         repo = Path(__file__).resolve().parents[3]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "connector")])}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.pdconnector.worker.engine_process"],
-            cwd=repo,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        # Keep the caller's path: where packages live outside site-packages (the GPU machine's wheels) comes through it.
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "connector"), *inherited])}
+        with contextlib.ExitStack() as files:
+            stderr = files.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.pdconnector.worker.engine_process"],
+                cwd=repo,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def create(self, name: str, model: str, *, tp: int, num_blocks: int, transport: str, limits: dict[str, float] | None = None) -> RemoteEngine:
-        self.call("", "init", rpc_timeout_s=90, name=name, model=model, tp=tp, num_blocks=num_blocks, transport=transport, limits=limits)
+    def create(self, name: str, model: str | dict[str, Any], *, tp: int, **options: Any) -> RemoteEngine:
+        """An :class:`Engine` in the process; ``options`` are its keyword arguments (JSON-serialisable)."""
+        self.call("", "init", rpc_timeout_s=90, name=name, model=model, tp=tp, **options)
         return RemoteEngine(self, name, tp)
 
     def warm_nixl(self) -> None:
@@ -283,6 +337,20 @@ class EngineHost:
             with contextlib.suppress(RuntimeError, OSError):
                 self.call("", "exit", rpc_timeout_s=30)
         self.kill()
+
+
+@contextlib.contextmanager
+def warm_hosts(logs: Path | None = None) -> Iterator[tuple[EngineHost, EngineHost]]:
+    """A prefill and a decode engine process with NIXL started in both (``logs``: where their stderr goes)."""
+    prefill = EngineHost(log=logs / "prefill.log" if logs else None)
+    decode = EngineHost(log=logs / "decode.log" if logs else None)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(EngineHost.warm_nixl, (prefill, decode)))
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
 
 
 class RemoteEngine:

@@ -92,6 +92,13 @@ def pull(pair: Pair) -> None:
     assert decode.check(received=[{"dst": dst, "src": src, "num_tokens": num_tokens}]) == {"wrong_bytes": 0, "guard_bytes": 0}
 
 
+def push_then_pull(pair: Pair) -> None:
+    """Both push orders, then a pull into a decode pool filled afresh: every mode on one pair of engines."""
+    push_both_orders(pair)
+    pair.decode.reset()
+    pull(pair)
+
+
 def assert_received(decode: Any, transfer_id: str, ranks: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
     """Every decode rank reported the transfer received, exactly once."""
     results = decode.wait(transfer_id=transfer_id, timeout_s=timeout_s)

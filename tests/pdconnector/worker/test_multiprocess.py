@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
-from tests.pdconnector.worker.engines import MODELS, EngineHost, RemoteEngine, request_blocks
-from tests.pdconnector.worker.scenarios import Pair, pull, push_both_orders
+from tests.pdconnector.worker.engines import MODELS, EngineHost, RemoteEngine, request_blocks, warm_hosts
+from tests.pdconnector.worker.scenarios import Pair, push_both_orders, push_then_pull
 
 NIXL_CASES = [("nixl", model, p, d) for model in ("dense", "mamba2") for p, d in ((1, 1), (1, 2), (2, 1), (2, 4))]
 MOCK_CASES = [("mock", "dense", 2, 4), ("mock", "mamba2", 1, 2), ("mock", "gdn", 4, 2), ("mock", "mamba1", 2, 2)]
@@ -26,14 +26,8 @@ BLOCKS = (32, 48)
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[tuple[EngineHost, EngineHost]]:
-    prefill, decode = EngineHost(), EngineHost()
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(EngineHost.warm_nixl, (prefill, decode)))
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    with warm_hosts() as both:
+        yield both
 
 
 CASES = NIXL_CASES + MOCK_CASES
@@ -52,9 +46,7 @@ def test_engine_processes_move_every_byte_by_push_and_pull(
         coords = prefill.start()
         decode.start()
         pair = Pair(prefill, decode, coords, model, (p_tp, d_tp), BLOCKS)
-        push_both_orders(pair)
-        decode.reset()
-        pull(pair)
+        push_then_pull(pair)
     finally:
         decode.close()
         prefill.close()

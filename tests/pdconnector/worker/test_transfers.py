@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.pdconnector.worker.engines import Engine
-from tests.pdconnector.worker.scenarios import Pair, pull, push_after_a_prefix_hit, push_both_orders
+from tests.pdconnector.worker.scenarios import Pair, pull, push_after_a_prefix_hit, push_both_orders, push_then_pull
 
 TPS = (1, 2, 4)
 MATRIX = [
@@ -43,6 +43,22 @@ def test_push_moves_every_byte_in_either_arrival_order(pair: Pair) -> None:
 @pytest.mark.parametrize("pair", MATRIX, indirect=True, ids=IDS)
 def test_pull_reads_every_byte_and_prefill_frees_after_every_reader(pair: Pair) -> None:
     pull(pair)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 4), (4, 2)])
+def test_ranks_on_devices_other_than_zero_name_their_device_in_every_descriptor(p_tp: int, d_tp: int) -> None:
+    """Like a GPU engine's ``cuda:r`` per rank: prefill ranks on devices 3.., decode ranks on 5..; the transport refuses any
+    descriptor that names a device other than the one its memory is registered on, so both sides must carry it."""
+    prefill = Engine("prefill-0", "mamba2", tp=p_tp, num_blocks=BLOCKS[0], transport="mock", first_device_id=3)
+    decode = Engine("decode-0", "mamba2", tp=d_tp, num_blocks=BLOCKS[1], transport="mock", first_device_id=5)
+    try:
+        coords = prefill.start()
+        decode.start()
+        pair = Pair(prefill, decode, coords, "mamba2", (p_tp, d_tp), BLOCKS)
+        push_then_pull(pair)
+    finally:
+        decode.close()
+        prefill.close()
 
 
 PREFIX_HIT = [("dense", 1, 1), ("dense", 2, 4), ("mamba2", 4, 2), ("gdn", 1, 2)]

@@ -161,10 +161,28 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "mamba1 with heterogeneous TP",
-        document({"model": HYBRID, "ssm": {"family": "mamba1"}, "decode": {"tensorParallelSize": 2}}),
+        document({"model": HYBRID, "ssm": {"family": "mamba1"}, "decode": {"tensorParallelSize": 2}, **MOCK_ENGINE}),
         [
             "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize "
             "(heterogeneous TP is unsupported for Mamba1)"
+        ],
+    ),
+    (
+        "mamba1 through vLLM with the builtin connector",
+        document({"model": HYBRID, "ssm": {"family": "mamba1"}}),
+        [
+            "spec.ssm.family: mamba1 is supported by the mock engine only (spec.engine.runtime mock); "
+            "PDConnector serves mamba2 and gdn hybrids through vLLM"
+        ],
+    ),
+    (
+        "mamba1 through vLLM with heterogeneous TP",
+        document({"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
+        [
+            "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize "
+            "(heterogeneous TP is unsupported for Mamba1)",
+            "spec.ssm.family: mamba1 is supported by the mock engine only (spec.engine.runtime mock); "
+            "PDConnector serves mamba2 and gdn hybrids through vLLM",
         ],
     ),
     (
@@ -178,9 +196,53 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.decode.tensorParallelSize: must divide or be a multiple of spec.prefill.tensorParallelSize"],
     ),
     (
+        "hybrid prefill with prefix caching",
+        document({"model": HYBRID, "ssm": {"family": "gdn"}, "prefill": {"enablePrefixCaching": True}}),
+        [
+            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its "
+            "'align' cache mode, whose state block placement the KV connector does not model)"
+        ],
+    ),
+    (
         "hybrid decode with prefix caching",
         document({"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": True}}),
         ["spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)"],
+    ),
+    (
+        "hybrid prefill with speculative decoding",
+        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "prefill": {"extraArgs": ['--speculative-config={"method":"ngram"}']}}),
+        [
+            "spec.prefill.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
+            "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
+        ],
+    ),
+    (
+        "hybrid decode with speculative decoding in underscore spelling",
+        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", "{}"]}}),
+        [
+            "spec.decode.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
+            "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
+        ],
+    ),
+    (
+        "hybrid with speculative decoding and prefix caching on both roles",
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "gdn"},
+                "prefill": {"enablePrefixCaching": True, "extraArgs": ["--speculative_config.method=ngram"]},
+                "decode": {"enablePrefixCaching": True, "extraArgs": ["--speculative-config", "{}"]},
+            }
+        ),
+        [
+            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its "
+            "'align' cache mode, whose state block placement the KV connector does not model)",
+            "spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)",
+            "spec.prefill.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
+            "(speculative decoding adds Mamba state slots the KV connector does not transfer)",
+            "spec.decode.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
+            "(speculative decoding adds Mamba state slots the KV connector does not transfer)",
+        ],
     ),
     (
         "EFA over UCX",

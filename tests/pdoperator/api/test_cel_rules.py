@@ -15,6 +15,11 @@ from pdoperator.api.validation import cel_rule_violations
 MODEL = {"name": "m"}
 HYBRID = {"name": "m", "architecture": "hybrid-ssm"}
 EFA_ON = {"efa": {"enabled": True, "prefillDevices": 1, "decodeDevices": 1}}
+MOCK_ENGINE = {"runtime": "mock", "transport": {"backend": "mock"}}
+MAMBA2 = {"family": "mamba2"}
+# Mamba1 is served by the mock engine only (with the builtin connector); the TP rule is tested there.
+MAMBA1_MOCK = {"model": HYBRID, "ssm": {"family": "mamba1"}, "engine": MOCK_ENGINE}
+SPECULATIVE = '--speculative-config={"method":"ngram","num_speculative_tokens":2}'
 
 # rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
 RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -29,8 +34,12 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": HYBRID, "ssm": {"family": "gdn", "convStateLayout": "SD"}, "mode": "pull", "engine": {"connector": "vllm"}},
     ),
     "mamba1-requires-equal-tp": (
-        {"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
-        {"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
+        {**MAMBA1_MOCK, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
+        {**MAMBA1_MOCK, "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
+    ),
+    "mamba1-only-on-mock-with-builtin-connector": (
+        MAMBA1_MOCK,
+        {"model": HYBRID, "ssm": {"family": "mamba1"}, "engine": {"runtime": "vllm"}},
     ),
     "prefill-tp-above-decode-only-hybrid-or-mla": (
         {"model": {"name": "m", "architecture": "mla"}, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 2}},
@@ -40,9 +49,21 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": MODEL, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 6}},
         {"model": MODEL, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 6}},
     ),
+    "hybrid-prefill-prefix-caching-off": (
+        {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": False}},
+        {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": True}},
+    ),
     "hybrid-decode-prefix-caching-off": (
         {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": False}},
         {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": True}},
+    ),
+    "hybrid-prefill-no-speculative-decoding": (
+        {"model": MODEL, "prefill": {"extraArgs": [SPECULATIVE]}},
+        {"model": HYBRID, "ssm": MAMBA2, "prefill": {"extraArgs": [SPECULATIVE]}},
+    ),
+    "hybrid-decode-no-speculative-decoding": (
+        {"model": HYBRID, "ssm": MAMBA2, "decode": {"extraArgs": ["--enforce-eager", "--generation-config", "auto"]}},
+        {"model": HYBRID, "ssm": MAMBA2, "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", '{"method":"ngram"}']}},
     ),
     "efa-requires-libfabric": (
         {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
@@ -162,6 +183,31 @@ def test_rules_on_repeated_objects_report_each_occurrence(spec_cel_violations):
     assert python_violations(spec) == expected
 
 
+@pytest.mark.parametrize(
+    "arg",
+    ["--speculative-config", "--speculative_config", SPECULATIVE, "--speculative_config={}", "--speculative-config.method=ngram"],
+)
+def test_every_spelling_of_the_speculative_flag_is_refused_on_both_roles_of_a_hybrid(arg, spec_cel_violations):
+    spec = {"model": HYBRID, "ssm": MAMBA2, "prefill": {"extraArgs": ["--enforce-eager", arg]}, "decode": {"extraArgs": [arg, "{}"]}}
+    message = (
+        "--speculative-config is not supported with architecture hybrid-ssm "
+        "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
+    )
+    expected = {("spec.prefill.extraArgs", message), ("spec.decode.extraArgs", message)}
+    assert spec_cel_violations(spec) == expected
+    assert python_violations(spec) == expected
+    dense = {key: value for key, value in spec.items() if key != "ssm"} | {"model": MODEL}
+    assert spec_cel_violations(dense) == python_violations(dense) == set()
+
+
+def test_the_mock_engine_and_the_upstream_connector_keep_accepting_mamba1(spec_cel_violations):
+    for spec in (
+        MAMBA1_MOCK,
+        {"model": HYBRID, "ssm": {"family": "mamba1"}, "mode": "pull", "engine": {"connector": "vllm"}},
+    ):
+        assert spec_cel_violations(spec) == python_violations(spec) == set()
+
+
 def _optional(**fields: st.SearchStrategy) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional=fields)
 
@@ -182,6 +228,9 @@ _role = _optional(
     resources=_optional(gpus=st.integers(0, 9)),
     enablePrefixCaching=st.booleans(),
     tolerations=_tolerations,
+    extraArgs=st.lists(
+        st.sampled_from(["--enforce-eager", "--speculative-config", SPECULATIVE, "--speculative_config.method=ngram", "{}"]), max_size=2
+    ),
 )
 _pvc = st.fixed_dictionaries({"claimName": st.just("weights"), "path": st.sampled_from(["m", "a/../b", "..", "a..b", "a/.."])})
 _specs = st.fixed_dictionaries(

@@ -36,7 +36,8 @@ def test_demo_summarises_every_repository_example_and_exits_0():
     assert (code, err) == (0, "")
     for path in EXAMPLES.glob("*.yaml"):
         assert f"{path.name}: PDService" in out
-    assert out.rstrip().endswith(f"{len(list(EXAMPLES.glob('*.yaml')))} examples: 3 ok, 0 failed")
+    count = len(list(EXAMPLES.glob("*.yaml")))
+    assert out.rstrip().endswith(f"{count} examples: {count} ok, 0 failed")
 
 
 def test_demo_shows_mode_model_replicas_tp_gpus_efa_connector_transport_and_objects():
@@ -87,7 +88,7 @@ def test_the_installed_pdctl_runs_the_demo_from_any_directory(tmp_path):
     pdctl_script = Path(sys.executable).parent / "pdctl"
     result = subprocess.run([str(pdctl_script), "demo", "--local-run", ""], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    assert "3 examples: 3 ok, 0 failed" in result.stdout
+    assert "4 examples: 4 ok, 0 failed" in result.stdout
     assert "Traceback" not in result.stderr
 
 

@@ -61,7 +61,7 @@ def write(tmp_path: Path, name: str, content: str | bytes) -> str:
 def test_every_example_is_ok(capsys):
     status, out, err = run_validate(capsys, *map(str, EXAMPLES))
     assert (status, err) == (0, [])
-    assert out == ["OK inference/nemotron-nano", "OK inference/qwen3-32b", "OK default/tiny"]
+    assert out == ["OK inference/nemotron-nano", "OK inference/qwen3-32b", "OK default/tiny", "OK default/tiny-gpu"]
 
 
 def test_invalid_documents_print_each_error_with_its_field_path(capsys, tmp_path):

@@ -111,6 +111,27 @@ def test_pd_mock_engine_accepts_the_rendered_command_line(example_pds):
         assert args.compat_hash == compatibility_hash(example_pds("tiny-cpu").spec, RenderDefaults())
 
 
+def test_mock_engines_keep_their_kv_in_gpu_memory_when_their_pod_has_gpus(make_pds):
+    pds = make_pds(
+        {"engine": {"runtime": "mock", "transport": {"backend": "UCX"}}, "prefill": {"resources": {"gpus": 1}}, "decode": {"resources": {"gpus": 0}}}
+    )
+    assert arg_value(container(pds, "prefill")["args"], "--kv-device") == "cuda"
+    assert "--kv-device" not in container(pds, "decode")["args"]
+
+
+def test_mock_engines_on_the_mock_transport_keep_their_kv_in_host_memory_even_on_gpu_pods(make_pds):
+    pds = make_pds({"engine": {"runtime": "mock", "transport": {"backend": "mock"}}, "prefill": {"resources": {"gpus": 1}}})
+    assert "--kv-device" not in container(pds, "prefill")["args"]
+
+
+def test_pd_mock_engine_accepts_the_gpu_example_command_line(example_pds):
+    from pdconnector.sim.main import build_parser  # noqa: PLC0415
+
+    for role in ("prefill", "decode"):
+        args = build_parser().parse_args(container(example_pds("tiny-gpu"), role)["args"])
+        assert (args.kv_device, args.transport) == ("cuda", "nixl")
+
+
 # ---------------------------------------------------------------- KV connector
 
 
@@ -169,12 +190,13 @@ def test_cpu_engines_are_not_pinned_to_the_first_cores_unless_the_user_says_so(m
 # ---------------------------------------------------------------- prefix caching and hybrid models
 
 
-def test_hybrid_models_get_the_conv_state_layout_and_decode_without_prefix_caching(example_pds):
+def test_hybrid_models_get_the_conv_state_layout_and_both_roles_without_prefix_caching(example_pds):
     pds = example_pds("nemotron-nano-hybrid")
     for role in ("prefill", "decode"):
         assert env(pds, role)["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
-    assert "--no-enable-prefix-caching" in container(pds, "decode")["args"]
-    assert not {"--no-enable-prefix-caching", "--enable-prefix-caching"} & set(container(pds, "prefill")["args"])
+        # On GPUs prefix caching would switch vLLM's Mamba cache to 'align' mode, which the connector does not model.
+        assert "--no-enable-prefix-caching" in container(pds, role)["args"]
+        assert "--enable-prefix-caching" not in container(pds, role)["args"]
 
 
 def test_the_sd_layout_is_passed_through(make_pds):

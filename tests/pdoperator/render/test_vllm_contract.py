@@ -50,10 +50,10 @@ def test_vllm_parses_every_engine_command_line_of_the_gpu_examples_and_variants(
             assert parsed.tensor_parallel_size >= 1
 
 
-def test_vllm_sees_prefix_caching_off_on_hybrid_decode(vllm_server_parser, example_pds):
+def test_vllm_sees_prefix_caching_off_on_both_hybrid_roles(vllm_server_parser, example_pds):
     parsed = dict(vllm_engine_args(example_pds("nemotron-nano-hybrid")))
     assert parse(vllm_server_parser, parsed["nemotron-nano-decode"]).enable_prefix_caching is False
-    assert parse(vllm_server_parser, parsed["nemotron-nano-prefill"]).enable_prefix_caching is None
+    assert parse(vllm_server_parser, parsed["nemotron-nano-prefill"]).enable_prefix_caching is False
 
 
 def test_the_upstream_connector_names_are_registered_in_vllm(vllm_server_parser, make_pds):

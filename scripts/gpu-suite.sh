@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The GPU suite, on the GPU machine (Python 3.12 with torch, numpy and pytest; no network), from the repository root
+# with .whl/ carried along (scripts/fetch-gpu-wheels.sh fills it here): installs the wheels into a scratch directory,
+# records the machine, runs every `pytest -m gpu` test, then e2e/gpu/demo.py when it exists, and writes
+# REPORT_DIR/gpu-suite.json (counts, durations, exit codes, versions) next to the logs. Exits non-zero when anything
+# failed or no test passed.
+#   usage: scripts/gpu-suite.sh REPORT_DIR
+#   PD_GPU_SUITE_DEVICE=cpu runs the suite on host memory instead (see tests/pdconnector/worker/vram.py).
+set -uo pipefail
+if (($# != 1)); then
+    echo "usage: $0 REPORT_DIR" >&2
+    exit 2
+fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 2
+mkdir -p "$1" && report=$(cd "$1" && pwd) || exit 2
+python=${PYTHON:-python3}
+# Wall-clock limits (s) that keep the whole run inside a 10-minute machine call, leaving time for the report.
+suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-360}
+demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-180}
+scratch=$(mktemp -d /tmp/pd-gpu-suite.XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+started=$(date +%s)
+
+limited() { # limited SECONDS COMMAND...: without coreutils' timeout the command runs unbounded
+    local seconds=$1
+    shift
+    if command -v timeout >/dev/null; then timeout --kill-after=15 "$seconds" "$@"; else "$@"; fi
+}
+
+echo "== install (.whl -> $scratch)"
+shopt -s nullglob
+wheels=(.whl/*.whl)
+if ((${#wheels[@]})); then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch" "${wheels[@]}" 2>&1 |
+        tee "$report/install.log"
+    install_rc=${PIPESTATUS[0]}
+else
+    echo "no wheels in .whl/: run scripts/fetch-gpu-wheels.sh on the CPU machine and carry .whl along" | tee "$report/install.log"
+    install_rc=1
+fi
+export PYTHONPATH="$scratch:$root/connector:$root/operator${PYTHONPATH:+:$PYTHONPATH}"
+export PD_GPU_SUITE_LOG_DIR="$report/engine-logs"
+
+echo "== machine"
+{ nvidia-smi || echo "nvidia-smi: not available"; } 2>&1 | tee "$report/nvidia-smi.txt"
+"$python" - "$report/versions.json" <<'EOF' 2>&1 | tee "$report/versions.log"
+import importlib.metadata, json, platform, sys
+
+versions = {"python": platform.python_version()}
+for dist in ("torch", "numpy", "pytest", "nixl", "nixl-cu13", "msgspec", "pydantic"):
+    try:
+        versions[dist] = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        versions[dist] = None
+try:
+    import torch
+
+    versions["torch_cuda"] = torch.version.cuda
+    versions["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+except Exception as error:  # the report says what is missing instead of stopping here
+    versions["torch_error"] = f"{type(error).__name__}: {error}"
+try:
+    import nixl._api  # noqa: F401
+except Exception as error:
+    versions["nixl_error"] = f"{type(error).__name__}: {error}"
+json.dump(versions, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(versions))
+EOF
+
+echo "== gpu tests"
+# Only the files holding gpu tests: vLLM is not installed here, and modules importing it must not be collected.
+mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
+printf '%s\n' "${files[@]}" | tee "$report/gpu-test-files.txt"
+pytest_rc=""
+if ((install_rc == 0 && ${#files[@]})); then
+    limited "$suite_limit" "$python" -m pytest -m gpu -v -p no:cacheprovider --durations=10 --junitxml="$report/gpu-suite.xml" "${files[@]}" 2>&1 |
+        tee "$report/pytest.log"
+    pytest_rc=${PIPESTATUS[0]}
+fi
+
+echo "== device-id tests"
+# Host-memory tests of ranks on devices other than 0 (descriptors, region tables, the worker's device binding and
+# transfers between ranks labelled cuda:3.. and cuda:5..): this machine has one GPU, so they stand in for cuda:N > 0.
+device_rc=""
+if ((install_rc == 0)); then
+    limited 120 "$python" -m pytest -v -p no:cacheprovider -k "device" --junitxml="$report/device-ids.xml" \
+        tests/pdconnector/layout/test_plan.py tests/pdconnector/layout/test_descriptors.py tests/pdconnector/transport/test_descriptors.py \
+        tests/pdconnector/worker/test_devices.py tests/pdconnector/worker/test_transfers.py 2>&1 | tee "$report/device-ids.log"
+    device_rc=${PIPESTATUS[0]}
+fi
+
+demo_rc=""
+if [[ -f e2e/gpu/demo.py ]]; then
+    echo "== e2e/gpu/demo.py"
+    limited "$demo_limit" "$python" e2e/gpu/demo.py "$report" 2>&1 | tee "$report/demo.log"
+    demo_rc=${PIPESTATUS[0]}
+fi
+
+echo "== summary ($report/gpu-suite.json)"
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" <<'EOF'
+import json, os, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+device_rc = sys.argv[6]
+
+
+def code(value):  # an exit code; empty: that step did not run
+    return int(value) if value else None
+
+
+def parsed(value):  # a record_property value: JSON where it is (numbers), else the string
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def junit_summary(junit):  # counts and per-case entries of one pytest junit file
+    tests = {"total": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "duration_s": 0.0}
+    cases = []
+    if not junit.exists():
+        return tests, cases
+    root = ET.parse(junit).getroot()
+    for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+        for key, attribute in (("total", "tests"), ("failed", "failures"), ("errors", "errors"), ("skipped", "skipped")):
+            tests[key] += int(suite.get(attribute, 0))
+        tests["duration_s"] += float(suite.get("time", 0))
+        for case in suite.iter("testcase"):
+            outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+            entry = {"test": case.get("name"), "outcome": outcome, "time_s": float(case.get("time", 0))}
+            entry |= {p.get("name"): parsed(p.get("value")) for p in case.iter("property")}
+            cases.append(entry)
+    tests["passed"] = tests["total"] - tests["failed"] - tests["errors"] - tests["skipped"]
+    tests["duration_s"] = round(tests["duration_s"], 1)
+    return tests, cases
+
+
+tests, cases = junit_summary(report / "gpu-suite.xml")
+device_tests, _ = junit_summary(report / "device-ids.xml")
+versions_file = report / "versions.json"
+summary = {
+    "ok": False,
+    "device": os.environ.get("PD_GPU_SUITE_DEVICE", "cuda"),
+    "tests": tests,
+    "device_id_tests": device_tests,
+    "install_exit_code": install_rc,
+    "pytest_exit_code": code(pytest_rc),
+    "device_id_exit_code": code(device_rc),
+    "demo_exit_code": code(demo_rc),  # null: e2e/gpu/demo.py does not exist
+    "wall_s": wall_s,
+    "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
+}
+summary["ok"] = install_rc == 0 and code(pytest_rc) == 0 and tests["passed"] > 0 and code(device_rc) == 0 and code(demo_rc) in (None, 0)
+(report / "gpu-suite.json").write_text(json.dumps(summary | {"cases": cases}, indent=2) + "\n")
+print(json.dumps(summary))
+sys.exit(0 if summary["ok"] else 1)
+EOF

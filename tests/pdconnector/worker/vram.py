@@ -1,0 +1,141 @@
+"""Engine pools on a device, and the GPU suite's configuration (``test_vram_transfers.py``).
+
+:class:`PoolMemory` is where an :class:`~tests.pdconnector.worker.engines.Engine` keeps its pools: numpy host arrays
+(the default, what the CPU tests use) or torch tensors on a device, ``"cuda"`` registering VRAM and ``"cpu"`` the
+same code over DRAM. Tagging and checking run where the pools live (``layout.synthetic``), so GBs of VRAM are never
+copied to the host.
+
+:func:`gpu_suite` reads the environment: ``PD_GPU_SUITE_DEVICE`` (``cuda`` by default; ``cpu`` runs the suite on host
+memory with smaller sizes, to debug it without a GPU) and ``PD_GPU_SUITE_LOG_DIR`` (where engine processes write
+their stderr; a pytest temporary directory otherwise).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pdconnector.layout import ModelSpec, model_from_hf_config
+from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2
+from pdconnector.transport.base import Device, MemoryRegion
+
+DEVICE_ENV = "PD_GPU_SUITE_DEVICE"
+LOG_DIR_ENV = "PD_GPU_SUITE_LOG_DIR"
+_CUDA_SUCCESS = 0
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """Where pools live: ``device`` None is numpy host memory, otherwise a torch device (``"cpu"``, ``"cuda"``)."""
+
+    device: str | None = None
+
+    @cached_property
+    def _torch(self) -> Any:
+        import torch  # noqa: PLC0415 (host pools never need torch)
+
+        return torch
+
+    @property
+    def is_vram(self) -> bool:
+        return self.device is not None and self._torch.device(self.device).type == "cuda"
+
+    def full(self, nbytes: int, fill: int) -> Any:
+        """A flat uint8 buffer of ``nbytes`` set to ``fill``."""
+        if self.device is None:
+            return np.full(nbytes, fill, dtype=np.uint8)
+        return self._torch.full((nbytes,), fill, dtype=self._torch.uint8, device=self.device)
+
+    def region(self, pool: Any) -> MemoryRegion:
+        """What the transport registers for ``pool``: VRAM of the tensor's CUDA device, or DRAM."""
+        if self.device is None:
+            return MemoryRegion(pool.ctypes.data, pool.nbytes)
+        if self.is_vram:
+            return MemoryRegion(pool.data_ptr(), pool.numel(), Device.VRAM, pool.device.index)
+        return MemoryRegion(pool.data_ptr(), pool.numel())
+
+    def synchronize(self) -> None:
+        """Wait for the kernels that wrote the pools: NIXL reads and writes them outside torch's streams."""
+        if self.is_vram:
+            self._torch.cuda.synchronize(self.device)
+
+    def current_device(self) -> int | None:
+        """The device of the CUDA context current on the calling thread (what UCX registers VRAM against), or None when
+        the thread has none; always None for host pools, which need none."""
+        if not self.is_vram:
+            return None
+        driver = ctypes.CDLL("libcuda.so.1")
+        context, device = ctypes.c_void_p(), ctypes.c_int()
+        if driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_SUCCESS or not context.value:
+            return None
+        return device.value if driver.cuCtxGetDevice(ctypes.byref(device)) == _CUDA_SUCCESS else None
+
+
+# Qwen3-32B (its config.json, the fields the layout reads): 64 layers, 8 KV heads of 128, bf16; 4 MiB per block at TP 1.
+QWEN3_32B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class SuiteModel:
+    """A model of the suite as its HF ``config.json`` (what the engine processes build it from) and its pool sizes."""
+
+    name: str
+    config: Mapping[str, Any]
+    num_blocks: tuple[int, int]  # prefill, decode: room for the largest request with free blocks scattered between
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        return model_from_hf_config(self.config)
+
+
+@dataclass(frozen=True)
+class GpuSuite:
+    device: str  # the torch device of every pool
+    tokens: tuple[int, ...]  # request sizes
+    models: tuple[SuiteModel, ...]
+    skip_reason: str | None
+    log_dir: Path | None  # where engine processes write their stderr
+
+    def model(self, name: str) -> SuiteModel:
+        return next(m for m in self.models if m.name == name)
+
+
+def gpu_suite(env: Mapping[str, str] = os.environ) -> GpuSuite:
+    device = env.get(DEVICE_ENV, "cuda")
+    log_dir = Path(env[LOG_DIR_ENV]) if env.get(LOG_DIR_ENV) else None
+    if device == "cuda":
+        # Nemotron-H: block size 1312 tokens (its 5.3 MB SSM state padded into 1312 tokens of attention), 4 regions.
+        models = (SuiteModel("qwen3-32b", QWEN3_32B, (1280, 1536)), SuiteModel("nemotron-h", NEMOTRON_NANO_9B_V2, (40, 48)))
+        return GpuSuite(device, (1024, 16384), models, _cuda_unavailable_reason(), log_dir)
+    if device != "cpu":
+        raise ValueError(f"{DEVICE_ENV} must be 'cuda' (the default) or 'cpu', got {device!r}")
+    # Host memory on a small machine: the same head sizes, fewer layers, 1k tokens.
+    pattern = NEMOTRON_NANO_9B_V2["hybrid_override_pattern"]
+    first_attention = pattern.index("*") + 1
+    models = (
+        SuiteModel("qwen3-32b", {**QWEN3_32B, "num_hidden_layers": 4}, (80, 96)),
+        SuiteModel("nemotron-h", {**NEMOTRON_NANO_9B_V2, "hybrid_override_pattern": pattern[:first_attention]}, (12, 16)),
+    )
+    return GpuSuite(device, (1024,), models, None, log_dir)
+
+
+def _cuda_unavailable_reason() -> str | None:
+    try:
+        import torch  # noqa: PLC0415 (host-only runs never need torch)
+    except ImportError as error:
+        return f"needs a CUDA device (torch is not importable: {error})"
+    return None if torch.cuda.is_available() else "needs a CUDA device"
