@@ -30,6 +30,8 @@ from typing import Any
 TRANSFER_ID_KEY = "transfer_id"
 TRANSFER_MODE_KEY = "transfer_mode"
 RECEIVED_KEY = "pd_received"
+# What our connector's prefill side answers (HTTP 200) in kv_transfer_params when it keeps no KV for decode.
+ERROR_KEY = "pd_error"
 
 # Shared with the wire messages: ids travel in NIXL notifications and log lines, so keep them short and plain.
 TRANSFER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import re
 import time
 import uuid
@@ -56,6 +57,7 @@ def dispatch_settings(config: RouterConfig, options: RouterOptions) -> DispatchS
         decode_first_byte_timeout_s=config.timeouts.prefill_s + config.timeouts.transfer_s + config.timeouts.decode_first_token_s,
         total_timeout_s=options.total_timeout_s,
         connector=config.connector,
+        retry_after_s=max(1, math.ceil(options.health.interval_s)),
     )
 
 
@@ -169,7 +171,8 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise errors.body_too_large(router.config.max_request_body_bytes) from None
-            client_request = validate_request(endpoint, parse_body(raw), router.config.served_model_name)
+            config = router.config
+            client_request = validate_request(endpoint, parse_body(raw), config.served_model_name, max_model_len=config.max_model_len)
             assert router.dispatcher is not None
             return await router.dispatcher.serve(request, client_request, request[REQUEST_ID_KEY])
 

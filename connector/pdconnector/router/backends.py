@@ -58,6 +58,10 @@ class Backend:
     def name(self) -> str:
         return self.spec.name
 
+    def describe(self) -> str:
+        """How errors name an engine: pod name, engine id and address, enough to find its logs."""
+        return f"{self.name} (engine id {self.spec.engine_id}, {self.spec.base_url})"
+
     def compatible_with(self, other: Backend) -> bool:
         """Pair only engines whose compatibility hashes agree, when both advertise one."""
         mine, theirs = self.compat_hash, other.compat_hash

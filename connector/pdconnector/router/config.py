@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ROUTER_CONFIG_FILENAME = "router.yaml"
 DEFAULT_API_KEY_ENV = "PD_ROUTER_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+# The largest spec.model.maxModelLen the operator accepts: with no model length configured, no request may ask for more.
+MAX_MODEL_LEN_CEILING = 10_485_760
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 
@@ -73,6 +75,14 @@ class RouterConfig(_ConfigModel):
     namespace: Annotated[str, Field(min_length=1)]
     mode: Literal["push", "pull"]
     served_model_name: Annotated[str, Field(min_length=1)]
+    max_model_len: Annotated[
+        int | None,
+        Field(
+            ge=2,
+            le=MAX_MODEL_LEN_CEILING,
+            description="Context length of the served model (spec.model.maxModelLen); null: unknown, requests are bounded by the ceiling.",
+        ),
+    ] = None
     policy: Literal["least-loaded", "round-robin"] = "least-loaded"
     connector: Literal["builtin", "vllm"] = "builtin"
     compat_hash: Annotated[str, Field(min_length=1, description="Suffix of every current engine id.")]

@@ -8,19 +8,22 @@ from aiohttp import web
 class RouterError(Exception):
     """A failure to report to the client as ``{"error": {"message", "type", "code"}}``."""
 
-    def __init__(self, status: int, message: str, error_type: str, code: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, error_type: str, code: str, param: str | None = None, *, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         self.code = code
         self.param = param
+        self.headers = headers or {}
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.error_type, "code": self.code, "param": self.param}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> RouterError:
@@ -39,12 +42,20 @@ def body_too_large(limit: int) -> RouterError:
     return RouterError(413, f"Request body exceeds the limit of {limit} bytes", "invalid_request_error", "request_too_large")
 
 
-def no_backend(role: str) -> RouterError:
-    return RouterError(503, f"No healthy {role} backend is available", "service_unavailable", f"no_{role}_backend")
+def no_backend(role: str, reasons: list[str], retry_after_s: int) -> RouterError:
+    """``reasons``: why each backend of the role cannot take the request, so the client (and its operator) sees what is wrong."""
+    why = "; ".join(reasons) if reasons else f"no {role} backend is configured"
+    return RouterError(
+        503,
+        f"No healthy {role} backend is available: {why}",
+        "service_unavailable",
+        f"no_{role}_backend",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
-def upstream_failed(role: str, backend: str, detail: str) -> RouterError:
-    return RouterError(502, f"The {role} leg failed on {backend}: {detail}", "upstream_error", f"{role}_failed")
+def upstream_failed(role: str, backend: str, transfer_id: str, detail: str) -> RouterError:
+    return RouterError(502, f"The {role} leg failed on {backend} for transfer {transfer_id}: {detail}", "upstream_error", f"{role}_failed")
 
 
 def transfer_failed(detail: str) -> RouterError:

@@ -61,7 +61,11 @@ async def probe(session: aiohttp.ClientSession, backend: Backend, settings: Heal
                 record_success(backend)
             else:
                 record_failure(backend, f"/health answered {resp.status}", settings.failures_to_eject)
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except TimeoutError:  # before ClientError: aiohttp's timeouts are both
+        record_failure(backend, f"/health gave no answer in {settings.timeout_s:g} s", settings.failures_to_eject)
+    except aiohttp.ClientConnectorError as exc:
+        record_failure(backend, f"/health: cannot connect: {exc.os_error or exc}", settings.failures_to_eject)
+    except (aiohttp.ClientError, OSError) as exc:
         record_failure(backend, f"/health failed: {type(exc).__name__}: {exc}", settings.failures_to_eject)
 
 

@@ -19,6 +19,7 @@ class FailureKind(StrEnum):
     STATUS = "status"  # the engine answered with an error status
     BROKEN = "broken"  # the connection died mid-response
     PROTOCOL = "protocol"  # the engine answered something that is not what the contract says
+    REPORTED = "reported"  # the engine answered 200 with a body that reports it failed
     TIMEOUT = "timeout"
 
 

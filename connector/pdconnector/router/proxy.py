@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from pdconnector.protocol.params import (
+    ERROR_KEY,
     RECEIVED_KEY,
     TRANSFER_FAILED_CODES,
     TransferMode,
@@ -56,6 +57,8 @@ class DispatchSettings:
     max_attempts: int = 3
     # "vllm": the engines run upstream vLLM's NIXL connectors, whose push decode leg names the prefill request.
     connector: Literal["builtin", "vllm"] = "builtin"
+    # Retry-After of a 503: an ejected backend is re-admitted by the first health check it passes.
+    retry_after_s: int = 2
 
 
 @dataclass
@@ -100,6 +103,13 @@ def upstream_engine_request_id(endpoint: Endpoint, request_id: str) -> str:
     stripped); both legs carry the same ``X-Request-Id``. A completion has one prompt, index 0.
     """
     return f"chatcmpl-{request_id}" if endpoint is Endpoint.CHAT else f"cmpl-{request_id}-0"
+
+
+def _prefill_error(answer: dict[str, Any]) -> str | None:
+    params = answer.get("kv_transfer_params")
+    if isinstance(params, dict) and ERROR_KEY in params:
+        return str(params[ERROR_KEY])
+    return None
 
 
 def _prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -169,11 +179,27 @@ class Dispatcher:
             other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
             candidates = [b for b in candidates if self._candidates(other, exchange, b)]
             if not candidates:
-                raise errors.no_backend(other.value)
+                raise self._unavailable(other, exchange)
         chosen = self.selectors[role].pick(candidates)
         if chosen is None:
-            raise errors.no_backend(role.value)
+            raise self._unavailable(role, exchange, partner)
         return chosen
+
+    def _unavailable(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> errors.RouterError:
+        """A 503 saying why each backend of ``role`` cannot take this request."""
+        partner_role = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        reasons = []
+        for backend in sorted(self.pool.by_role(role), key=lambda b: b.name):
+            if not backend.healthy:
+                why = f"ejected ({backend.consecutive_failures} failure(s) in a row, last: {backend.last_error})"
+            elif backend.name in exchange.failed:
+                why = "refused this request's connection"
+            elif partner is not None and not backend.compatible_with(partner):
+                why = f"engine generation {backend.compat_hash} cannot pair with {partner.name}'s {partner.compat_hash}"
+            else:
+                why = f"no healthy {partner_role.value} backend it can pair with"
+            reasons.append(f"{backend.name}: {why}")
+        return errors.no_backend(role.value, reasons, self.settings.retry_after_s)
 
     def _enter(self, backend: Backend) -> None:
         backend.outstanding += 1
@@ -200,6 +226,9 @@ class Dispatcher:
                     answer, _ = await call_json(self.session, backend, request.endpoint.value, body, {"X-Request-Id": exchange.request_id})
             except TimeoutError as exc:
                 raise LegError(backend, FailureKind.TIMEOUT, f"prefill gave no answer in {self.settings.prefill_timeout_s:g} s") from exc
+        if (reported := _prefill_error(answer)) is not None:
+            # In push mode decode would otherwise wait out its transfer deadline for KV that will never be written.
+            raise LegError(backend, FailureKind.REPORTED, f"it kept no KV for decode: {reported}")
         backend.served += 1
         return answer
 
@@ -361,7 +390,7 @@ class Dispatcher:
                 else:
                     started = await self._sequential(request, exchange, deadline)
             except LegError as error:
-                router_error = self._classify(error)
+                router_error = self._classify(error, exchange)
                 outcome = "client_error" if router_error.status < 500 else "upstream_error"
                 return self._error_response(router_error, exchange)
             except errors.RouterError as router_error:
@@ -396,25 +425,29 @@ class Dispatcher:
         response.headers.update(exchange.headers())
         return response
 
-    def _classify(self, error: LegError) -> errors.RouterError:
+    def _classify(self, error: LegError, exchange: Exchange) -> errors.RouterError:
         role = error.backend.spec.role
+        engine = error.backend.describe()
         if error.kind is not FailureKind.CONNECT:  # connect failures were counted when they were retried
             self._note_failure(error, role)
         if error.kind is FailureKind.TIMEOUT:
             phase = "the prefill leg" if role is Role.PREFILL else "decode's answer"
             return errors.RouterError(
-                504, f"Timed out waiting for {phase} on {error.backend.name}: {error.detail}", "timeout", f"{role.value}_timeout"
+                504,
+                f"Timed out waiting for {phase} on {engine} for transfer {exchange.transfer_id}: {error.detail}",
+                "timeout",
+                f"{role.value}_timeout",
             )
         engine_code = (error.body or {}).get("error", {}).get("code") if isinstance((error.body or {}).get("error"), dict) else None
         if engine_code in TRANSFER_FAILED_CODES:
             self.metrics.transfer_failures.inc()
-            return errors.transfer_failed(f"{role.value} engine {error.backend.name}: {error.detail}")
+            return errors.transfer_failed(f"{role.value} engine {engine} for transfer {exchange.transfer_id}: {error.detail}")
         if error.kind is FailureKind.STATUS and error.status is not None and 400 <= error.status < 500 and error.status not in (401, 403, 404):
             # The engine judged the request itself (e.g. prompt longer than the context): that is the client's to fix.
             return errors.RouterError(
                 error.status, f"Rejected by the {role.value} engine: {error.detail}", "invalid_request_error", f"{role.value}_rejected"
             )
-        return errors.upstream_failed(role.value, error.backend.name, error.detail)
+        return errors.upstream_failed(role.value, engine, exchange.transfer_id, error.detail)
 
     def _record_transfer(self, report: Evidence | None) -> None:
         # Upstream vLLM connectors never report how KV arrived: their answers prove nothing either way.
@@ -458,9 +491,9 @@ class Dispatcher:
         except TimeoutError:
             failure = errors.timed_out("the decode stream to finish", self.settings.total_timeout_s)
         except LegError as error:
-            failure = self._classify(error)
+            failure = self._classify(error, exchange)
         if failure is None and not finished and not error_seen:
-            failure = errors.upstream_failed("decode", started.backend.name, "the stream ended without [DONE]")
+            failure = errors.upstream_failed("decode", started.backend.describe(), exchange.transfer_id, "the stream ended without [DONE]")
         if failure is not None:
             await response.write(_sse(failure.body()))
         await response.write_eof()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pdconnector.router.config import MAX_MODEL_LEN_CEILING
 from pdconnector.router.errors import bad_request, model_not_found
 
 
@@ -72,14 +73,47 @@ def _check_messages(body: dict[str, Any]) -> None:
             raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
 
 
-def _check_optional_fields(body: dict[str, Any]) -> None:
+def _context(max_model_len: int | None) -> tuple[int, str]:
+    """The most tokens one request may span, and how to name that bound in an error."""
+    if max_model_len is None:
+        return MAX_MODEL_LEN_CEILING, f"the router's ceiling of {MAX_MODEL_LEN_CEILING} tokens (the model's context length is not configured)"
+    return max_model_len, f"the model's context length of {max_model_len} tokens"
+
+
+def _check_lengths(endpoint: Endpoint, body: dict[str, Any], max_model_len: int | None) -> None:
+    """Refuse here what the engines would otherwise try: a runaway output budget occupies a decode engine for good."""
+    limit, bound = _context(max_model_len)
     for field in ("max_tokens", "max_completion_tokens"):
-        if field in body and body[field] is not None and not (_is_int(body[field]) and body[field] >= 1):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not (_is_int(value) and value >= 1):
             raise bad_request(f"'{field}' must be a positive integer", field)
+        if value > limit:
+            raise bad_request(f"'{field}' is {value}, more than {bound}", field)
+    prompt = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
+    if not isinstance(prompt, list):
+        return  # text and chat prompts need the model's tokenizer to count: the engine judges those
+    # The prefill leg generates one token, so the prompt must leave room for it.
+    if len(prompt) >= limit:
+        raise bad_request(f"'prompt' has {len(prompt)} tokens, which leaves no room for a completion token within {bound}", "prompt")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and len(prompt) + max_tokens > limit:
+        raise bad_request(f"The prompt's {len(prompt)} tokens plus 'max_tokens' of {max_tokens} exceed {bound}", "max_tokens")
+
+
+def _check_optional_fields(body: dict[str, Any]) -> None:
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
         raise bad_request("'stream' must be a boolean", "stream")
-    if "n" in body and body["n"] not in (None, 1):
-        raise bad_request("'n' must be 1: each disaggregated request produces one choice", "n")
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not _is_int(value):
+            raise bad_request(f"'{field}' must be an integer", field)
+        if value != 1:
+            # Prefill's KV moves to decode once, for one sequence; more choices would each need their own.
+            raise bad_request(f"'{field}' must be 1: each disaggregated request produces one choice (send one request per choice)", field)
     if "stream_options" in body and body["stream_options"] is not None and not isinstance(body["stream_options"], dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     for field in ("temperature", "top_p"):
@@ -89,8 +123,8 @@ def _check_optional_fields(body: dict[str, Any]) -> None:
         raise bad_request("'kv_transfer_params' is set by the router and must not be sent by clients", "kv_transfer_params")
 
 
-def validate_request(endpoint: Endpoint, body: dict[str, Any], served_model: str) -> ClientRequest:
-    """Validate a client body against the endpoint's schema and the served model."""
+def validate_request(endpoint: Endpoint, body: dict[str, Any], served_model: str, *, max_model_len: int | None) -> ClientRequest:
+    """Validate a client body against the endpoint's schema and the served model's context length (None: not configured)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise bad_request("Missing or non-string field 'model'", "model")
@@ -101,4 +135,5 @@ def validate_request(endpoint: Endpoint, body: dict[str, Any], served_model: str
     else:
         _check_messages(body)
     _check_optional_fields(body)
+    _check_lengths(endpoint, body, max_model_len)
     return ClientRequest(endpoint=endpoint, body=body, stream=bool(body.get("stream")))

@@ -3,12 +3,17 @@
 Blocks are allocated per request and freed on every path: after a local or decode request, by the mover once a
 prefill's blocks were taken or their lease ended, and immediately whenever the request is cancelled (the client or
 router closed the connection) or fails.
+
+Nothing here holds the event loop for long: prefill computes its KV a chunk of blocks at a time and generation one
+token per step, yielding in between, so health checks are answered and a cancelled request stops while others run.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+import itertools
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -22,9 +27,12 @@ from pdconnector.protocol.params import (
     TransferRequest,
 )
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.model import generate, prefill
+from pdconnector.sim.model import generate, output_tokens, prefill_chunks
 from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool
+
+# vLLM's --max-model-len of the tiny example (spec.model.maxModelLen): prompt plus output tokens of one request.
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 class Role(StrEnum):
@@ -57,16 +65,26 @@ class EngineSettings:
     engine_id: str
     latency: LatencyModel = LatencyModel()
     transfer_timeout_s: float = 30.0
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
 
 
 @dataclass
 class Generation:
-    """Output of one request: token ids, produced one by one, plus what the transfer delivered (if any)."""
+    """Output of one request: token ids, produced one by one, plus what the transfer delivered (if any).
+
+    Whoever runs the request closes it exactly once, however the request ended (done, failed, cancelled, even before
+    its first token): closing stops the generation and frees the request's blocks.
+    """
 
     prompt_tokens: int
-    tokens: AsyncIterator[int]
+    tokens: AsyncGenerator[int, None]
     receipt: Receipt | None
     transfer_params: dict[str, Any] | None
+    release: Callable[[], None]
+
+    async def aclose(self) -> None:
+        await self.tokens.aclose()
+        self.release()
 
 
 class MockEngine:
@@ -86,21 +104,24 @@ class MockEngine:
             raise RoleMismatch(f"this engine runs as {self.settings.role.value} and cannot serve a {wanted.value} leg (kv_transfer_params)")
 
     async def run(self, prompt: list[int], max_tokens: int, transfer: TransferRequest | None) -> Generation:
-        """Start a request; the returned generation yields tokens lazily (cancel it to abort)."""
+        """Start a request; the returned generation yields tokens lazily (close it when done, or to abort)."""
         self._check_role(transfer)
         blocks = self.pool.allocate(len(prompt))
+        free = functools.partial(self.pool.free, blocks)
         try:
             if transfer is not None and transfer.role is EngineRole.DECODE:
                 receipt = await self._import(transfer, blocks, len(prompt))
-                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), receipt, _received(receipt))
+                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens), receipt, _received(receipt), free)
             await self.settings.latency.prefill(len(prompt))
-            prefill(self.pool, blocks, prompt)
+            for _ in prefill_chunks(self.pool, blocks, prompt):
+                await asyncio.sleep(0)  # between chunks: other requests and health checks run, a cancellation lands
             if transfer is None:
-                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens, free_after=True), None, None)
+                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens), None, None, free)
             first = generate(self.pool.token_bytes(blocks, len(prompt)), 1)
+            self.metrics.generation_tokens.inc()
             params = self._export(transfer, blocks, len(prompt))
             blocks = []  # the mover owns them now
-            return Generation(len(prompt), _iterate(first), None, params)
+            return Generation(len(prompt), _iterate(first), None, params, _nothing_to_free)
         except BaseException:
             if blocks:
                 self.pool.free(blocks)
@@ -157,19 +178,20 @@ class MockEngine:
             TRANSFER_MODE_KEY: TransferMode.PULL.value,
         }
 
-    async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int, *, free_after: bool) -> AsyncIterator[int]:
-        try:
-            for token in generate(self.pool.token_bytes(blocks, num_tokens), max_tokens):
-                await self.settings.latency.decode_step()
-                yield token
-        finally:
-            if free_after:
-                self.pool.free(blocks)
+    async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int) -> AsyncGenerator[int, None]:
+        for token in itertools.islice(output_tokens(self.pool.token_bytes(blocks, num_tokens)), max_tokens):
+            await self.settings.latency.decode_step()
+            self.metrics.generation_tokens.inc()
+            yield token
 
 
-async def _iterate(tokens: list[int]) -> AsyncIterator[int]:
+async def _iterate(tokens: list[int]) -> AsyncGenerator[int, None]:
     for token in tokens:
         yield token
+
+
+def _nothing_to_free() -> None:
+    """A prefill leg's blocks belong to the mover once exported: it frees them when they are taken or their lease ends."""
 
 
 def _received(receipt: Receipt) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import sys
 from aiohttp import web
 
 from pdconnector.router.logs import configure_logging
-from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
+from pdconnector.sim.engine import DEFAULT_MAX_MODEL_LEN, EngineSettings, LatencyModel, MockEngine, Role
 from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.mover import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVDevice, KVPool, kv_device_unavailable_reason
@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compat-hash", default=None, help="advertised on /health so the router pairs only compatible engines")
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help="most tokens one request spans, prompt plus output (vLLM's --max-model-len); longer requests get a 400",
+    )
     parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV")
@@ -46,13 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _context_problem(max_model_len: int, num_blocks: int, block_size: int) -> str | None:
+    """Like vLLM, refuse a context length that the KV pool could not hold for even one request."""
+    if max_model_len < 2:
+        return f"--max-model-len {max_model_len}: a request needs room for at least one prompt and one output token"
+    if max_model_len > num_blocks * block_size:
+        return (
+            f"--max-model-len {max_model_len} is more than the KV pool holds (--num-blocks {num_blocks} x --block-size {block_size} = "
+            f"{num_blocks * block_size} tokens): one request could not fit"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format)
     role = Role(args.role)
     kv_device = KVDevice(args.kv_device)
     # Checked before any memory is allocated, so a bad combination fails the same way on every machine.
-    problem = mover_unavailable_reason(args.transport, kv_device) if role is not Role.BOTH else None
+    problem = _context_problem(args.max_model_len, args.num_blocks, args.block_size)
+    if problem is None and role is not Role.BOTH:
+        problem = mover_unavailable_reason(args.transport, kv_device)
     if problem is None and (reason := kv_device_unavailable_reason(kv_device)) is not None:
         problem = f"--kv-device {kv_device.value}: {reason}"
     if problem is not None:
@@ -74,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_id=args.engine_id,
         latency=LatencyModel(args.prefill_seconds_per_token, args.decode_seconds_per_token),
         transfer_timeout_s=args.transfer_timeout,
+        max_model_len=args.max_model_len,
     )
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
     log.info(

@@ -1,4 +1,4 @@
-"""The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak) and transfer counters."""
+"""The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak), transfer, request and token counters."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ class EngineMetrics:
         self.held_blocks = Gauge("pd_mock_kv_blocks_held_for_transfer", "Prefill blocks waiting for a decode engine", registry=self.registry)
         self.transfers = Counter("pd_mock_transfers", "KV transfers by direction and outcome", ["direction", "outcome"], registry=self.registry)
         self.transfer_bytes = Counter("pd_mock_transfer_bytes", "KV bytes moved", ["direction"], registry=self.registry)
+        # outcome: ok, error, or cancelled (the client went away before the answer was complete)
         self.requests = Counter("pd_mock_requests", "Requests by kind and outcome", ["kind", "outcome"], registry=self.registry)
+        # Stops growing when a request's client goes away: proof that the engine stopped working for it.
+        self.generation_tokens = Counter("pd_mock_generation_tokens", "Output tokens generated", registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,8 +9,9 @@ that delivers wrong or missing bytes changes the text, and a correct one gives e
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -20,12 +21,18 @@ from pdconnector.sim.pool import KVPool
 VOCAB_SIZE = 1024
 _WORD = re.compile(r"\S+")
 _TOKEN_WORD = re.compile(r"^t(\d+)$")
+# Prefill computes and stores this many blocks at a time, so an engine can serve other requests between chunks.
+PREFILL_CHUNK_BLOCKS = 16
 
 
-def tokenize(text: str) -> list[int]:
-    """Words to ids: ``t<N>`` words map to N (so generated text round-trips), other words to a stable hash."""
+def tokenize(text: str, limit: int | None = None) -> list[int]:
+    """Words to ids: ``t<N>`` words map to N (so generated text round-trips), other words to a stable hash.
+
+    With ``limit``, stops after that many tokens: enough to refuse an over-long prompt without tokenizing all of it.
+    """
     ids = []
-    for word in _WORD.findall(text):
+    for found in itertools.islice(_WORD.finditer(text), limit):
+        word = found.group()
         match = _TOKEN_WORD.match(word)
         if match and int(match.group(1)) < VOCAB_SIZE:
             ids.append(int(match.group(1)))
@@ -60,27 +67,42 @@ def block_tags(tokens: Sequence[int], block_size: int) -> list[int]:
     return tags
 
 
-def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
-    """Compute the prompt's KV into ``blocks`` on every TP rank.
+def prefill_chunks(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> Iterator[None]:
+    """Compute the prompt's KV into ``blocks`` on every TP rank, :data:`PREFILL_CHUNK_BLOCKS` blocks per step.
 
-    The pages are computed on the host, as if ``blocks`` were blocks 0..n-1 of a pool of their own, then stored
-    wherever the pool lives (host or GPU); the mock model's pages are written whole, so nothing else is lost.
+    The pages are computed on the host, as if each chunk were blocks 0..n-1 of a pool of their own, then stored
+    wherever the pool lives (host or GPU); the mock model's pages are written whole, so nothing else is lost. A block's
+    content depends only on its tag, so chunks write exactly the bytes one pass would.
     """
     tags = block_tags(tokens, pool.block_size)
-    staged = list(range(len(blocks)))
-    for rank, layout in enumerate(pool.layouts):
-        pages = [np.zeros((len(blocks), layout.page_bytes), dtype=np.uint8) for _ in layout.regions]
-        write_tagged_blocks(layout, pages, [staged], [tags], num_tokens=len(tokens))
-        for region, region_pages in enumerate(pages):
-            pool.write_pages(rank, region, blocks, region_pages)
+    for start in range(0, len(blocks), PREFILL_CHUNK_BLOCKS):
+        chunk = blocks[start : start + PREFILL_CHUNK_BLOCKS]
+        staged = list(range(len(chunk)))
+        chunk_tokens = min(len(tokens) - start * pool.block_size, len(chunk) * pool.block_size)
+        for rank, layout in enumerate(pool.layouts):
+            pages = [np.zeros((len(chunk), layout.page_bytes), dtype=np.uint8) for _ in layout.regions]
+            write_tagged_blocks(layout, pages, [staged], [tags[start : start + len(chunk)]], num_tokens=chunk_tokens)
+            for region, region_pages in enumerate(pages):
+                pool.write_pages(rank, region, chunk, region_pages)
+        yield
+
+
+def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
+    """Compute the prompt's KV into ``blocks`` in one go (see :func:`prefill_chunks`)."""
+    for _ in prefill_chunks(pool, blocks, tokens):
+        pass
+
+
+def output_tokens(kv: bytes) -> Iterator[int]:
+    """The output token ids determined by the prompt's KV bytes, one per step (2**32 of them): callers take what they need."""
+    digest = hashlib.blake2b(kv, digest_size=32).digest()
+    for step in range(1 << 32):
+        yield int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE
 
 
 def generate(kv: bytes, count: int) -> list[int]:
-    """``count`` output token ids determined by the prompt's KV bytes."""
-    digest = hashlib.blake2b(kv, digest_size=32).digest()
-    return [
-        int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE for step in range(count)
-    ]
+    """The first ``count`` output token ids determined by the prompt's KV bytes."""
+    return list(itertools.islice(output_tokens(kv), count))
 
 
 def reference_tokens(tokens: Sequence[int], count: int, block_size: int = 16) -> list[int]:

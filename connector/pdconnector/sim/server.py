@@ -1,7 +1,13 @@
-"""The mock engine's HTTP face: vLLM's OpenAI endpoints with ``kv_transfer_params`` handled like vLLM does."""
+"""The mock engine's HTTP face: vLLM's OpenAI endpoints with ``kv_transfer_params`` handled like vLLM does.
+
+A request spans at most the engine's ``max_model_len`` tokens, prompt and output together, and is refused with a 400
+naming the field otherwise, as vLLM does. A client that goes away stops its generation: pd-mock-engine serves this app
+with aiohttp's handler cancellation, and every request closes its generation however it ends.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -20,40 +26,69 @@ DEFAULT_MAX_TOKENS = 16
 
 
 class EngineError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.param = param
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "code": self.code, "param": None}}
+        return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param}}
 
 
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
+    """The prompt's token ids; refused when they leave no room for an output token within ``max_model_len``."""
+    field = "messages" if chat else "prompt"
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise EngineError(400, "'messages' must be a non-empty list of objects", "invalid_messages")
-        tokens = tokenize(chat_prompt(messages))
+            raise EngineError(400, "'messages' must be a non-empty list of objects", "invalid_messages", field)
+        source: str | list[Any] = chat_prompt(messages)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            tokens = tokenize(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            tokens = list(prompt)
-        else:
-            raise EngineError(400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt")
+        source = body.get("prompt")
+        if not (isinstance(source, str) or (isinstance(source, list) and source)):
+            raise EngineError(400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field)
+    # Text is tokenized only as far as the limit, so a huge prompt is refused without tokenizing all of it.
+    tokens = tokenize(source, limit=max_model_len) if isinstance(source, str) else source
     if not tokens:
-        raise EngineError(400, "the prompt has no tokens", "empty_prompt")
-    return tokens
+        raise EngineError(400, "the prompt has no tokens", "empty_prompt", field)
+    if len(tokens) >= max_model_len:
+        count = f"at least {max_model_len}" if isinstance(source, str) else str(len(tokens))
+        raise EngineError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains {count} input tokens, "
+            f"which leaves no room for any output token. Please reduce the length of the {field}.",
+            "context_length_exceeded",
+            field,
+        )
+    if not all(_is_int(t) and t >= 0 for t in tokens):
+        raise EngineError(400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field)
+    return list(tokens)
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
-    value = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EngineError(400, "'max_tokens' must be a positive integer", "invalid_max_tokens")
+def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, prompt_field: str) -> int:
+    """How many tokens to generate: the request's output budget, which must fit in the context after the prompt."""
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(field)
+    room = max_model_len - prompt_tokens
+    if value is None:
+        return min(DEFAULT_MAX_TOKENS, room)
+    if not _is_int(value) or value < 1:
+        raise EngineError(400, f"'{field}' must be a positive integer, got {value!r}", "invalid_max_tokens", field)
+    if value > room:
+        raise EngineError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {prompt_tokens + value} tokens "
+            f"({prompt_tokens} in the {prompt_field}, {value} in '{field}'). Please reduce the length of the {prompt_field} or '{field}'.",
+            "context_length_exceeded",
+            field,
+        )
     return value
 
 
@@ -110,10 +145,8 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def _stream(
-    request: web.Request, generation: Generation, formatter: _Formatter, include_usage: bool, headers: dict[str, str]
-) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _stream(request: web.Request, response: web.StreamResponse, generation: Generation, formatter: _Formatter, include_usage: bool) -> None:
+    """Sends the generation as server-sent events, one chunk per token as it is generated (nothing accumulates)."""
     await response.prepare(request)
     if formatter.chat:
         await response.write(_sse(formatter.chunk(None, None, first=True)))
@@ -133,12 +166,12 @@ async def _stream(
         await response.write(_sse(formatter.usage_chunk(generation.prompt_tokens, produced)))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
-    return response
 
 
 async def _generation_for(engine: MockEngine, body: dict[str, Any], chat: bool) -> Generation:
-    prompt = _prompt_tokens(body, chat)
-    max_tokens = _max_tokens(body)
+    max_model_len = engine.settings.max_model_len
+    prompt = _prompt_tokens(body, chat, max_model_len)
+    max_tokens = _max_tokens(body, len(prompt), max_model_len, "messages" if chat else "prompt")
     transfer = _transfer(body)
     try:
         return await engine.run(prompt, max_tokens, transfer)
@@ -166,24 +199,36 @@ async def handle_completion(request: web.Request, engine: MockEngine, model: str
     kind = "chat" if chat else "completion"
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id, "x-pd-engine": engine.settings.engine_id}
+    response: web.StreamResponse | None = None
     try:
         body = _parse(await request.read(), model)
         generation = await _generation_for(engine, body, chat)
+        formatter = _Formatter(chat, model, request_id)
+        try:
+            if body.get("stream"):
+                options = body.get("stream_options") or {}
+                response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await _stream(request, response, generation, formatter, bool(options.get("include_usage")))
+            else:
+                token_ids = [token async for token in generation.tokens]
+                text = "".join(detokenize(t) for t in token_ids)
+                response = web.json_response(formatter.whole(text, token_ids, generation.prompt_tokens, generation.transfer_params), headers=headers)
+        finally:
+            # Stops generating and frees the request's blocks on every path, the client going away included.
+            await generation.aclose()
     except EngineError as error:
         engine.metrics.requests.labels(kind, "error").inc()
         return web.json_response(error.body(), status=error.status, headers=headers)
-    formatter = _Formatter(chat, model, request_id)
-    try:
-        if body.get("stream"):
-            options = body.get("stream_options") or {}
-            response = await _stream(request, generation, formatter, bool(options.get("include_usage")), headers)
-        else:
-            token_ids = [token async for token in generation.tokens]
-            text = "".join(detokenize(t) for t in token_ids)
-            response = web.json_response(formatter.whole(text, token_ids, generation.prompt_tokens, generation.transfer_params), headers=headers)
-    finally:
-        # Frees the request's blocks even when the client went away mid-generation.
-        await generation.tokens.aclose()  # type: ignore[attr-defined]
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when the client disconnects (handler_cancellation in main).
+        engine.metrics.requests.labels(kind, "cancelled").inc()
+        raise
+    except ConnectionResetError:
+        # The client disconnected mid-stream and a write noticed first; aiohttp expects the broken response back.
+        engine.metrics.requests.labels(kind, "cancelled").inc()
+        if response is None:
+            raise
+        return response
     engine.metrics.requests.labels(kind, "ok").inc()
     return response
 

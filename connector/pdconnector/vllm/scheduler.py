@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdconnector.protocol.params import (
+    ERROR_KEY,
     RECEIVED_KEY,
     TRANSFER_ID_KEY,
     TRANSFER_MODE_KEY,
@@ -39,22 +40,13 @@ from pdconnector.protocol.params import (
     parse_transfer_params,
 )
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import (
-    BlockIds,
-    CancelTransfer,
-    Command,
-    ExpectPush,
-    FailRequest,
-    PDConnectorMetadata,
-    PrefillDone,
-    ReadBlocks,
-)
+from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata
+from pdconnector.worker.commands import BlockIds, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 log = logging.getLogger(__name__)
 
 _TRIMMED_KEY = "_pd_prompt_trimmed"
 _STAGED_KEY = "_pd_staged"
-ERROR_KEY = "pd_error"
 
 
 class Block(Protocol):

@@ -23,11 +23,13 @@ from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import CancelTransfer, ExpectPush, FailRequest, PDConnectorMetadata, PrefillDone, ReadBlocks
+from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata
 from pdconnector.vllm.stats import Direction, PDTransferStats
+from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.context import ResultKind
 from pdconnector.worker.identity import EngineInfo, RankInfo
 from pdconnector.worker.side_channel import SideChannelClient
-from pdconnector.worker.transfer_worker import ResultKind, TransferWorker, WorkerConfig
+from pdconnector.worker.transfer_worker import TransferWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class WorkerSide:
                         command.block_ids,
                         command.num_tokens,
                         timeout_s=timeout,
+                        attempt=command.attempt,
                         cached_blocks=command.cached_blocks,
                     )
                 case ReadBlocks():

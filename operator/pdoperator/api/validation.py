@@ -61,6 +61,9 @@ MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
         "--transport": "use spec.engine.transport.backend",
         "--compat-hash": "the operator derives it from the spec",
         "--transfer-timeout": "use spec.engine.transferTimeoutSeconds",
+        "--kv-device": "the operator sets it from spec.{role}.resources.gpus and spec.engine.transport.backend",
+        "--max-model-len": "use spec.model.maxModelLen",
+        "--num-blocks": "the operator sizes the pool for spec.model.maxModelLen",
     },
 }
 # vLLM flags that break the one-side-channel-port-per-pod contract (vLLM adds the data-parallel rank to the port).

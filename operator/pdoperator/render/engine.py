@@ -148,7 +148,21 @@ def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
         "--transfer-timeout",
         str(spec.engine.transfer_timeout_seconds),
         *kv_device,
+        *_mock_context_args(spec.model.max_model_len),
     ]
+
+
+# The mock engine's pool: 4096 blocks of 16 tokens unless a request may span more.
+MOCK_POOL_BLOCKS = 4096
+MOCK_BLOCK_SIZE = 16
+
+
+def _mock_context_args(max_model_len: int | None) -> list[str]:
+    """The mock engine refuses requests past ``--max-model-len``, like vLLM; its pool must hold one such request."""
+    if max_model_len is None:
+        return []
+    blocks = -(-max_model_len // MOCK_BLOCK_SIZE)
+    return ["--max-model-len", str(max_model_len), *(["--num-blocks", str(blocks)] if blocks > MOCK_POOL_BLOCKS else [])]
 
 
 def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tuple[list[str], list[str]]:

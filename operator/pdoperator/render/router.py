@@ -67,6 +67,7 @@ def build_router_config(pds: PDService, defaults: RenderDefaults) -> RouterConfi
         namespace=pds.namespace,
         mode=spec.mode.value,
         served_model_name=served_model_name(spec),
+        max_model_len=spec.model.max_model_len,
         policy=spec.router.policy.value,
         connector=spec.engine.connector.value,
         compat_hash=compat,

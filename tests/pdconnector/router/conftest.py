@@ -38,6 +38,15 @@ def free_port_on(hosts: list[str]) -> int:
     raise RuntimeError("no common free port")
 
 
+CANNED_ANSWERS: dict[str, tuple[int, dict[str, Any]]] = {
+    "error500": (500, {"error": {"message": "engine exploded", "code": "boom"}}),
+    "reject400": (400, {"error": {"message": "prompt too long", "code": "bad"}}),
+    "transfer_failed": (504, {"error": {"message": "no KV within 1 s", "code": "kv_transfer_timeout"}}),
+    # What our connector's prefill answers when it cannot keep the KV for decode: a success status, the error in the body.
+    "pd_error": (200, {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": {"pd_error": "transfer_id missing"}}),
+}
+
+
 @dataclass
 class FakeEngine:
     """An engine whose behaviour a test sets: answer normally, fail, hang, or stream chunks."""
@@ -45,7 +54,7 @@ class FakeEngine:
     name: str
     role: str
     host: str
-    behaviour: str = "ok"  # ok | error500 | hang | transfer_failed | reject400 | die_mid_stream
+    behaviour: str = "ok"  # ok | error500 | hang | transfer_failed | reject400 | die_mid_stream | pd_error
     bodies: list[dict[str, Any]] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: int = 0
@@ -53,6 +62,7 @@ class FakeEngine:
     wait_for: FakeEngine | None = None  # answer only after this engine got a request (proves concurrent dispatch)
     health_status: int = 200
     health_body: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+    health_stalls: float = 0  # this many of the next /health calls never answer (math.inf: all of them)
     stream_reports: bool = True  # the final stream event carries kv_transfer_params, as the mock engine's do (vLLM's never)
 
     def app(self) -> web.Application:
@@ -63,6 +73,9 @@ class FakeEngine:
         return app
 
     async def health(self, _: web.Request) -> web.Response:
+        if self.health_stalls > 0:
+            self.health_stalls -= 1
+            await self.release.wait()
         return web.json_response(self.health_body, status=self.health_status)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -74,12 +87,9 @@ class FakeEngine:
                 await asyncio.wait_for(self.wait_for.arrived.wait(), 5)
             if self.behaviour == "hang":
                 await self.release.wait()
-            if self.behaviour == "error500":
-                return web.json_response({"error": {"message": "engine exploded", "code": "boom"}}, status=500)
-            if self.behaviour == "reject400":
-                return web.json_response({"error": {"message": "prompt too long", "code": "bad"}}, status=400)
-            if self.behaviour == "transfer_failed":
-                return web.json_response({"error": {"message": "no KV within 1 s", "code": "kv_transfer_timeout"}}, status=504)
+            if self.behaviour in CANNED_ANSWERS:
+                status, answer = CANNED_ANSWERS[self.behaviour]
+                return web.json_response(answer, status=status)
             if self.role == "prefill":
                 return web.json_response(self.prefill_answer(body))
             if body.get("stream"):
@@ -149,11 +159,19 @@ class Cluster:
     decode_port: int
     servers: dict[str, TestServer]
 
-    def config(self, **overrides: Any) -> RouterConfig:
-        return router_config(self.prefill, self.decode, (self.prefill_port, self.decode_port), **overrides)
+    def config(self, *, decode_engines: list[FakeEngine] | None = None, **overrides: Any) -> RouterConfig:
+        """The router's config for these engines (``decode_engines``: only those decodes)."""
+        decode = self.decode if decode_engines is None else decode_engines
+        return router_config(self.prefill, decode, (self.prefill_port, self.decode_port), **overrides)
 
     async def stop(self, engine: FakeEngine) -> None:
         await self.servers[engine.name].close()
+
+    async def start(self, engine: FakeEngine) -> None:
+        """Serve a stopped engine again, at its old address."""
+        port = self.prefill_port if engine.role == "prefill" else self.decode_port
+        self.servers[engine.name] = TestServer(engine.app(), host=engine.host, port=port)
+        await self.servers[engine.name].start_server()
 
 
 @pytest.fixture

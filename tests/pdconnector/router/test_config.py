@@ -42,7 +42,7 @@ def config(**overrides) -> RouterConfig:
 
 
 def test_a_dumped_config_loads_back_equal(tmp_path):
-    original = config(api_key_env="KEY", policy="round-robin", timeouts=Timeouts(prefill_s=3, transfer_s=2))
+    original = config(api_key_env="KEY", policy="round-robin", timeouts=Timeouts(prefill_s=3, transfer_s=2), max_model_len=2048)
     path = tmp_path / "router.yaml"
     path.write_text(dump_router_config(original))
     assert load_router_config(path) == original
@@ -57,6 +57,7 @@ def test_dumping_is_stable_text():
 def test_defaults_cover_everything_but_identity_and_backends():
     cfg = config()
     assert (cfg.policy, cfg.connector, cfg.listen_port, cfg.api_key_env) == ("least-loaded", "builtin", 8000, None)
+    assert cfg.max_model_len is None  # spec.model.maxModelLen unset: the model's own length, which only the engines know
     assert cfg.timeouts == Timeouts(connect_s=5.0, prefill_s=120.0, transfer_s=60.0, decode_first_token_s=60.0)
     assert cfg.max_request_body_bytes == 8 * 1024 * 1024
     assert (cfg.prefill.http_port, cfg.prefill.side_channel_port) == (8000, 5600)
@@ -88,6 +89,8 @@ def test_text_that_is_not_a_config_mapping_is_a_value_error(text, fragment):
         ({"listen_port": 0}, "listen_port"),
         ({"unknown": 1}, "unknown"),
         ({"timeouts": {"prefill_s": 0}}, "timeouts.prefill_s"),
+        ({"max_model_len": 1}, "max_model_len"),
+        ({"max_model_len": 10_485_761}, "max_model_len"),
         ({"prefill": {"service": "s", "namespace": "n", "replicas": 1, "backends": []}}, "prefill"),
     ],
 )

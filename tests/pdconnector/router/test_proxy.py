@@ -148,28 +148,80 @@ async def test_connect_error_is_retried_on_another_backend(cluster, make_router)
         assert "pd_router_retries_total" in await (await client.get("/metrics")).text()
 
 
-async def test_all_backends_refusing_gives_503(cluster, make_router):
-    for engine in cluster.prefill:
-        await cluster.stop(engine)
-    client = await make_router(options=RouterOptions(health=HealthSettings(interval_s=60)))
+# Deadlines far beyond what the tests allow themselves: an answer that comes fast did not wait one out.
+PATIENT = {"connect_s": 1, "prefill_s": 30, "transfer_s": 30, "decode_first_token_s": 30}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("behaviour", "detail"), [("error500", "HTTP 500: engine exploded"), ("pd_error", "it kept no KV for decode: transfer_id missing")]
+)
+async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_engine_and_transfer(cluster, make_router, behaviour, detail, stream):
+    decode = cluster.decode[0]
+    decode.behaviour = "hang"  # as a decode engine waiting for KV that prefill will never write
+    for p in cluster.prefill:
+        p.behaviour = behaviour
+        p.wait_for = decode  # fail only once the decode leg is in flight, so it must be ended
+    client = await make_router(mode="push", timeouts=PATIENT, decode_engines=[decode])
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    response = await client.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    assert loop.time() - started < 1.0
+    assert response.status == 502
+    prefill = next(p for p in cluster.prefill if p.bodies)
+    transfer_id = prefill.bodies[0]["kv_transfer_params"]["transfer_id"]
+    error = (await response.json())["error"]
+    assert error["code"] == "prefill_failed"
+    assert error["message"] == (
+        f"The prefill leg failed on {prefill.name} (engine id {prefill.name}-c0ffee, http://{prefill.host}:{cluster.prefill_port})"
+        f" for transfer {transfer_id}: {detail}"
+    )
+    assert response.headers["x-pd-transfer-id"] == transfer_id
+    await until(lambda: decode.cancelled == 1)
+    for engine in cluster.prefill + cluster.decode:
+        engine.behaviour = "ok"
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
+
+
+async def test_a_pull_prefill_reporting_pd_error_is_its_failure_not_a_bad_decode_request(cluster, make_router):
+    for p in cluster.prefill:
+        p.behaviour = "pd_error"
+    response = await (await make_router(mode="pull")).post("/v1/completions", json=COMPLETION)
+    assert response.status == 502
+    assert "kept no KV for decode" in (await response.json())["error"]["message"]
+    assert not any(d.bodies for d in cluster.decode)
+
+
+async def test_push_relays_decode_without_waiting_for_the_prefill_answer(cluster, make_router):
+    # Decode answering means its KV arrived: prefill's own answer adds nothing the client must wait for.
+    for p in cluster.prefill:
+        p.behaviour = "hang"
+    client = await make_router(mode="push", timeouts=PATIENT)
+    for stream in (False, True):
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": stream})
+        assert response.status == 200
+        assert (await response.text()).endswith("data: [DONE]\n\n" if stream else "}")
+    await until(lambda: sum(p.cancelled for p in cluster.prefill) == 2)
+
+
+async def test_push_with_every_prefill_down_is_a_prompt_503_naming_each_and_recovers(cluster, make_router):
+    for p in cluster.prefill:
+        await cluster.stop(p)
+    client = await make_router(mode="push", timeouts=PATIENT)
     response = await client.post("/v1/completions", json=COMPLETION)
     assert response.status == 503
-    assert (await response.json())["error"]["code"] == "no_prefill_backend"
-
-
-async def test_prefill_engine_error_gives_502_and_cancels_push_decode_leg(cluster, make_router):
-    for p in cluster.prefill:
-        p.behaviour = "error500"
-        p.wait_for = cluster.decode[0]
-    for d in cluster.decode:
-        d.behaviour = "hang"
-    client = await make_router(mode="push")
-    response = await client.post("/v1/completions", json=COMPLETION)
-    assert response.status == 502
+    assert response.headers["Retry-After"] == "1"
     error = (await response.json())["error"]
-    assert error["code"] == "prefill_failed" and "engine exploded" in error["message"]
-    await asyncio.sleep(0.1)
-    assert sum(d.cancelled for d in cluster.decode) == 1
+    assert error["code"] == "no_prefill_backend"
+    assert error["message"].startswith("No healthy prefill backend is available: p0: ejected (")
+    assert "; p1: ejected (" in error["message"] and "cannot connect" in error["message"]
+    for p in cluster.prefill:
+        await cluster.start(p)
+    for _ in range(50):  # the next passed health check re-admits them
+        if all(b["healthy"] for b in (await status_of(client))["backends"]):
+            break
+        await asyncio.sleep(0.05)
+    assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
 
 
 async def test_decode_failure_aborts_running_prefill_leg(cluster, make_router):

@@ -28,3 +28,19 @@ def test_cuda_pools_without_a_cuda_device_exit_2_naming_the_flag():
 def test_cuda_pools_over_the_mock_transport_are_refused(role, capsys):
     assert main(["--role", role, "--transport", "mock", "--kv-device", "cuda", *ENGINE]) == 2
     assert "--kv-device cuda needs --transport nixl" in capsys.readouterr().err
+
+
+def test_a_request_spans_at_most_2048_tokens_unless_asked_otherwise():
+    assert build_parser().parse_args(["--role", "both", *ENGINE]).max_model_len == 2048
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--max-model-len", "1025", "--num-blocks", "64"], "--max-model-len 1025 is more than the KV pool holds (--num-blocks 64 x --block-size 16"),
+        (["--max-model-len", "1"], "--max-model-len 1: a request needs room for at least one prompt and one output token"),
+    ],
+)
+def test_a_context_length_the_pool_cannot_serve_is_refused_before_starting(flags, says, capsys):
+    assert main(["--role", "both", *ENGINE, *flags]) == 2
+    assert says in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from pdconnector.protocol.params import (
     PrefillCoordinates,
@@ -18,7 +19,7 @@ from pdconnector.sim.model import reference_tokens
 from pdconnector.sim.mover import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVPool
 
-from tests.pdconnector.sim.engines import PROMPT, engine_servers, leg
+from tests.pdconnector.sim.engines import PROMPT, engine_servers, eventually, leg, metrics
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +95,39 @@ async def test_unclaimed_prefill_blocks_are_freed_when_the_lease_ends(pair):
         await asyncio.sleep(0.05)
     assert prefill.pool.free_blocks == 64
     assert 'outcome="expired"' in await (await p_client.get("/metrics")).text()
+
+
+async def test_a_push_decode_leg_whose_client_gives_up_while_waiting_for_kv_frees_its_blocks_within_a_second(pair):
+    (_, prefill), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0", transfer_timeout_s=30)
+    body = leg(push_decode_leg_params(mint_transfer_id(), prefill.mover.side_channel()))
+    with pytest.raises(TimeoutError):
+        await d_client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.2))
+
+    assert await eventually(lambda: decode.pool.free_blocks == 64, within_s=1.0)  # not the 30 s transfer timeout: the request is gone
+
+
+async def test_a_pull_decode_leg_whose_client_disconnects_mid_stream_stops_and_frees_its_blocks(pair):
+    (p_client, _), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0", decode_s=0.01)
+    tid = mint_transfer_id()
+    first = await (await p_client.post("/v1/completions", json=leg(prefill_leg_params(TransferMode.PULL, tid), 1))).json()
+    response = await d_client.post("/v1/completions", json={**leg(pull_decode_leg_params(first["kv_transfer_params"], tid), 500), "stream": True})
+    await response.content.readline()
+    response.close()
+
+    assert await eventually(lambda: decode.pool.free_blocks == 64, within_s=1.0)
+    generated = (await metrics(d_client))["pd_mock_generation_tokens_total"]
+    await asyncio.sleep(0.1)
+    assert (await metrics(d_client))["pd_mock_generation_tokens_total"] == generated < 500
+
+
+async def test_a_prefill_leg_whose_client_gives_up_mid_prefill_frees_its_blocks_and_exports_nothing(pair):
+    p_client, prefill = await pair(Role.PREFILL, "p0", prefill_s=0.02)  # a second for the 50-token prompt
+    body = leg(prefill_leg_params(TransferMode.PULL, mint_transfer_id()), 1)
+    with pytest.raises(TimeoutError):
+        await p_client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.2))
+
+    assert await eventually(lambda: prefill.pool.free_blocks == 64, within_s=1.0)
+    assert (await metrics(p_client))["pd_mock_kv_blocks_held_for_transfer"] == 0
 
 
 def test_coordinates_name_the_side_channel():

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from pdconnector.protocol.params import (
+    ERROR_KEY,
     RECEIVED_KEY,
     TRANSFER_ID_KEY,
     PrefillCoordinates,
@@ -15,8 +16,9 @@ from pdconnector.protocol.params import (
     push_decode_leg_params,
 )
 from pdconnector.vllm.config import ConnectorConfigError, parse_connector_config
-from pdconnector.vllm.metadata import CancelTransfer, ExpectPush, FailRequest, PrefillDone, ReadBlocks
-from pdconnector.vllm.scheduler import ERROR_KEY, EngineCoordinates, SchedulerSide
+from pdconnector.vllm.metadata import FailRequest
+from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
+from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 FINISHED = "finished_stopped"
 ABORTED = "finished_aborted"

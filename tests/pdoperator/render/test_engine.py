@@ -89,7 +89,7 @@ def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_side_channel_and_co
         assert engine["args"] == [
             "--role", role, "--port", "8000", "--model", "tiny-llama", "--engine-id", f"$(POD_NAME)-{compat}",
             "--side-channel-host", "$(POD_IP)", "--side-channel-port", "5600", "--tp-size", "1", "--transport", "mock",
-            "--compat-hash", compat, "--transfer-timeout", "60",
+            "--compat-hash", compat, "--transfer-timeout", "60", "--max-model-len", "2048",
         ]  # fmt: skip
         # A mock engine loads no weights: no model volume, no Hugging Face settings.
         assert [m["mountPath"] for m in engine["volumeMounts"]] == ["/dev/shm"]

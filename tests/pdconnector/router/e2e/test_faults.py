@@ -104,6 +104,22 @@ def test_prefill_killed_before_transfer_gives_a_clear_error_and_frees_decode(clu
     wait_until(lambda: blocks_all_free(cluster))
 
 
+def test_push_with_every_prefill_down_is_a_prompt_503_naming_them_then_served_once_they_return(cluster):
+    for name in ("prefill-0", "prefill-1"):
+        cluster.engines[name].kill()
+    router = client_for(cluster.routers["push"].url)
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        router.completions.create(model=MODEL, prompt="anyone there", max_tokens=2)
+    assert time.monotonic() - started < 1.0  # the engines' transfer timeout is 2 s: nothing waited for KV
+    assert refused.value.status_code == 503
+    assert "prefill-0: ejected" in refused.value.message and "prefill-1: ejected" in refused.value.message
+    for name in ("prefill-0", "prefill-1"):
+        cluster.restart(name)
+    wait_until(lambda: _all_healthy(cluster.routers["push"].url))
+    assert router.completions.create(model=MODEL, prompt="anyone there", max_tokens=2).choices[0].text
+
+
 def test_a_backend_refusing_connections_is_retried_then_ejected(cluster):
     cluster.engines["decode-0"].kill()
     cluster.engines["prefill-1"].kill()

@@ -81,6 +81,10 @@ def test_unknown_model_and_bad_input_are_client_errors(fast_cluster):
         router.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         router.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    # The request that once wedged a decode engine ends at the router, and the next one is served.
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' is 100000000"):
+        router.completions.create(model=MODEL, prompt="x", max_tokens=100_000_000)
+    assert router.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
 
 
 async def _load(url: str, count: int, concurrency: int) -> list[tuple[str, int, dict]]:

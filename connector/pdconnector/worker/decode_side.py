@@ -1,0 +1,318 @@
+"""The decode side of a rank's transfer worker: handshake, then register (push) or READ (pull), then count the end.
+
+Every decode command starts with a side-channel lookup of the prefill engine (answered from the
+client's cache after the first). Push: the registration goes to every prefill rank that writes this
+rank and the :class:`CompletionTracker` counts their completion notifications. Pull: this rank READs
+from every source rank, each READ's notification telling that rank it may free. Either way the end is
+reported once, as ``finished_recving`` or ``failed_recving``; a failure on this side tells the prefill
+ranks (an ``AbortMessage``) and invalidates the cached handshake, since the peer may have restarted
+under the same coordinates. Each command comes with its deadline, taken on the worker's clock when
+the worker received it. Inputs come from the worker thread's loop with its clock ``now``; this side
+shares nothing with the prefill side but the :class:`WorkerContext` and the :class:`PeerRegistry`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pdconnector.layout import plan_transfer, writers_for
+from pdconnector.protocol.completion import CompletionTracker, TransferFailure
+from pdconnector.protocol.messages import (
+    MAX_DETAIL_CHARS,
+    AbortMessage,
+    CompletionMessage,
+    FailureMessage,
+    FailureReason,
+    ProtocolError,
+    ReadDoneMessage,
+    RegistrationMessage,
+    Side,
+    encode,
+)
+from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.transport.base import TransferHandle, TransferState, TransportError
+from pdconnector.worker.commands import ExpectPush, ReadBlocks
+from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
+from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
+from pdconnector.worker.peers import PeerRegistry
+from pdconnector.worker.side_channel import SideChannelClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Handshaking:
+    """A decode command waiting for the prefill engine's side-channel info."""
+
+    command: ExpectPush | ReadBlocks
+    deadline: float
+    info: Future[EngineInfo]
+
+
+@dataclass
+class _PushWait:
+    attempt: int
+    writers: dict[int, str]  # prefill rank -> agent name, for aborts
+    prefill: PrefillCoordinates
+
+
+@dataclass
+class _Reading:
+    command: ReadBlocks
+    deadline: float
+    handles: dict[int, TransferHandle]  # source prefill rank -> READ in flight
+    agents: dict[int, str]
+    nbytes: int = 0
+
+
+class DecodeSide:
+    """Args:
+    side_channel: looks prefill engines up; without one every decode command fails at once.
+    wake: wakes the worker thread (a handshake answered from another thread).
+    engine_id, host, side_channel_port: this engine as its registrations name it.
+    """
+
+    def __init__(
+        self,
+        context: WorkerContext,
+        peers: PeerRegistry,
+        *,
+        side_channel: SideChannelClient | None,
+        wake: Callable[[], None],
+        engine_id: str,
+        host: str,
+        side_channel_port: int,
+    ) -> None:
+        self.layout = context.layout
+        self._context = context
+        self._peers = peers
+        self._side_channel = side_channel
+        self._wake = wake
+        self._engine_id = engine_id
+        self._host = host
+        self._side_channel_port = side_channel_port
+        self._tracker = CompletionTracker()
+        self._handshaking: dict[str, _Handshaking] = {}
+        self._pushes: dict[str, _PushWait] = {}
+        self._reads: dict[str, _Reading] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._reads or self._handshaking or self._pushes or self._tracker)
+
+    def next_deadline(self) -> float | None:
+        return self._tracker.next_deadline()
+
+    def handles(self) -> list[TransferHandle]:
+        """The READs in flight (for shutdown)."""
+        return [handle for reading in self._reads.values() for handle in reading.handles.values()]
+
+    # --- inputs -----------------------------------------------------------------------------------------------------
+
+    def begin(self, command: ExpectPush | ReadBlocks, deadline: float) -> None:
+        """Start receiving: look the prefill engine up; registration or READs follow when it answers."""
+        transfer_id = command.transfer_id
+        if transfer_id in self._reads or (isinstance(command, ReadBlocks) and (transfer_id in self._handshaking or transfer_id in self._pushes)):
+            self._fail(transfer_id, FailureReason.INVALID_REGISTRATION, f"transfer {transfer_id} is already being received")
+            return
+        if self._side_channel is None:
+            self._fail(transfer_id, FailureReason.INCOMPATIBLE, "this worker has no side-channel client (decode role needs one)")
+            return
+        future = self._side_channel.lookup(command.prefill)
+        future.add_done_callback(lambda _: self._wake())
+        self._handshaking[transfer_id] = _Handshaking(command, deadline, future)
+
+    def cancel(self, transfer_id: str, detail: str) -> None:
+        if self._handshaking.pop(transfer_id, None) is not None:
+            self._fail(transfer_id, FailureReason.CANCELLED, detail)
+        if self._tracker.cancel(transfer_id) is not None:
+            self._end_push(transfer_id, abort=True, detail=detail)
+            self._fail(transfer_id, FailureReason.CANCELLED, detail)
+        if transfer_id in self._reads:
+            self._end_read(transfer_id, FailureReason.CANCELLED, detail)
+
+    def on_message(self, message: CompletionMessage | FailureMessage) -> None:
+        """A notification meant for decode (a prefill rank's completion or failure)."""
+        self._tracker.on_message(message)
+
+    def poll_handshakes(self, now: float) -> bool:
+        progressed = False
+        for transfer_id, waiting in list(self._handshaking.items()):
+            command = waiting.command
+            if not waiting.info.done():
+                if waiting.deadline <= now:
+                    del self._handshaking[transfer_id]
+                    address = f"{command.prefill.host}:{command.prefill.side_channel_port}"
+                    self._fail(transfer_id, FailureReason.TIMEOUT, f"no side-channel answer from {address} by the deadline")
+                    progressed = True
+                continue
+            del self._handshaking[transfer_id]
+            progressed = True
+            try:
+                engine = waiting.info.result()
+                check_peer(self.layout, engine, peer_is_prefill=True)
+                self._peers.load_engine(engine)
+            except IncompatiblePeer as error:
+                self._fail(transfer_id, FailureReason.INCOMPATIBLE, str(error))
+                continue
+            except (ConnectionError, OSError, ValueError, TransportError) as error:
+                assert self._side_channel is not None
+                self._side_channel.invalidate(command.prefill)
+                self._fail(transfer_id, FailureReason.INCOMPATIBLE, f"handshake with {command.prefill.engine_id} failed: {error}")
+                continue
+            if isinstance(command, ExpectPush):
+                self._register(command, waiting.deadline, engine)
+            else:
+                self._post_reads(command, waiting.deadline, engine)
+        return progressed
+
+    def poll_reads(self, now: float) -> bool:
+        """Collect the READs that ended; a pull ends when all its READs did, or at the first failure."""
+        progressed = False
+        for transfer_id, reading in list(self._reads.items()):
+            failed = None
+            for p, handle in list(reading.handles.items()):
+                status = self._context.state(handle)
+                if status.state is TransferState.DONE:
+                    del reading.handles[p]
+                    self._context.release(handle)
+                elif status.state is TransferState.FAILED:
+                    failed = f"READ from prefill rank {p} failed: {status.error}"
+                    break
+            if failed is not None:
+                progressed = True
+                self._end_read(transfer_id, FailureReason.WRITE_FAILED, failed)
+            elif not reading.handles:
+                progressed = True
+                self._end_read(transfer_id, None, f"read from prefill ranks {sorted(reading.agents)}")
+        return progressed
+
+    def expire(self, now: float) -> bool:
+        progressed = False
+        for transfer_id, reading in list(self._reads.items()):
+            if reading.deadline <= now:
+                self._end_read(transfer_id, FailureReason.TIMEOUT, f"READ not done by the deadline (pending prefill ranks {sorted(reading.handles)})")
+                progressed = True
+        polled = self._tracker.poll(now)
+        for received in polled.finished:
+            self._pushes.pop(received.transfer_id, None)
+            detail = f"attempt {received.attempt} received"
+            self._context.report(TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, "received", detail, received.bytes_written))
+        for failure in polled.failed:
+            self._end_push(failure.transfer_id, abort=failure.side is Side.DECODE, detail=failure.detail)
+            self._report_failure(failure)
+        return progressed or bool(polled.finished or polled.failed)
+
+    # --- push: registration ------------------------------------------------------------------------------------------
+
+    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo) -> None:
+        rank, d_tp, p_tp = self.layout.tp_rank, self.layout.tp_size, engine.tp_size
+        writers = {p: engine.ranks[p].agent_name for p in writers_for(rank, p_tp, d_tp)}
+        previous = self._pushes.get(command.transfer_id)
+        if previous is not None and command.attempt <= previous.attempt:
+            log.warning("transfer %s: attempt %d ignored, attempt %d is pending", command.transfer_id, command.attempt, previous.attempt)
+            return
+        try:
+            self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)
+        except ValueError as error:
+            self._fail(command.transfer_id, FailureReason.CAPACITY, str(error))
+            return
+        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill)
+        own = self._context.own
+        try:
+            message = RegistrationMessage(
+                transfer_id=command.transfer_id,
+                attempt=command.attempt,
+                decode_engine_id=self._engine_id,
+                decode_host=self._host,
+                decode_port=self._side_channel_port,
+                decode_tp_rank=rank,
+                decode_tp_size=d_tp,
+                num_tokens=command.num_tokens,
+                num_blocks=self.layout.num_blocks,
+                block_ids=command.block_ids,
+                agent_name=own.agent_name,
+                agent_metadata=own.agent_metadata,
+                region_base_addresses=own.region_base_addresses,
+                layout_fingerprint=self._context.layout_fingerprint,
+                cached_blocks=command.cached_blocks,
+                device_id=self._context.device_id,
+            )
+            frame = encode(message)
+        except (ProtocolError, ValueError) as error:
+            self._tracker.cancel(command.transfer_id)
+            self._end_push(command.transfer_id, abort=False)
+            self._fail(command.transfer_id, FailureReason.INVALID_REGISTRATION, str(error))
+            return
+        self._context.count("registrations_sent", len(writers))
+        for agent in writers.values():
+            if not self._context.send_frame(agent, frame):
+                self._tracker.cancel(command.transfer_id)
+                self._end_push(command.transfer_id, abort=True, detail="registration could not be delivered")
+                self._fail(command.transfer_id, FailureReason.WRITE_FAILED, f"could not send the registration to prefill agent {agent}")
+                return
+
+    def _end_push(self, transfer_id: str, *, abort: bool, detail: str = "") -> None:
+        """Forget a push this rank waited for; ``abort``: it failed on this side, so tell the writers to free and
+        re-handshake next time (the peer may have restarted under the same coordinates)."""
+        waiting = self._pushes.pop(transfer_id, None)
+        if waiting is None or not abort:
+            return
+        if self._side_channel is not None:
+            self._side_channel.invalidate(waiting.prefill)
+        message = AbortMessage(transfer_id=transfer_id, attempt=waiting.attempt, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
+        for agent in waiting.writers.values():
+            self._context.send(agent, message)
+
+    # --- pull: reads -------------------------------------------------------------------------------------------------
+
+    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo) -> None:
+        rank, d_tp = self.layout.tp_rank, self.layout.tp_size
+        reading = _Reading(command, deadline, {}, {})
+        self._reads[command.transfer_id] = reading
+        sources = writers_for(rank, engine.tp_size, d_tp)
+        # Every source rank holds the blocks for this READ: all of them are told if it fails, posted or not.
+        reading.agents.update({p: engine.ranks[p].agent_name for p in sources})
+        try:
+            for p in sources:
+                source = engine.rank_layout(self.layout.model, p)
+                plan = plan_transfer(source, self.layout, command.remote_block_ids, command.block_ids, num_tokens=command.num_tokens)
+                remote, local = plan.to_descriptors(
+                    engine.ranks[p].region_base_addresses,
+                    self._context.region_addrs,
+                    src_device_id=engine.ranks[p].device_id,
+                    dst_device_id=self._context.device_id,
+                )
+                done = ReadDoneMessage(transfer_id=command.transfer_id, attempt=0, decode_rank=rank, decode_tp_size=d_tp, bytes_read=plan.nbytes)
+                reading.handles[p] = self._context.transport.read(engine.ranks[p].agent_name, local, remote, encode(done))
+                self._context.count("reads_posted")
+                reading.nbytes += plan.nbytes
+        except (ValueError, TransportError) as error:
+            self._end_read(command.transfer_id, FailureReason.WRITE_FAILED, f"cannot post READ: {error}")
+
+    def _end_read(self, transfer_id: str, reason: FailureReason | None, detail: str) -> None:
+        """Finish a pull on this rank: release handles; on failure tell every source rank to free and report."""
+        reading = self._reads.pop(transfer_id)
+        for handle in reading.handles.values():
+            self._context.release(handle)
+        if reason is None:
+            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes))
+            return
+        if self._side_channel is not None:
+            self._side_channel.invalidate(reading.command.prefill)
+        abort = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
+        for agent in reading.agents.values():
+            self._context.send(agent, abort)
+        self._fail(transfer_id, reason, detail)
+
+    # --- results -----------------------------------------------------------------------------------------------------
+
+    def _report_failure(self, failure: TransferFailure) -> None:
+        detail = f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"
+        self._context.report(TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason.value, detail))
+
+    def _fail(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
+        self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason.value, detail))

@@ -1,0 +1,183 @@
+"""The prefill side of a rank's transfer worker: finished blocks held for decode, WRITEs posted, blocks released.
+
+Push: the :class:`RendezvousTable` pairs finished prefills with decode registrations; its events
+become transport calls here (post a WRITE per paired decode rank, release abandoned ones, tell
+decode why a transfer failed) and its ``Closed`` events become ``finished_sending`` results.
+Pull: :class:`PullHolds` keeps finished blocks until every decode rank reading them sent its
+read-done notice, an abort arrives or the lease ends. Inputs come from the worker thread's loop
+(commands, the notifications meant for prefill, polling, deadlines) with its clock ``now``; this
+side shares nothing with the decode side but the :class:`WorkerContext` and the :class:`PeerRegistry`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pdconnector.layout import LayerKind, RankLayout, plan_transfer
+from pdconnector.protocol.messages import AbortMessage, CompletionMessage, ReadDoneMessage, RegistrationMessage, encode
+from pdconnector.protocol.rendezvous import (
+    AbandonWrite,
+    Closed,
+    Event,
+    NotifyDecode,
+    PrefillBlocks,
+    RendezvousLimits,
+    RendezvousTable,
+    StartWrite,
+    WriteKey,
+)
+from pdconnector.transport.base import TransferHandle, TransferState, TransportError
+from pdconnector.worker.commands import PrefillDone
+from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
+from pdconnector.worker.peers import PeerRegistry
+from pdconnector.worker.pull import PullHolds, Released
+
+log = logging.getLogger(__name__)
+
+
+class PrefillSide:
+    def __init__(self, context: WorkerContext, peers: PeerRegistry, *, limits: RendezvousLimits, pull_lease_s: float) -> None:
+        self.layout = layout = context.layout
+        self._context = context
+        self._peers = peers
+        self._table = RendezvousTable(
+            prefill_rank=layout.tp_rank,
+            prefill_tp_size=layout.tp_size,
+            block_size=layout.model.block_size,
+            ssm_groups=frozenset(group.index for group in layout.groups if group.kind is LayerKind.SSM),
+            limits=limits,
+            layout_fingerprint=context.layout_fingerprint,
+        )
+        self._holds = PullHolds(prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, lease_s=pull_lease_s)
+        self._writes: dict[WriteKey, TransferHandle] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._writes or self._table or self._holds)
+
+    def next_deadline(self) -> float | None:
+        return min((d for d in (self._table.next_deadline(), self._holds.next_deadline()) if d is not None), default=None)
+
+    def handles(self) -> list[TransferHandle]:
+        """The WRITEs in flight (for shutdown)."""
+        return list(self._writes.values())
+
+    # --- inputs -----------------------------------------------------------------------------------------------------
+
+    def prefill_done(self, command: PrefillDone, now: float) -> None:
+        self._context.count("prefills_finished")
+        try:
+            if command.pull:
+                self._report_released(self._holds.hold(PrefillBlocks(command.transfer_id, command.block_ids, command.num_tokens), now))
+            else:
+                self._apply(self._table.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, now), now)
+        except ValueError as error:
+            log.error("transfer %s: %s", command.transfer_id, error)
+
+    def cancel(self, transfer_id: str, detail: str, now: float) -> None:
+        self._apply(self._table.cancel(transfer_id, detail, now), now)
+        self._report_released(self._holds.cancel(transfer_id, detail))
+
+    def on_message(self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float) -> None:
+        """A notification meant for prefill (decode registering, giving up, or done reading)."""
+        match message:
+            case RegistrationMessage():
+                self._context.count("registrations_received")
+                if message.agent_metadata:
+                    try:
+                        self._peers.load(message.agent_metadata)
+                    except TransportError as error:
+                        log.warning("registration of %s: cannot load decode agent %s: %s", message.transfer_id, message.agent_name, error)
+                self._apply(self._table.registration_received(message, now), now)
+            case AbortMessage() if message.transfer_id in self._holds:
+                self._report_released(self._holds.notice_received(message, now))
+            case AbortMessage():
+                # Unknown to both tables, it may be a pull abort overtaking its hold: the holds keep it for a lease.
+                self._apply(self._table.abort_received(message, now), now)
+                self._holds.notice_received(message, now)
+            case ReadDoneMessage():
+                self._report_released(self._holds.notice_received(message, now))
+
+    def poll(self, now: float) -> bool:
+        """Collect the WRITEs that ended."""
+        progressed = False
+        for key, handle in list(self._writes.items()):
+            status = self._context.state(handle)
+            if not status.finished:
+                continue
+            del self._writes[key]
+            self._context.release(handle)
+            progressed = True
+            if status.state is TransferState.DONE:
+                self._apply(self._table.write_done(key, now), now)
+            else:
+                self._apply(self._table.write_failed(key, f"WRITE failed: {status.error}", now), now)
+        return progressed
+
+    def expire(self, now: float) -> bool:
+        progressed = False
+        deadline = self._table.next_deadline()
+        if deadline is not None and deadline <= now:
+            events = self._table.expire(now)
+            self._apply(events, now)
+            progressed |= bool(events)
+        for released in self._holds.expire(now):
+            self._report_released(released)
+            progressed = True
+        return progressed
+
+    # --- rendezvous events -> transport -----------------------------------------------------------------------------
+
+    def _apply(self, events: list[Event], now: float) -> None:
+        pending = list(events)
+        while pending:
+            event = pending.pop(0)
+            match event:
+                case StartWrite():
+                    pending += self._start_write(event, now)
+                case AbandonWrite(key=key):
+                    handle = self._writes.pop(key, None)
+                    if handle is not None:
+                        self._context.release(handle)
+                case NotifyDecode(destination=destination, message=message):
+                    self._context.send(destination.agent_name, message)
+                case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks):
+                    if blocks is not None:
+                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome.value, detail))
+
+    def _start_write(self, event: StartWrite, now: float) -> list[Event]:
+        registration, key = event.registration, event.key
+        try:
+            if registration.agent_metadata:
+                self._peers.load(registration.agent_metadata)
+            if registration.agent_name not in self._peers:
+                raise TransportError(f"decode agent {registration.agent_name!r} is unknown (no metadata in the registration or the handshake)")
+            destination = RankLayout(self.layout.model, registration.decode_tp_size, registration.decode_tp_rank, registration.num_blocks)
+            if len(registration.region_base_addresses) != len(destination.regions):
+                count = len(registration.region_base_addresses)
+                raise ValueError(f"registration has {count} region addresses, the layout has {len(destination.regions)}")
+            plan = plan_transfer(self.layout, destination, event.prefill.block_ids, registration.block_ids, num_tokens=event.prefill.num_tokens)
+            local, remote = plan.to_descriptors(
+                self._context.region_addrs,
+                registration.region_base_addresses,
+                src_device_id=self._context.device_id,
+                dst_device_id=registration.device_id,
+            )
+            notification = encode(
+                CompletionMessage(
+                    transfer_id=key.transfer_id,
+                    attempt=key.attempt,
+                    prefill_rank=self.layout.tp_rank,
+                    prefill_tp_size=self.layout.tp_size,
+                    bytes_written=plan.nbytes,
+                )
+            )
+            self._writes[key] = self._context.transport.write(registration.agent_name, local, remote, notification)
+            self._context.count("writes_posted")
+        except (ValueError, TransportError) as error:
+            return self._table.write_failed(key, f"cannot post WRITE: {error}", now)
+        return []
+
+    def _report_released(self, released: Released | None) -> None:
+        if released is not None:
+            self._context.report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
