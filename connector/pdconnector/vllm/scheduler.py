@@ -169,6 +169,11 @@ class SchedulerSide:
             transfer = self._parse(params)
             if transfer.role is not EngineRole.DECODE or transfer.remote is None:
                 raise TransferParamsError("do_remote_prefill", "a decode leg needs the prefill engine's coordinates")
+            owner = self._decode_owner(transfer.transfer_id)
+            if owner is not None:
+                # The workers know a transfer by its id alone: a second request under it would take over the first's
+                # results (which then never ends) and could be written with bytes meant for the other.
+                raise TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already in use by request {owner} on this engine")
             local, cached = self._local_blocks(block_groups)
             command = self._decode_command(request_id, transfer, local, cached, num_external_tokens)
         except (TransferParamsError, ValueError) as error:
@@ -177,6 +182,11 @@ class SchedulerSide:
             return
         self._incoming[request_id] = _Incoming(transfer.transfer_id, transfer.mode, sum(len(g) for g in local))
         self._stage(command)
+
+    def _decode_owner(self, transfer_id: str) -> str | None:
+        """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if any."""
+        live = [*((r, i) for r, i in self._incoming.items() if not i.failed), *self._received.items()]
+        return next((request_id for request_id, incoming in live if incoming.transfer_id == transfer_id), None)
 
     def _local_blocks(self, block_groups: Sequence[Sequence[Block]]) -> tuple[BlockIds, int]:
         """Decode's blocks to fill (per group) and how many leading attention blocks it already holds (prefix hit)."""
@@ -247,6 +257,10 @@ class SchedulerSide:
         request_id = request.request_id
         params = self._params(request)
         incoming = self._incoming.get(request_id)
+        if incoming is not None and incoming.failed:
+            # Refused before any transfer began (its id may be another request's): nothing to cancel, nothing written.
+            del self._incoming[request_id]
+            return False, None
         if incoming is not None:
             # Aborted while receiving: keep the blocks until the workers confirm no write lands in them any more.
             self._stage(CancelTransfer(request_id, incoming.transfer_id, f"decode request {request_id} ended before its KV arrived"))
@@ -268,6 +282,12 @@ class SchedulerSide:
         except TransferParamsError as error:
             log.error("prefill request %s keeps no KV for decode: %s", request_id, error)
             return False, {ERROR_KEY: str(error)}
+        owner = next((other for other, held in self._holding.items() if held == transfer.transfer_id and other != request_id), None)
+        if owner is not None:
+            # Neither held nor cancelled: the transfer under this id is the other request's.
+            detail = str(TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already held for request {owner} on this engine"))
+            log.error("prefill request %s keeps no KV for decode: %s", request_id, detail)
+            return False, {ERROR_KEY: detail}
         if request.status not in self.finished_statuses:
             self._stage(CancelTransfer(request_id, transfer.transfer_id, f"prefill request {request_id} ended with {request.status}"))
             return False, None

@@ -4,8 +4,9 @@ Decode needs prefill's agent metadata (to register, and to READ in pull mode) an
 decode's (to WRITE and to answer). One request does both: the client sends its own
 :class:`EngineInfo` (the *announce*), the server hands it to ``on_announce`` (the prefill engine
 loads those peers into its rank workers) and answers with its own. Frames are
-``MAGIC`` + 4-byte big-endian length + msgpack, bounded in both directions; every socket
-operation has a deadline.
+``MAGIC`` + 4-byte big-endian length + msgpack, bounded in both directions. A frame must arrive whole
+within one deadline (a peer that trickles bytes cannot hold a connection open), and the server
+serves at most ``max_connections`` at once, closing the ones beyond at once.
 
 The client caches by address and refetches when the engine id it is asked for is not the one
 it cached: a restarted pod gets a new engine id (and new agent names), and its old NIXL peer
@@ -21,6 +22,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 MAGIC: Final = b"PDSC"
 VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 8 << 20
+# Peers connect once per engine they look up (and again after a restart): far below this in any deployment.
+DEFAULT_MAX_CONNECTIONS: Final = 64
 _HEADER = struct.Struct(">4sI")
 
 
@@ -64,9 +68,13 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(MAGIC, len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(sock: socket.socket, size: int, deadline: float) -> bytes:
     chunks = bytearray()
     while len(chunks) < size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise SideChannelError(f"frame not received by its deadline ({len(chunks)} of {size} bytes)")
+        sock.settimeout(remaining)
         chunk = sock.recv(min(size - len(chunks), 1 << 20))
         if not chunk:
             raise SideChannelError(f"connection closed after {len(chunks)} of {size} bytes")
@@ -74,13 +82,15 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(chunks)
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
-    magic, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def _recv_frame(sock: socket.socket, timeout_s: float) -> bytes:
+    """One whole frame within ``timeout_s``, however the bytes are spread over time."""
+    deadline = time.monotonic() + timeout_s
+    magic, size = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if magic != MAGIC:
         raise SideChannelError(f"not a pdconnector side channel (magic {magic!r})")
     if size > MAX_FRAME_BYTES:
         raise SideChannelError(f"side-channel frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    return _recv_exact(sock, size)
+    return _recv_exact(sock, size, deadline)
 
 
 class SideChannelServer:
@@ -94,12 +104,19 @@ class SideChannelServer:
         engine_info: Callable[[], EngineInfo],
         on_announce: Callable[[EngineInfo], None] | None = None,
         io_timeout_s: float = 5.0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         outer = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                outer._serve(self.request)
+                if not outer._slots.acquire(blocking=False):
+                    log.warning("side channel: %d connections open, refused one from %s", max_connections, self.client_address)
+                    return
+                try:
+                    outer._serve(self.request)
+                finally:
+                    outer._slots.release()
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -108,6 +125,7 @@ class SideChannelServer:
         self._engine_info = engine_info
         self._on_announce = on_announce
         self._io_timeout_s = io_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._server = Server((host, port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"side-channel-{port}", daemon=True)
         self._thread.start()
@@ -131,7 +149,7 @@ class SideChannelServer:
         sock.settimeout(self._io_timeout_s)
         try:
             try:
-                request = _request_decoder.decode(_recv_frame(sock))
+                request = _request_decoder.decode(_recv_frame(sock, self._io_timeout_s))
             except (msgspec.ValidationError, msgspec.DecodeError) as error:
                 _send_frame(sock, _encoder.encode(_Reply(error=f"malformed side-channel request: {error}"[:4096])))
                 return
@@ -156,7 +174,7 @@ def fetch_engine_info(host: str, port: int, *, timeout_s: float, announce: Engin
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
             _send_frame(sock, _encoder.encode(_Request(VERSION, announce)))
-            raw = _recv_frame(sock)
+            raw = _recv_frame(sock, timeout_s)
     except SideChannelError as error:
         raise SideChannelError(f"side channel {address}: {error}") from None
     except OSError as error:

@@ -27,6 +27,7 @@ nothing is (still bounded by the next deadline), so an idle worker costs next to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -238,6 +239,7 @@ class TransferWorker:
     # --- the thread ------------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        transport: Transport | None = None
         try:
             if self._regions and self._regions[0].device is Device.VRAM:
                 bind_cuda_device(self._context.device_id)  # before the agent exists: UCX binds to the thread's CUDA context
@@ -253,6 +255,10 @@ class TransferWorker:
             )
             self._context.bind(transport, own)
         except BaseException as error:
+            if transport is not None:
+                # A registration that failed half way must not leave the agent (and what it did register) behind.
+                with contextlib.suppress(TransportError):
+                    transport.close()
             self._start_error = error
             self._ready.set()
             return

@@ -174,6 +174,51 @@ def test_pull_decode_reads_only_the_blocks_it_lacks() -> None:
     assert side.build_meta().commands == [ReadBlocks("d2", "tx-2", PREFILL, ((12, 13),), ((8, 9),), 24)]
 
 
+@pytest.mark.parametrize("first_received", [False, True])
+def test_a_decode_request_reusing_a_live_transfer_id_is_refused_and_the_first_is_untouched(first_received: bool) -> None:
+    side = scheduler()
+    first = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(first, [blocks(7, 8, 9)], 40)
+    if first_received:
+        side.update_connector_output({"d1"}, set())
+    side.build_meta()
+    second = FakeRequest("d2", push_decode_leg_params("tx-1", PREFILL), list(range(40)), status=ABORTED)
+    side.update_state_after_alloc(second, [blocks(1, 2, 3)], 40)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, FailRequest) and command.request_id == "d2"
+    assert command.detail == "request d2: kv_transfer_params['transfer_id']: tx-1 is already in use by request d1 on this engine"
+    side.update_connector_output({"d2"}, {"d2"})
+    assert side.request_finished(second, [[1, 2, 3]]) == (False, None)
+    assert side.build_meta().commands == []  # no cancel of tx-1, which is d1's
+    if not first_received:
+        side.update_connector_output({"d1"}, set())
+    assert side.request_finished(first, [[7, 8, 9]])[1][RECEIVED_KEY]["transfer_id"] == "tx-1"
+
+
+def test_a_transfer_id_is_free_again_once_its_request_finished() -> None:
+    side = scheduler()
+    first = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(first, [blocks(7, 8, 9)], 40)
+    side.update_connector_output({"d1"}, set())
+    side.request_finished(first, [[7, 8, 9]])
+    side.build_meta()
+    retry = FakeRequest("d2", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(retry, [blocks(1, 2, 3)], 40)
+    assert side.build_meta().commands == [ExpectPush("d2", "tx-1", PREFILL, ((1, 2, 3),), 40)]
+
+
+@pytest.mark.parametrize("status", [FINISHED, ABORTED])
+def test_a_prefill_request_reusing_a_held_transfer_id_keeps_nothing_and_leaves_the_holder_alone(status: str) -> None:
+    side = scheduler()
+    holder = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)), num_computed_tokens=40)
+    assert side.request_finished(holder, [[4, 5, 6]])[0] is True
+    side.build_meta()
+    reuse = FakeRequest("p2", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)), num_computed_tokens=40, status=status)
+    delay, params = side.request_finished(reuse, [[7, 8, 9]])
+    assert delay is False and params == {ERROR_KEY: "kv_transfer_params['transfer_id']: tx-5 is already held for request p1 on this engine"}
+    assert side.build_meta().commands == [] and side.holds("p1")
+
+
 def test_prefill_holds_its_blocks_and_returns_what_a_pull_decode_needs() -> None:
     side = scheduler("pull")
     request = FakeRequest("p1", prefill_leg_params(TransferMode.PULL, "tx-3"), list(range(40)), num_computed_tokens=40)

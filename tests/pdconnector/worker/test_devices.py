@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 from pdconnector.layout import RankLayout
-from pdconnector.transport import Device, MemoryRegion
+from pdconnector.transport import Device, MemoryRegion, TransportError
 from pdconnector.transport.base import Transport
 from pdconnector.transport.mock import MockTransport
 from pdconnector.worker import TransferWorker, WorkerConfig
@@ -75,3 +75,23 @@ def test_vram_without_a_cuda_device_fails_at_start_with_the_reason() -> None:
     with pytest.raises(RuntimeError, match="VRAM regions on device 0, but CUDA is not available in this process"):
         worker.start()
     worker.close()
+
+
+def test_a_transport_whose_registration_fails_is_closed_and_the_start_error_names_it() -> None:
+    layout = RankLayout(MODELS["dense"], 1, 0, 8)
+    _pools, regions = _host_regions(layout, Device.DRAM, 0)
+    created: list[MockTransport] = []
+
+    def factory() -> Transport:
+        transport = MockTransport("prefill-0-r0")
+        transport.register = lambda _regions: (_ for _ in ()).throw(TransportError("registration refused by the test"))  # type: ignore[method-assign]
+        created.append(transport)
+        return transport
+
+    worker = TransferWorker(layout, regions, factory, config=WorkerConfig(engine_id="prefill-0", start_timeout_s=5))
+    with pytest.raises(RuntimeError, match="transport start failed: registration refused by the test"):
+        worker.start()
+    worker.close()
+    created[0].bind_to_current_thread()  # the worker thread is gone; look at the agent from here
+    with pytest.raises(TransportError, match="called after close"):
+        created[0].metadata()

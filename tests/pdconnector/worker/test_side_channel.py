@@ -3,6 +3,7 @@ bounded and timed-out I/O, and clear refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -156,3 +157,52 @@ def test_client_refuses_an_oversized_reply() -> None:
         with pytest.raises(SideChannelError, match="exceeds"):
             fetch_engine_info("127.0.0.1", liar.getsockname()[1], timeout_s=2)
         thread.join(5)
+
+
+def test_a_peer_trickling_its_request_is_dropped_at_the_frame_deadline_not_per_byte() -> None:
+    served = Served(engine_info("prefill-a"))
+    server = SideChannelServer("127.0.0.1", 0, engine_info=served.answer, io_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            start = time.monotonic()
+            header = struct.pack(">4sI", MAGIC, 64)
+            closed_after = None
+            for byte in (header + bytes(64))[:40]:  # one byte every 0.1 s: each recv alone would be well inside 0.5 s
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    closed_after = time.monotonic() - start
+                    break
+                time.sleep(0.1)
+            sock.settimeout(2)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""  # the server closed the connection without answering
+            closed_after = closed_after or time.monotonic() - start
+        assert served.handshakes == 0
+        assert closed_after < 2.0  # the whole frame's deadline (0.5 s) ended it; per byte it would last 40 x 0.1 s + 0.5 s
+    finally:
+        server.close()
+
+
+def test_connections_beyond_the_limit_are_closed_at_once_and_the_server_serves_again_after(served: Served) -> None:
+    server = SideChannelServer("127.0.0.1", 0, engine_info=served.answer, io_timeout_s=5.0, max_connections=2)
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=2) for _ in range(2)]
+        time.sleep(0.2)  # both are being served (waiting for their request)
+        start = time.monotonic()
+        with pytest.raises(SideChannelError):
+            fetch_engine_info("127.0.0.1", server.port, timeout_s=2)
+        assert time.monotonic() - start < 1.0
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert fetch_engine_info("127.0.0.1", server.port, timeout_s=2).engine_id == "prefill-a"
+                break
+            except SideChannelError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        server.close()
