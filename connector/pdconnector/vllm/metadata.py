@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class FailRequest:
     detail: str
 
 
-Command = PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | FailRequest
+Command = PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | AbandonTransfer | FailRequest
 
 
 @dataclass

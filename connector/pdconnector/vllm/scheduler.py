@@ -41,7 +41,7 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata
-from pdconnector.worker.commands import BlockIds, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, BlockIds, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,9 @@ class SchedulerSide:
             return
         params[_STAGED_KEY] = True
         if num_external_tokens <= 0:
-            return  # decode holds every token already; prefill's lease frees its copy
+            # Decode holds every token already: nothing to receive, and prefill may free its copy now.
+            self._abandon(request.request_id, params, f"decode request {request.request_id} holds every prompt token already")
+            return
         request_id = request.request_id
         try:
             transfer = self._parse(params)
@@ -271,9 +273,22 @@ class SchedulerSide:
                 TRANSFER_ID_KEY: received.transfer_id,
                 RECEIVED_KEY: {"transfer_id": received.transfer_id, "mode": received.mode.value, "blocks": received.blocks},
             }
+        if params is not None and params.get("do_remote_prefill") is True and not params.get(_STAGED_KEY):
+            # Ended (aborted) before it had blocks: prefill would hold its copy until its lease.
+            self._abandon(request_id, params, f"decode request {request_id} ended before it allocated blocks")
+            return False, None
         if params is None or params.get("do_remote_decode") is not True:
             return False, None
         return self._prefill_finished(request, params, block_ids)
+
+    def _abandon(self, request_id: str, params: Mapping[str, Any], detail: str) -> None:
+        """Tell the prefill engine a decode leg will never take its KV (unusable parameters: nobody to tell)."""
+        try:
+            transfer = self._parse(params)
+        except TransferParamsError:
+            return
+        if transfer.remote is not None and self._decode_owner(transfer.transfer_id) is None:
+            self._stage(AbandonTransfer(request_id, transfer.transfer_id, transfer.remote, detail))
 
     def _prefill_finished(self, request: Any, params: dict[str, Any], block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id

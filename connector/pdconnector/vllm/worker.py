@@ -25,7 +25,7 @@ from pdconnector.transport.factory import create_transport
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata
 from pdconnector.vllm.stats import Direction, PDTransferStats
-from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import ResultKind
 from pdconnector.worker.identity import EngineInfo, RankInfo
 from pdconnector.worker.side_channel import SideChannelClient
@@ -127,6 +127,8 @@ class WorkerSide:
                     )
                 case CancelTransfer():
                     self._worker.cancel(command.transfer_id, command.detail)
+                case AbandonTransfer():
+                    self._worker.abandon(command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout))
                 case FailRequest():
                     log.error("%s", command.detail)
                     self._stats.record(Direction.RECV, "refused", wait_s=self._counted(0.0))

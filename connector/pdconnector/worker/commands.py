@@ -69,3 +69,15 @@ class CancelTransfer:
     request_id: str
     transfer_id: str
     detail: str
+
+
+@dataclass(frozen=True)
+class AbandonTransfer:
+    """Decode: a request that ended before it had blocks to receive into. Nothing of it is registered or read, but
+    prefill holds its blocks for it (push: waiting for a registration; pull: for READs): tell prefill at once, so it
+    frees now rather than at its lease."""
+
+    request_id: str
+    transfer_id: str
+    prefill: PrefillCoordinates
+    detail: str

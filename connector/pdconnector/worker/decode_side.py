@@ -34,7 +34,7 @@ from pdconnector.protocol.messages import (
 )
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.transport.base import TransferHandle, TransferState, TransportError
-from pdconnector.worker.commands import ExpectPush, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
 from pdconnector.worker.peers import PeerRegistry
@@ -48,6 +48,15 @@ class _Handshaking:
     """A decode command waiting for the prefill engine's side-channel info."""
 
     command: ExpectPush | ReadBlocks
+    deadline: float
+    info: Future[EngineInfo]
+
+
+@dataclass
+class _Abandoning:
+    """A transfer given up before anything was registered: its abort waits for the prefill engine's agents."""
+
+    command: AbandonTransfer
     deadline: float
     info: Future[EngineInfo]
 
@@ -96,12 +105,13 @@ class DecodeSide:
         self._side_channel_port = side_channel_port
         self._tracker = CompletionTracker()
         self._handshaking: dict[str, _Handshaking] = {}
+        self._abandoning: dict[str, _Abandoning] = {}
         self._pushes: dict[str, _PushWait] = {}
         self._reads: dict[str, _Reading] = {}
 
     @property
     def busy(self) -> bool:
-        return bool(self._reads or self._handshaking or self._pushes or self._tracker)
+        return bool(self._reads or self._handshaking or self._abandoning or self._pushes or self._tracker)
 
     def next_deadline(self) -> float | None:
         return self._tracker.next_deadline()
@@ -124,6 +134,37 @@ class DecodeSide:
         future = self._side_channel.lookup(command.prefill)
         future.add_done_callback(lambda _: self._wake())
         self._handshaking[transfer_id] = _Handshaking(command, deadline, future)
+
+    def abandon(self, command: AbandonTransfer, deadline: float) -> None:
+        """Tell the prefill ranks this rank would have received from that it never will (no result: nothing waits)."""
+        if self._side_channel is None or command.transfer_id in self._abandoning:
+            return
+        future = self._side_channel.lookup(command.prefill)
+        future.add_done_callback(lambda _: self._wake())
+        self._abandoning[command.transfer_id] = _Abandoning(command, deadline, future)
+
+    def poll_abandons(self, now: float) -> bool:
+        progressed = False
+        for transfer_id, abandoning in list(self._abandoning.items()):
+            command = abandoning.command
+            if not abandoning.info.done():
+                if abandoning.deadline <= now:
+                    # Prefill frees at its lease without us; nothing else is lost.
+                    del self._abandoning[transfer_id]
+                    log.info("transfer %s: prefill %s not reached to abandon it; it frees at its lease", transfer_id, command.prefill.engine_id)
+                continue
+            del self._abandoning[transfer_id]
+            progressed = True
+            try:
+                engine = abandoning.info.result()
+                self._peers.load_engine(engine)
+            except (ConnectionError, OSError, ValueError, TransportError) as error:
+                log.info("transfer %s: cannot reach prefill %s to abandon it (%s); it frees at its lease", transfer_id, command.prefill, error)
+                continue
+            message = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=command.detail[:MAX_DETAIL_CHARS])
+            for p in writers_for(self.layout.tp_rank, engine.tp_size, self.layout.tp_size):
+                self._context.send(engine.ranks[p].agent_name, message)
+        return progressed
 
     def cancel(self, transfer_id: str, detail: str) -> None:
         if self._handshaking.pop(transfer_id, None) is not None:

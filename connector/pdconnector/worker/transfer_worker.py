@@ -51,7 +51,7 @@ from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Device, MemoryRegion, Transport, TransportError
 from pdconnector.transport.cuda import bind_cuda_device
-from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import TransferResult, WorkerContext
 from pdconnector.worker.decode_side import DecodeSide
 from pdconnector.worker.identity import EngineInfo, RankInfo
@@ -84,7 +84,7 @@ class WorkerConfig:
 class _Receive:
     """A decode command and its deadline, taken on the worker's clock when the command was received."""
 
-    command: ExpectPush | ReadBlocks
+    command: ExpectPush | ReadBlocks | AbandonTransfer
     deadline: float
 
 
@@ -182,6 +182,11 @@ class TransferWorker:
     def cancel(self, transfer_id: str, detail: str = "cancelled by the engine") -> None:
         """Give up on ``transfer_id`` (either role): free, tell the peer, report the end."""
         self._put(CancelTransfer("", transfer_id, detail[:MAX_DETAIL_CHARS]))
+
+    def abandon(self, transfer_id: str, prefill: PrefillCoordinates, detail: str, *, timeout_s: float = 10.0) -> None:
+        """Decode: a request of ``transfer_id`` ended before it registered or read anything; tell ``prefill``'s ranks
+        at once so they free the blocks they hold for it (within ``timeout_s``, else prefill frees at its lease)."""
+        self._put(_Receive(AbandonTransfer("", transfer_id, prefill, detail[:MAX_DETAIL_CHARS]), time.monotonic() + timeout_s))
 
     def expect_push(
         self,
@@ -284,6 +289,7 @@ class TransferWorker:
                 progressed |= self._prefill.poll(now)
                 progressed |= self._decode.poll_reads(now)
                 progressed |= self._decode.poll_handshakes(now)
+                progressed |= self._decode.poll_abandons(now)
                 progressed |= self._prefill.expire(now)
                 progressed |= self._decode.expire(now)
             except Exception:
@@ -329,6 +335,8 @@ class TransferWorker:
             case CancelTransfer(transfer_id=transfer_id, detail=detail):
                 self._prefill.cancel(transfer_id, detail, now)
                 self._decode.cancel(transfer_id, detail)
+            case _Receive(command=AbandonTransfer() as abandoned, deadline=deadline):
+                self._decode.abandon(abandoned, deadline)
             case _Receive(command=received, deadline=deadline):
                 self._decode.begin(received, deadline)
             case _AddPeers(engine=engine):

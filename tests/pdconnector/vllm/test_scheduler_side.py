@@ -18,7 +18,7 @@ from pdconnector.protocol.params import (
 from pdconnector.vllm.config import ConnectorConfigError, parse_connector_config
 from pdconnector.vllm.metadata import FailRequest
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
-from pdconnector.worker.commands import CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 FINISHED = "finished_stopped"
 ABORTED = "finished_aborted"
@@ -145,12 +145,34 @@ def test_hybrid_push_decode_with_a_prefix_hit_skips_cached_attention_blocks_and_
     assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((8, 9), (21,)), 23, cached_blocks=1)]
 
 
-def test_hybrid_push_decode_holding_every_token_prefill_computed_registers_nothing() -> None:
+def test_hybrid_push_decode_holding_every_token_prefill_computed_registers_nothing_and_releases_prefill() -> None:
     """33 prompt tokens: prefill computes 32 (decode recomputes the last), and decode's cache holds those 2 blocks."""
     side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
     request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(33)))
     assert side.get_num_new_matched_tokens(request, 32) == (0, False)
     side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=2), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]], 0)
+    assert side.build_meta().commands == [AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 holds every prompt token already")]
+    assert side.request_finished(request, [[3, 8, 9], [21]]) == (False, None)
+    assert side.build_meta().commands == []
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_decode_request_aborted_before_it_allocated_releases_prefill_at_once(mode: str) -> None:
+    side = scheduler(mode)
+    params = push_decode_leg_params("tx-1", PREFILL)
+    if mode == "pull":
+        params |= {"transfer_mode": "pull", "remote_block_ids": [[4, 5, 6]], "remote_num_tokens": 40}
+    request = FakeRequest("d1", params, list(range(40)), status=ABORTED)
+    assert side.get_num_new_matched_tokens(request, 0) == (40, True)
+    assert side.request_finished(request, []) == (False, None)
+    assert side.build_meta().commands == [AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 ended before it allocated blocks")]
+
+
+def test_a_decode_request_without_usable_prefill_coordinates_abandons_nothing() -> None:
+    side = scheduler()
+    params = push_decode_leg_params("tx-1", PREFILL)
+    del params["remote_host"]
+    assert side.request_finished(FakeRequest("d1", params, list(range(40)), status=ABORTED), []) == (False, None)
     assert side.build_meta().commands == []
 
 

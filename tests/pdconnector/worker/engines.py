@@ -220,6 +220,10 @@ class Engine:
         for worker in self.transfers.workers:
             worker.cancel(transfer_id, "cancelled by the test")
 
+    def abandon(self, transfer_id: str, *, prefill: dict[str, Any]) -> None:
+        for worker in self.transfers.workers:
+            worker.abandon(transfer_id, PrefillCoordinates(**prefill), "abandoned by the test")
+
     def prewarm(self, prefill: dict[str, Any]) -> None:
         self.transfers.client.prewarm(PrefillCoordinates(**prefill)).result(timeout=10)
 
