@@ -9,7 +9,7 @@ mismatch would move bytes to the wrong places.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,24 +104,16 @@ def kernel_block_size(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, An
     When a backend's kernel block is smaller than the scheduler's block, vLLM views each attention layer as
     ``[num_blocks * ratio, heads, kernel_block_size, K||V]``: the bytes of a logical block are ``ratio`` kernel blocks."""
     found: dict[int, str] = {}
-    for group in kv_cache_config.kv_cache_groups:
-        if not isinstance(group.kv_cache_spec, VllmAttentionSpec):
+    for name, block_size, tensor in _attention_views(kv_cache_config, kv_caches):
+        if tensor.dim() != 4:
             continue
-        for name in group.layer_names:
-            tensor = _tensors(kv_caches[name])[0] if name in kv_caches else None
-            if tensor is None or tensor.dim() != 4:
-                continue
-            blocks, tokens = int(tensor.shape[0]), int(tensor.shape[2])
-            if (
-                tokens <= 0
-                or group.kv_cache_spec.block_size % tokens
-                or blocks != kv_cache_config.num_blocks * (group.kv_cache_spec.block_size // tokens)
-            ):
-                raise LayoutMismatch(
-                    f"attention layer {name!r}: view {tuple(tensor.shape)} is not [num_blocks * ratio, heads, kernel block, K||V] for "
-                    f"{kv_cache_config.num_blocks} blocks of {group.kv_cache_spec.block_size} tokens"
-                )
-            found.setdefault(tokens, name)
+        blocks, tokens = int(tensor.shape[0]), int(tensor.shape[2])
+        if tokens <= 0 or block_size % tokens or blocks != kv_cache_config.num_blocks * (block_size // tokens):
+            raise LayoutMismatch(
+                f"attention layer {name!r}: view {tuple(tensor.shape)} is not [num_blocks * ratio, heads, kernel block, K||V] for "
+                f"{kv_cache_config.num_blocks} blocks of {block_size} tokens"
+            )
+        found.setdefault(tokens, name)
     if len(found) > 1:
         raise LayoutMismatch(f"attention layers use different kernel block sizes {sorted(found)} (e.g. {sorted(found.values())})")
     return next(iter(found), None)
@@ -138,17 +130,22 @@ def attention_layout(resolved: str, kv_cache_config: KVCacheConfig, kv_caches: M
             "VLLM_KV_CACHE_LAYOUT or set it to LBHNC, or choose an attention backend that accepts LBHNC"
         )
     layout = SUPPORTED_LAYOUTS[resolved]
-    for group in kv_cache_config.kv_cache_groups:
-        if not isinstance(group.kv_cache_spec, VllmAttentionSpec):
-            continue
-        for name in group.layer_names:
-            if name in kv_caches and layout not in _orders_of(_tensors(kv_caches[name])[0]):
-                tensor = _tensors(kv_caches[name])[0]
-                raise LayoutMismatch(
-                    f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view {tuple(tensor.shape)} has "
-                    f"strides {tuple(tensor.stride())}, which is not {resolved}"
-                )
+    for name, _block_size, tensor in _attention_views(kv_cache_config, kv_caches):
+        if layout not in _orders_of(tensor):
+            raise LayoutMismatch(
+                f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view {tuple(tensor.shape)} has "
+                f"strides {tuple(tensor.stride())}, which is not {resolved}"
+            )
     return layout
+
+
+def _attention_views(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(layer name, scheduler block size, first view) of every attention layer vLLM handed a cache for."""
+    for group in kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, VllmAttentionSpec):
+            for name in group.layer_names:
+                if name in kv_caches:
+                    yield name, int(group.kv_cache_spec.block_size), _tensors(kv_caches[name])[0]
 
 
 def _orders_of(view: torch.Tensor) -> set[AttentionLayout]:
