@@ -33,6 +33,7 @@ MAX_REGIONS: Final = 8192
 MAX_AGENT_METADATA_BYTES: Final = 256 << 10
 MAX_DETAIL_CHARS: Final = 1024
 MAX_DEVICE_ID: Final = 1023
+MAX_LIFETIME_MS: Final = 24 * 3600 * 1000
 
 _HEADER: Final = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -94,6 +95,8 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     already holds (its prefix cache); ``block_ids`` list only the blocks after them,
     so prefill skips as many of its own. SSM groups always move their one state block.
     ``device_id``: the device the decode rank's regions live on (``cuda:device_id``), named in every remote descriptor.
+    ``lifetime_ms``: how long after prefill receives it the registration may still be written (0: prefill's default);
+    decode keeps the blocks at least that long plus its fence, so a WRITE posted within the lifetime lands in them.
     Fields at their default are left out of the frame: a registration without a
     prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
     a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
@@ -113,6 +116,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     layout_fingerprint: Annotated[str, msgspec.Meta(max_length=128)] = ""
     cached_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_PER_GROUP)] = 0
     device_id: DeviceId = 0
+    lifetime_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_LIFETIME_MS)] = 0
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:
@@ -146,7 +150,10 @@ class CompletionMessage(_Message, tag="complete"):
 
 
 class FailureMessage(_Message, tag="fail"):
-    """Either side -> the other: this transfer attempt will not complete; fail it now."""
+    """Either side -> the other: this transfer attempt will not complete; fail it now.
+
+    From prefill it also says this rank has no WRITE in flight for the attempt and will post none, so decode
+    may free the blocks it registered (it is sent only once the rank's writes drained, and answers every abort)."""
 
     side: Side
     rank: TpRank

@@ -32,6 +32,8 @@ TRANSFER_MODE_KEY = "transfer_mode"
 RECEIVED_KEY = "pd_received"
 # What our connector's prefill side answers (HTTP 200) in kv_transfer_params when it keeps no KV for decode.
 ERROR_KEY = "pd_error"
+# Pull: how long (ms) prefill holds the blocks it returned; decode READs them only within that time of its arrival.
+REMOTE_HOLD_KEY = "remote_hold_ms"
 
 # Shared with the wire messages: ids travel in NIXL notifications and log lines, so keep them short and plain.
 TRANSFER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -118,6 +120,7 @@ class TransferRequest:
     transfer_id: str
     remote: PrefillCoordinates | None = None
     remote_block_ids: tuple[tuple[int, ...], ...] | None = None
+    remote_hold_s: float | None = None  # pull: how long prefill holds the blocks after it answered (None: not said)
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:
@@ -186,8 +189,17 @@ def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
         side_channel_port=_int_in(params, "remote_port", 1, 65535),
         tp_size=_int_in(params, "tp_size", 1, 1024),
     )
-    block_ids = _block_ids(params, "remote_block_ids") if mode is TransferMode.PULL else None
-    return TransferRequest(mode=mode, role=EngineRole.DECODE, transfer_id=transfer_id, remote=remote, remote_block_ids=block_ids)
+    if mode is TransferMode.PUSH:
+        return TransferRequest(mode=mode, role=EngineRole.DECODE, transfer_id=transfer_id, remote=remote)
+    hold_ms = _int_in(params, REMOTE_HOLD_KEY, 1, 86_400_000) if REMOTE_HOLD_KEY in params else None
+    return TransferRequest(
+        mode=mode,
+        role=EngineRole.DECODE,
+        transfer_id=transfer_id,
+        remote=remote,
+        remote_block_ids=_block_ids(params, "remote_block_ids"),
+        remote_hold_s=None if hold_ms is None else hold_ms / 1000,
+    )
 
 
 # --- Engine answers the router reads (router <-> engine) ---------------------------------------------------------

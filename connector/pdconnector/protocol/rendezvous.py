@@ -22,9 +22,24 @@ registrations, registrations wait ``prefill_lease_s`` for the prefill, each writ
 gets ``write_timeout_s``. Whatever runs out ends the transfer and tells every known
 decode rank why, so decode fails promptly instead of waiting out its own timeout.
 
+The fence (decode's blocks are written only while decode still holds them for this transfer):
+
+* A registration is good for ``lifetime_ms`` from the moment this table receives it (measured
+  here, never by comparing two machines' clocks). No WRITE is posted for it afterwards; the
+  transfer ends ``expired`` instead. So a registration that waited (a slow prefill, a frozen
+  process, a lost abort) is never written into blocks decode has given up on.
+* A ``FailureMessage`` to a decode rank means more than "this attempt failed": it promises this
+  rank has no WRITE in flight for the transfer and will post none. It is therefore sent only when
+  the transfer's writes have drained (done, failed, or cancelled as the transport confirmed), and
+  decode may free its blocks on it. An ``AbortMessage`` is answered with one, to the agent that
+  sent it, for the same reason (decode waits for that answer, or for its fence, before freeing).
+* A write past its deadline is cancelled (``AbandonWrite``) but stays in flight until the caller
+  reports the cancel confirmed (``write_failed``) or the write's real end: a write the transport
+  cannot stop keeps the blocks pinned; it never counts as finished.
+
 The table does no I/O. Every call returns events, in the order the caller must act
-on them: ``StartWrite`` (post a WRITE), ``AbandonWrite`` (release a timed-out
-write's handle), ``NotifyDecode`` (send a failure notification), ``Closed`` (the
+on them: ``StartWrite`` (post a WRITE), ``AbandonWrite`` (cancel a timed-out write;
+report the outcome), ``NotifyDecode`` (send a failure notification), ``Closed`` (the
 transfer ended; free ``blocks`` if set). A transfer's blocks are released by
 exactly one ``Closed``, and only once no write reads them any more.
 """
@@ -46,6 +61,7 @@ class RendezvousLimits:
     registration_lease_s: float = 30.0  # finished prefill blocks wait this long for decode's registrations
     prefill_lease_s: float = 300.0  # a registration waits this long for the prefill (queueing + compute)
     write_timeout_s: float = 30.0
+    registration_lifetime_s: float = 30.0  # for registrations that carry no lifetime of their own
     tombstone_ttl_s: float = 600.0  # how long an ended transfer's id is remembered, to answer late arrivals
     max_tombstones: int = 16384
 
@@ -128,16 +144,17 @@ class StartWrite:
 
 @dataclass(frozen=True)
 class AbandonWrite:
-    """The write ran past its deadline: abort / release its transfer handle; its late result is ignored."""
+    """The write ran past its deadline: try to cancel it. Report ``write_failed`` once the transport confirmed
+    the cancel; a write that cannot be stopped stays in flight (and its blocks held) until it ends."""
 
     key: WriteKey
 
 
 @dataclass(frozen=True)
 class NotifyDecode:
-    """Send ``message`` to the decode rank that sent ``destination``."""
+    """Send ``message`` to the decode agent ``agent``: this rank has nothing in flight for the transfer any more."""
 
-    destination: RegistrationMessage
+    agent: str
     message: FailureMessage
 
 
@@ -175,7 +192,10 @@ class _Entry:
     started: set[int] = field(default_factory=set)
     written: set[int] = field(default_factory=set)
     inflight: dict[WriteKey, float] = field(default_factory=dict)
+    cancelling: set[WriteKey] = field(default_factory=set)  # past their deadline, cancel asked for
+    valid_until: dict[int, float] = field(default_factory=dict)  # decode rank -> end of its registration's lifetime
     ending: tuple[Outcome, str] | None = None  # decided, waiting for in-flight writes to drain
+    notices: dict[tuple[str, int], FailureMessage] = field(default_factory=dict)  # sent once the writes drained
 
     def waiting(self) -> bool:
         return self.prefill is None or not self.destinations or set(self.registrations) != self.destinations
@@ -252,7 +272,9 @@ class RendezvousTable:
         if message.attempt < entry.attempt or (message.attempt == entry.attempt and (entry.ending or message.decode_tp_rank in entry.registrations)):
             return []  # stale attempt or duplicate
         if entry.ending is not None:
-            return [self._notify(message, FailureReason.ALREADY_CLOSED, f"transfer is ending: {entry.ending[0]} ({entry.ending[1]})")]
+            failure = self._failure(message.transfer_id, message.attempt, FailureReason.ALREADY_CLOSED, f"transfer is ending: {entry.ending[1]}")
+            entry.notices.setdefault((message.agent_name, message.attempt), failure)
+            return []
         if problem is None and message.attempt == entry.attempt and message.decode_tp_size != entry.decode_tp_size:
             detail = f"decode TP size {message.decode_tp_size} differs from the other ranks' {entry.decode_tp_size}"
             problem = FailureReason.INVALID_REGISTRATION, detail
@@ -261,38 +283,46 @@ class RendezvousTable:
         if message.attempt > entry.attempt:
             self._begin_attempt(entry, message, now)
         entry.registrations[message.decode_tp_rank] = message
+        lifetime = message.lifetime_ms / 1000 if message.lifetime_ms else self.limits.registration_lifetime_s
+        entry.valid_until[message.decode_tp_rank] = now + lifetime
+        self._deadlines.push(now + lifetime, entry.transfer_id)
         return self._pair(entry, now)
 
     def write_done(self, key: WriteKey, now: float) -> list[Event]:
         """The WRITE for ``key`` completed (its completion notification went with it)."""
         entry = self._entries.get(key.transfer_id)
         if entry is None or entry.inflight.pop(key, None) is None:
-            return []  # abandoned or unknown: already accounted for
+            return []  # unknown: already accounted for
+        entry.cancelling.discard(key)
         if entry.ending is None and key.attempt == entry.attempt:
             entry.written.add(key.decode_rank)
         return self._settle(entry, now)
 
     def write_failed(self, key: WriteKey, detail: str, now: float) -> list[Event]:
-        """The WRITE for ``key`` failed; a failure of the current attempt ends the transfer."""
+        """The WRITE for ``key`` failed, or was cancelled and the transport confirmed it; either way it no longer
+        touches decode's memory. A failure of the current attempt ends the transfer."""
         entry = self._entries.get(key.transfer_id)
         if entry is None or entry.inflight.pop(key, None) is None:
             return []
+        entry.cancelling.discard(key)
         if entry.ending is None and key.attempt == entry.attempt:
             return self._end(entry, Outcome.FAILED, FailureReason.WRITE_FAILED, detail, now=now)
         return self._settle(entry, now)
 
-    def abort_received(self, message: AbortMessage, now: float) -> list[Event]:
-        """Decode gave up on ``message.attempt``: stop and free (decode needs no answer)."""
+    def abort_received(self, message: AbortMessage, now: float, *, sender: str) -> list[Event]:
+        """Decode (agent ``sender``) gave up on ``message.attempt``: stop, free, and answer once nothing is in flight
+        (decode keeps its blocks until that answer or its fence)."""
+        ack = self._failure(message.transfer_id, message.attempt, FailureReason.CANCELLED, "abort received; nothing in flight")
         entry = self._entries.get(message.transfer_id)
         if entry is None:
             # Remember it so a prefill finishing later is freed at once and a late registration is answered.
             if self._tombstone(message.transfer_id, now) is None:
                 detail = f"decode aborted: {message.detail}"
                 self._bury(message.transfer_id, Outcome.CANCELLED, detail, attempt=message.attempt, had_prefill=False, now=now)
-            return []
-        if message.attempt < entry.attempt or entry.ending is not None:
-            return []
-        entry.ending = (Outcome.CANCELLED, f"decode aborted: {message.detail}")
+            return [NotifyDecode(sender, ack)]
+        entry.notices.setdefault((sender, message.attempt), ack)
+        if message.attempt >= entry.attempt and entry.ending is None:
+            entry.ending = (Outcome.CANCELLED, f"decode aborted: {message.detail}")
         return self._settle(entry, now)
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> list[Event]:
@@ -337,6 +367,7 @@ class RendezvousTable:
         entry.attempt = message.attempt
         entry.decode_tp_size = message.decode_tp_size
         entry.registrations = {}
+        entry.valid_until = {}
         entry.started = set()
         entry.written = set()
         entry.destinations = frozenset(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
@@ -362,6 +393,9 @@ class RendezvousTable:
         if entry.prefill is None:
             return []
         pending = [(rank, registration) for rank, registration in sorted(entry.registrations.items()) if rank not in entry.started]
+        lapsed = [rank for rank, _ in pending if entry.valid_until[rank] <= now]
+        if lapsed:
+            return self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now)
         writes: list[tuple[int, RegistrationMessage, PrefillBlocks]] = []
         for rank, registration in pending:
             try:
@@ -381,15 +415,18 @@ class RendezvousTable:
         return events
 
     def _expire_entry(self, entry: _Entry, now: float) -> list[Event]:
-        timed_out = [key for key, deadline in entry.inflight.items() if deadline <= now]
+        timed_out = [key for key, deadline in entry.inflight.items() if deadline <= now and key not in entry.cancelling]
         events: list[Event] = []
         for key in timed_out:
-            del entry.inflight[key]
+            entry.cancelling.add(key)
             events.append(AbandonWrite(key))
         if entry.ending is None:
             if any(key.attempt == entry.attempt for key in timed_out):
                 detail = f"WRITE not done within {self.limits.write_timeout_s}s"
                 return events + self._end(entry, Outcome.FAILED, FailureReason.WRITE_TIMEOUT, detail, now=now)
+            lapsed = [rank for rank in entry.registrations if rank not in entry.started and entry.valid_until[rank] <= now]
+            if lapsed:
+                return events + self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now)
             if entry.waiting() and entry.lease_deadline <= now:
                 missing = "prefill did not finish" if entry.prefill is None else "decode did not register"
                 return events + self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, f"{missing} before the lease ran out", now=now)
@@ -405,13 +442,15 @@ class RendezvousTable:
         now: float,
         also_notify: RegistrationMessage | None = None,
     ) -> list[Event]:
-        """Decide the transfer's outcome, tell decode, and close it once its writes have drained."""
+        """Decide the transfer's outcome and close it once its writes have drained; decode is told then."""
         entry.ending = (outcome, f"{reason}: {detail}")
         destinations = [registration for _, registration in sorted(entry.registrations.items())]
         if also_notify is not None:
             destinations.append(also_notify)
-        events: list[Event] = [self._notify(registration, reason, detail) for registration in destinations]
-        return events + self._settle(entry, now)
+        for registration in destinations:
+            failure = self._failure(registration.transfer_id, registration.attempt, reason, detail)
+            entry.notices.setdefault((registration.agent_name, registration.attempt), failure)
+        return self._settle(entry, now)
 
     def _settle(self, entry: _Entry, now: float) -> list[Event]:
         if entry.ending is None and entry.destinations and entry.written >= entry.destinations:
@@ -421,20 +460,23 @@ class RendezvousTable:
         del self._entries[entry.transfer_id]
         outcome, detail = entry.ending
         self._bury(entry.transfer_id, outcome, detail, attempt=entry.attempt, had_prefill=entry.prefill is not None, now=now)
-        return [Closed(entry.transfer_id, outcome, detail, entry.prefill)]
+        notices: list[Event] = [NotifyDecode(agent, message) for (agent, _), message in entry.notices.items()]
+        return [*notices, Closed(entry.transfer_id, outcome, detail, entry.prefill)]
 
     # --- helpers ------------------------------------------------------------------------------
 
     def _notify(self, destination: RegistrationMessage, reason: FailureReason, detail: str) -> NotifyDecode:
-        message = FailureMessage(
-            transfer_id=destination.transfer_id,
-            attempt=destination.attempt,
-            side=Side.PREFILL,
-            rank=self.prefill_rank,
-            reason=reason,
-            detail=detail[:MAX_DETAIL_CHARS],
+        """An answer to a registration that opened nothing (so nothing of it is in flight)."""
+        return NotifyDecode(destination.agent_name, self._failure(destination.transfer_id, destination.attempt, reason, detail))
+
+    def _failure(self, transfer_id: str, attempt: int, reason: FailureReason, detail: str) -> FailureMessage:
+        return FailureMessage(
+            transfer_id=transfer_id, attempt=attempt, side=Side.PREFILL, rank=self.prefill_rank, reason=reason, detail=detail[:MAX_DETAIL_CHARS]
         )
-        return NotifyDecode(destination, message)
+
+    @staticmethod
+    def _lapsed_detail(ranks: list[int]) -> str:
+        return f"the registrations of decode ranks {sorted(ranks)} outlived their lifetime before prefill could write them"
 
     def _incompatibility(self, message: RegistrationMessage) -> tuple[FailureReason, str] | None:
         try:

@@ -70,6 +70,17 @@ class Process:
             self.popen.kill()
             self.popen.wait(timeout=10)
 
+    def pause(self) -> None:
+        """SIGSTOP the process group: a frozen process keeps its sockets open and answers nothing."""
+        if self.alive:
+            assert self.popen is not None
+            os.killpg(self.popen.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.alive:
+            assert self.popen is not None
+            os.killpg(self.popen.pid, signal.SIGCONT)
+
     def terminate(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -120,6 +131,7 @@ class LocalCluster:
     prefill_count: int = 2
     decode_count: int = 2
     engine_args: list[str] = field(default_factory=list)
+    engine_env: dict[str, str] = field(default_factory=dict)  # e.g. the mock transport's injected faults
     transport: str = "mock"
     compat_hash: str = "c0ffee"
     engine_command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "pdconnector.sim.main"])
@@ -138,7 +150,8 @@ class LocalCluster:
         argv = [*self.engine_command, "--role", role, "--host", host, "--port", str(port), "--model", self.model]
         argv += ["--engine-id", engine_id, "--side-channel-host", host, "--side-channel-port", str(side_channel_port)]
         argv += ["--transport", self.transport, "--compat-hash", self.compat_hash, "--log-format", "json", *self.engine_args]
-        return Engine(name, argv, f"http://{host}:{port}", self.workdir / f"{name}.log", role=role, host=host, engine_id=engine_id)
+        log_path = self.workdir / f"{name}.log"
+        return Engine(name, argv, f"http://{host}:{port}", log_path, env=dict(self.engine_env), role=role, host=host, engine_id=engine_id)
 
     def start(self, colocated: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +215,23 @@ class LocalCluster:
         engine = self.engines[name]
         engine.kill()
         self._launch([engine])
+
+    def restart_router(self, name: str) -> None:
+        """SIGKILL a router and start it again on its port with its config."""
+        router = self.routers[name]
+        router.kill()
+        self._launch([router])
+
+    def heal(self) -> None:
+        """After faults: every frozen process resumed, every dead one started again."""
+        for process in [*self.engines.values(), *self.routers.values()]:
+            process.resume()
+        for name, engine in self.engines.items():
+            if not engine.alive:
+                self.restart(name)
+        for name, router in self.routers.items():
+            if not router.alive:
+                self.restart_router(name)
 
     def stop(self) -> None:
         processes = [*self.routers.values(), *self.engines.values()]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,7 +26,7 @@ from pdconnector.protocol.params import (
     TransferRequest,
 )
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.model import generate, output_tokens, prefill_chunks
+from pdconnector.sim.model import generate, kv_digest, prefill_chunks, token_at
 from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool
 
@@ -110,7 +109,15 @@ class MockEngine:
         free = functools.partial(self.pool.free, blocks)
         try:
             if transfer is not None and transfer.role is EngineRole.DECODE:
-                receipt = await self._import(transfer, blocks, len(prompt))
+                try:
+                    receipt = await self._import(transfer, blocks, len(prompt), free)
+                except asyncio.CancelledError:
+                    blocks = []  # the mover frees them once nothing can land in them any more
+                    raise
+                except TransferFailed as error:
+                    if error.blocks_kept:
+                        blocks = []
+                    raise
                 return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens), receipt, _received(receipt), free)
             await self.settings.latency.prefill(len(prompt))
             for _ in prefill_chunks(self.pool, blocks, prompt):
@@ -127,12 +134,17 @@ class MockEngine:
                 self.pool.free(blocks)
             raise
 
-    async def _import(self, transfer: TransferRequest, blocks: list[int], num_tokens: int) -> Receipt:
+    async def _import(self, transfer: TransferRequest, blocks: list[int], num_tokens: int, free: Callable[[], None]) -> Receipt:
         assert self.mover is not None and transfer.remote is not None
         try:
             if transfer.mode is TransferMode.PUSH:
                 receipt = await self.mover.import_pushed(
-                    transfer.transfer_id, remote=transfer.remote, block_ids=blocks, num_tokens=num_tokens, deadline_s=self.settings.transfer_timeout_s
+                    transfer.transfer_id,
+                    remote=transfer.remote,
+                    block_ids=blocks,
+                    num_tokens=num_tokens,
+                    deadline_s=self.settings.transfer_timeout_s,
+                    free=free,
                 )
             else:
                 assert transfer.remote_block_ids is not None
@@ -144,6 +156,7 @@ class MockEngine:
                     block_ids=blocks,
                     num_tokens=num_tokens,
                     deadline_s=self.settings.transfer_timeout_s,
+                    free=free,
                 )
         except TransferFailed:
             self.metrics.transfers.labels("import", "failed").inc()
@@ -179,7 +192,9 @@ class MockEngine:
         }
 
     async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int) -> AsyncGenerator[int, None]:
-        for token in itertools.islice(output_tokens(self.pool.token_bytes(blocks, num_tokens)), max_tokens):
+        for step in range(max_tokens):
+            # Every step reads the prompt's KV again, as attention does: a byte landing late in these blocks shows.
+            token = token_at(kv_digest(self.pool.token_bytes(blocks, num_tokens)), step)
             await self.settings.latency.decode_step()
             self.metrics.generation_tokens.inc()
             yield token

@@ -8,6 +8,7 @@ import sys
 
 from aiohttp import web
 
+from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 from pdconnector.router.logs import configure_logging
 from pdconnector.sim.engine import DEFAULT_MAX_MODEL_LEN, EngineSettings, LatencyModel, MockEngine, Role
 from pdconnector.sim.metrics import EngineMetrics
@@ -48,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV")
     parser.add_argument("--lease", type=float, default=30.0, help="seconds a prefill holds exported blocks for a decode engine")
+    parser.add_argument(
+        "--fence",
+        type=float,
+        default=None,
+        help="seconds decode keeps a failed push's blocks for a prefill that never answers (default: from --transfer-timeout)",
+    )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
     return parser
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.side_channel_host,
             side_channel_port=args.side_channel_port,
             lease_s=args.lease,
+            fence_s=args.fence if args.fence is not None else fence_seconds(args.transfer_timeout, LivenessProbe()),
         )
     settings = EngineSettings(
         role=role,
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         transfer_timeout_s=args.transfer_timeout,
         max_model_len=args.max_model_len,
     )
-    engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
+    engine = MockEngine(settings, pool, mover, EngineMetrics(pool, mover))
     log.info(
         "pd-mock-engine starting",
         extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport, "kv_device": kv_device.value},

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from pdconnector.sim.mover import KVMover
 from pdconnector.sim.pool import KVPool
 
 
 class EngineMetrics:
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, mover: KVMover | None = None) -> None:
         self.registry = CollectorRegistry()
         total = Gauge("pd_mock_kv_blocks_total", "Blocks in the KV pool", registry=self.registry)
         total.set(pool.num_blocks)
@@ -21,6 +22,11 @@ class EngineMetrics:
         self.requests = Counter("pd_mock_requests", "Requests by kind and outcome", ["kind", "outcome"], registry=self.registry)
         # Stops growing when a request's client goes away: proof that the engine stopped working for it.
         self.generation_tokens = Counter("pd_mock_generation_tokens", "Output tokens generated", registry=self.registry)
+        if mover is not None:
+            agents = Gauge("pd_mock_peer_agents", "Peer agents the transports hold (restarted peers' are dropped)", registry=self.registry)
+            agents.set_function(mover.peer_agents)
+            fenced = Gauge("pd_mock_fenced_transfers", "Failed imports whose blocks wait until no peer can write them", registry=self.registry)
+            fenced.set_function(mover.fenced)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -95,9 +95,18 @@ def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
 
 def output_tokens(kv: bytes) -> Iterator[int]:
     """The output token ids determined by the prompt's KV bytes, one per step (2**32 of them): callers take what they need."""
-    digest = hashlib.blake2b(kv, digest_size=32).digest()
+    digest = kv_digest(kv)
     for step in range(1 << 32):
-        yield int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE
+        yield token_at(digest, step)
+
+
+def kv_digest(kv: bytes) -> bytes:
+    return hashlib.blake2b(kv, digest_size=32).digest()
+
+
+def token_at(digest: bytes, step: int) -> int:
+    """Output token ``step`` of a prompt whose KV bytes hash to ``digest`` (:func:`kv_digest`)."""
+    return int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE
 
 
 def generate(kv: bytes, count: int) -> list[int]:

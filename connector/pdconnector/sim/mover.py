@@ -19,10 +19,11 @@ from pdconnector.sim.pool import KVDevice, KVPool
 class TransferFailed(Exception):
     """An import that did not deliver the KV; ``code`` is what the engine reports to the router."""
 
-    def __init__(self, detail: str, *, timed_out: bool = False) -> None:
+    def __init__(self, detail: str, *, timed_out: bool = False, blocks_kept: bool = False) -> None:
         super().__init__(detail)
         self.detail = detail
         self.code = TRANSFER_TIMEOUT_CODE if timed_out else TRANSFER_FAILED_CODE
+        self.blocks_kept = blocks_kept  # the mover frees the destination blocks itself, once nothing can land in them
 
 
 class ExportOutcome(StrEnum):
@@ -49,6 +50,14 @@ class KVMover(Protocol):
 
     async def start(self) -> None: ...
 
+    def peer_agents(self) -> int:
+        """Peer agents the transports hold now."""
+        ...
+
+    def fenced(self) -> int:
+        """Failed imports whose blocks are still held because a peer may still write into them."""
+        ...
+
     async def close(self) -> None: ...
 
     def export_blocks(
@@ -58,15 +67,27 @@ class KVMover(Protocol):
         ...
 
     async def import_pushed(
-        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float
+        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float, free: Callable[[], None]
     ) -> Receipt:
-        """Push decode: register ``block_ids`` with ``remote`` and wait for its WRITE; raises ``TransferFailed``."""
+        """Push decode: register ``block_ids`` with ``remote`` and wait for its WRITE; raises ``TransferFailed``.
+
+        ``free`` frees ``block_ids``. If the import is cancelled, or fails with ``blocks_kept``, the mover calls it
+        once nothing can land in the blocks any more, and the caller must not; otherwise the caller frees them."""
         ...
 
     async def import_pulled(
-        self, transfer_id: str, *, remote: PrefillCoordinates, remote_block_ids: list[int], block_ids: list[int], num_tokens: int, deadline_s: float
+        self,
+        transfer_id: str,
+        *,
+        remote: PrefillCoordinates,
+        remote_block_ids: list[int],
+        block_ids: list[int],
+        num_tokens: int,
+        deadline_s: float,
+        free: Callable[[], None],
     ) -> Receipt:
-        """Pull decode: READ ``remote_block_ids`` of ``remote`` into ``block_ids``; raises ``TransferFailed``."""
+        """Pull decode: READ ``remote_block_ids`` of ``remote`` into ``block_ids``; raises ``TransferFailed``; ``free``
+        as for :meth:`import_pushed`."""
         ...
 
 
@@ -74,14 +95,16 @@ class MoverUnavailable(RuntimeError):
     pass
 
 
-def create_mover(transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float) -> KVMover:
+def create_mover(
+    transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float, fence_s: float = 60.0
+) -> KVMover:
     """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``: NIXL)."""
     reason = mover_unavailable_reason(transport, pool.device)
     if reason is not None:
         raise MoverUnavailable(reason)
     from pdconnector.sim.worker_mover import WorkerMover  # noqa: PLC0415 - keeps NIXL out of co-located engines
 
-    return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s)
+    return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s, fence_s=fence_s)
 
 
 def mover_unavailable_reason(transport: str, kv_device: KVDevice = KVDevice.CPU) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,12 +20,14 @@ from pdconnector.sim.mover import ExportOutcome, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool, PageBuffer
 from pdconnector.transport.base import Device, MemoryRegion
 from pdconnector.transport.factory import create_transport
+from pdconnector.transport.mock_faults import MockFaults
 from pdconnector.worker import EngineTransfers, ResultKind, TransferResult, WorkerConfig
+from pdconnector.worker.identity import agent_name
 
 log = logging.getLogger(__name__)
 
-# After a cancelled import, how long we wait for the worker to confirm nothing will land in the blocks any more.
-CANCEL_CONFIRM_TIMEOUT_S = 10.0
+# How long past an import's deadline the worker may take to report it (its fence) before we stop waiting for it.
+REPORT_GRACE_S = 300.0
 
 
 def memory_regions(pool: KVPool) -> list[list[MemoryRegion]]:
@@ -49,7 +52,9 @@ class _Pending:
 
 
 class WorkerMover:
-    def __init__(self, transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float) -> None:
+    def __init__(
+        self, transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float, fence_s: float = 60.0
+    ) -> None:
         self.pool = pool
         config = WorkerConfig(
             engine_id=engine_id,
@@ -57,12 +62,13 @@ class WorkerMover:
             side_channel_port=side_channel_port,
             limits=RendezvousLimits(registration_lease_s=lease_s),
             pull_lease_s=lease_s,
+            fence_s=fence_s,
         )
 
         def transport_factory(rank: int) -> object:
             # Runs on the rank's worker thread, which has bound its CUDA device already for VRAM pools.
-            options = {"host": host} if transport == "mock" else {}
-            return create_transport(transport, f"{engine_id}-r{rank}", **options)  # type: ignore[arg-type]
+            options = {"host": host, "faults": MockFaults.from_env(os.environ)} if transport == "mock" else {}
+            return create_transport(transport, agent_name(engine_id, rank), **options)  # type: ignore[arg-type]
 
         self.transfers = EngineTransfers(
             pool.model,
@@ -77,6 +83,14 @@ class WorkerMover:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
+
+    def peer_agents(self) -> int:
+        """Peer agents the ranks' transports hold now (one per live peer rank: restarted peers' agents are dropped)."""
+        return sum(worker.peer_agents() for worker in self.transfers.workers)
+
+    def fenced(self) -> int:
+        """Failed imports whose blocks are still held because a peer may still write into them."""
+        return sum(worker.fenced() for worker in self.transfers.workers)
 
     def side_channel(self) -> PrefillCoordinates:
         return self.transfers.coordinates
@@ -145,18 +159,19 @@ class WorkerMover:
             worker.prefill_finished(transfer_id, [block_ids], num_tokens, pull=mode is TransferMode.PULL)
 
     # --- decode ----------------------------------------------------------------------------------------------------
-    async def _received(self, transfer_id: str, pending: _Pending, block_ids: list[int], deadline_s: float) -> Receipt:
+    async def _received(self, transfer_id: str, pending: _Pending, block_ids: list[int], deadline_s: float, free: Callable[[], None]) -> Receipt:
         assert pending.done is not None
         try:
-            # The worker enforces deadline_s itself; our own bound only catches a worker that stopped reporting.
-            results = await asyncio.wait_for(asyncio.shield(pending.done), deadline_s + CANCEL_CONFIRM_TIMEOUT_S)
-        except (asyncio.CancelledError, TimeoutError):
-            # The request is gone (or the worker is stuck): cancel, and keep the blocks until the worker confirms that
-            # nothing will be written into them any more, so they can be reused safely.
+            # The worker enforces deadline_s (and its fence) itself; our own bound only catches a worker that stopped reporting.
+            results = await asyncio.wait_for(asyncio.shield(pending.done), deadline_s + REPORT_GRACE_S)
+        except (asyncio.CancelledError, TimeoutError) as error:
+            # The request is gone (or the worker is stuck): cancel, and keep the blocks until the workers report the
+            # transfer ended, which they do only once nothing can be written into them any more.
             for worker in self.transfers.workers:
                 worker.cancel(transfer_id, "the decode request was cancelled")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(pending.done), CANCEL_CONFIRM_TIMEOUT_S)
+            pending.done.add_done_callback(lambda _: free())
+            if isinstance(error, TimeoutError):
+                raise TransferFailed(f"transfer {transfer_id}: the transfer workers did not report it", blocks_kept=True) from None
             raise
         failures = [r for r in results if r.kind is not ResultKind.FINISHED_RECVING]
         if failures:
@@ -166,17 +181,25 @@ class WorkerMover:
         return Receipt(transfer_id=transfer_id, bytes=sum(r.nbytes for r in results), blocks=len(block_ids))
 
     async def import_pushed(
-        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float
+        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float, free: Callable[[], None]
     ) -> Receipt:
         pending = self._expect(transfer_id)
         for worker in self.transfers.workers:
             worker.expect_push(transfer_id, remote, [block_ids], num_tokens, timeout_s=deadline_s)
-        return await self._received(transfer_id, pending, block_ids, deadline_s)
+        return await self._received(transfer_id, pending, block_ids, deadline_s, free)
 
     async def import_pulled(
-        self, transfer_id: str, *, remote: PrefillCoordinates, remote_block_ids: list[int], block_ids: list[int], num_tokens: int, deadline_s: float
+        self,
+        transfer_id: str,
+        *,
+        remote: PrefillCoordinates,
+        remote_block_ids: list[int],
+        block_ids: list[int],
+        num_tokens: int,
+        deadline_s: float,
+        free: Callable[[], None],
     ) -> Receipt:
         pending = self._expect(transfer_id)
         for worker in self.transfers.workers:
             worker.read(transfer_id, remote, [remote_block_ids], [block_ids], num_tokens, timeout_s=deadline_s)
-        return await self._received(transfer_id, pending, block_ids, deadline_s)
+        return await self._received(transfer_id, pending, block_ids, deadline_s, free)

@@ -137,10 +137,14 @@ class Transport(ABC):
     """One agent: registered memory, peers, transfers and notifications. Subclasses guard every
     public method with :func:`confined`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, notification_limit: int = MAX_NOTIFICATION_BYTES) -> None:
+        """``notification_limit``: the largest notification the backend delivers (bytes)."""
         if not name or len(name) > 256:
             raise TransportError(f"agent name must be 1..256 characters, got {name!r}")
+        if not 0 < notification_limit <= MAX_NOTIFICATION_BYTES:
+            raise TransportError(f"notification limit must be in (0, {MAX_NOTIFICATION_BYTES}], got {notification_limit}")
         self.name = name
+        self.notification_limit = notification_limit
         self._owner = threading.get_ident()
         self._closed = False
 
@@ -223,9 +227,9 @@ class Transport(ABC):
         self.close()
 
 
-def check_notification(message: bytes) -> bytes:
+def check_notification(message: bytes, limit: int = MAX_NOTIFICATION_BYTES) -> bytes:
     if not isinstance(message, bytes | bytearray | memoryview):
         raise TransportError(f"notification must be bytes, got {type(message).__name__}")
-    if len(message) > MAX_NOTIFICATION_BYTES:
-        raise TransportError(f"notification of {len(message)} bytes exceeds the limit of {MAX_NOTIFICATION_BYTES} bytes")
+    if len(message) > limit:
+        raise TransportError(f"notification of {len(message)} bytes exceeds the transport's limit of {limit} bytes")
     return bytes(message)

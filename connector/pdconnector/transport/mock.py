@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ import numpy as np
 
 from pdconnector.transport import mock_wire as wire
 from pdconnector.transport.base import (
+    MAX_NOTIFICATION_BYTES,
     Device,
     MemoryRegion,
     Operation,
@@ -41,6 +44,9 @@ from pdconnector.transport.base import (
     confined,
 )
 from pdconnector.transport.descriptors import RegionTable, pair_descriptors
+from pdconnector.transport.mock_faults import MockFaults
+
+log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 2.0
 IN_PROGRESS = TransferStatus(TransferState.IN_PROGRESS)
@@ -57,7 +63,6 @@ class _Transfer:
     handle: TransferHandle
     local: np.ndarray
     status: TransferStatus = field(default_factory=lambda: IN_PROGRESS)
-    receiving: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class MockTransport(Transport):
     advertise_host: address peers connect to (the pod IP), defaults to ``host``.
     io_timeout_s: bound on every blocking socket send/receive of a frame; a peer that stalls
         longer is treated as disconnected.
+    faults: late WRITEs and lost or late notifications to inject (chaos tests, :mod:`.mock_faults`).
+    notification_limit: the largest notification it carries, to stand in for a backend with a small one (LIBFABRIC).
     """
 
     def __init__(
@@ -103,8 +110,13 @@ class MockTransport(Transport):
         advertise_host: str | None = None,
         io_timeout_s: float = 10.0,
         connect_timeout_s: float = 5.0,
+        faults: MockFaults | None = None,
+        notification_limit: int = MAX_NOTIFICATION_BYTES,
     ) -> None:
-        super().__init__(name)
+        super().__init__(name, notification_limit=notification_limit)
+        self._faults = faults
+        self._dropper = faults.dropper() if faults is not None else None
+        self._writes_delayed = 0
         self._io_timeout_s = io_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
@@ -179,13 +191,14 @@ class MockTransport(Transport):
     def release(self, handle: TransferHandle) -> None:
         with self._lock:
             transfer = self._transfers.of(handle)
-            if transfer.receiving:
-                raise TransportError(f"transfer {handle.id} is landing in local memory right now; release it once state() is final")
+            if not transfer.status.finished:
+                # Its frame may be queued, on the wire or landing: nothing here can take it back (as with RDMA).
+                raise TransportError(f"transfer {handle.id} to {handle.peer!r} is in flight and cannot be cancelled; release it once final")
             del self._transfers[handle.id]
 
     @confined
     def notify(self, peer: str, message: bytes) -> None:
-        message = check_notification(message)
+        message = check_notification(message, self.notification_limit)
         link = self._link(peer)
         if link.error:
             raise TransportError(f"{self.name!r}: peer {peer!r} is disconnected: {link.error}")
@@ -232,7 +245,7 @@ class MockTransport(Transport):
     def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
         link = self._link(peer)
         local, remote = pair_descriptors(local, remote)
-        notification = check_notification(notification)
+        notification = check_notification(notification, self.notification_limit)
         if local.shape[0] > wire.MAX_DESCRIPTORS:
             raise TransportError(f"{local.shape[0]} descriptors exceed MockTransport's limit of {wire.MAX_DESCRIPTORS} per transfer")
         self._regions.check(local, "local", self.name)
@@ -292,12 +305,28 @@ class MockTransport(Transport):
         while (outgoing := link.outbox.get()) is not None:
             if link.error:
                 continue  # its transfer was failed with the link
+            if self._faults is not None and not self._inject(outgoing.kind):
+                continue
             try:
                 wire.send_frame(link.sock, outgoing.kind, outgoing.meta, outgoing.nbytes)
                 if outgoing.local is not None:
                     wire.send_memory(link.sock, outgoing.local)
             except OSError as error:
                 self._fail_link(link, f"send failed: {error}")
+
+    def _inject(self, kind: wire.FrameKind) -> bool:
+        """Apply the configured faults to one frame about to leave; False: drop it."""
+        assert self._faults is not None and self._dropper is not None
+        if kind is wire.FrameKind.WRITE:
+            if self._faults.delayed_writes < 0 or self._writes_delayed < self._faults.delayed_writes:
+                self._writes_delayed += 1
+                time.sleep(self._faults.write_delay_s)
+        elif kind is wire.FrameKind.NOTIFY:
+            if self._dropper.random() < self._faults.notification_drop_rate:
+                log.warning("%s: notification dropped (injected fault)", self.name)
+                return False
+            time.sleep(self._faults.notification_delay_s)
+        return True
 
     def _read_replies(self, link: _Link) -> None:
         """Outbound connection: turn acks into transfer states and land READ data."""
@@ -317,14 +346,8 @@ class MockTransport(Transport):
             landing = transfer is not None and not error and stream_len > 0
             if landing and stream_len != transfer.handle.nbytes:
                 raise wire.WireError(f"READ {transfer_id}: peer returned {stream_len} bytes, expected {transfer.handle.nbytes}")
-            if landing:
-                transfer.receiving = True
-        if landing:
-            try:
-                wire.recv_memory(link.sock, transfer.local)
-            finally:
-                with self._lock:
-                    transfer.receiving = False
+        if landing:  # still in flight while its bytes land, so release() refuses to drop it meanwhile
+            wire.recv_memory(link.sock, transfer.local)
         elif stream_len:
             wire.discard(link.sock, stream_len)
         with self._lock:

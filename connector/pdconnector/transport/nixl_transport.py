@@ -19,11 +19,12 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from pdconnector.transport.base import (
+    MAX_NOTIFICATION_BYTES,
     Device,
     MemoryRegion,
     Operation,
@@ -37,6 +38,10 @@ from pdconnector.transport.base import (
     confined,
 )
 from pdconnector.transport.descriptors import RegionTable, pair_descriptors
+
+# The largest notification each backend delivers. LIBFABRIC serialises a notification into one 8 KiB control buffer
+# (NIXL_LIBFABRIC_SEND_RECV_BUFFER_SIZE) with a header and the sender's agent name; 7 KiB leaves room for both.
+NOTIFICATION_LIMITS: Final = {"LIBFABRIC": 7 * 1024}
 
 # Our metadata wraps NIXL's so a peer learns the memory kind of our regions (NIXL needs it to
 # describe the remote side) and so metadata from another transport fails with a clear error.
@@ -73,7 +78,7 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
-        super().__init__(name)
+        super().__init__(name, notification_limit=min((NOTIFICATION_LIMITS.get(b, MAX_NOTIFICATION_BYTES) for b in backends), default=1))
         try:
             from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 (nixl is optional)
         except Exception as error:
@@ -179,7 +184,7 @@ class NixlTransport(Transport):
 
     @confined
     def notify(self, peer: str, message: bytes) -> None:
-        message = check_notification(message)
+        message = check_notification(message, self.notification_limit)
         self._peer_device(peer)
         try:
             self._agent.send_notif(peer, message)
@@ -260,7 +265,7 @@ class NixlTransport(Transport):
     def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
         remote_device = self._peer_device(peer)
         local, remote = pair_descriptors(local, remote)
-        notification = check_notification(notification)
+        notification = check_notification(notification, self.notification_limit)
         self._regions.check(local, "local", self.name)
         handle = TransferHandle(next(self._ids), peer, operation, int(local.shape[0]), int(local[:, 1].sum()))
         transfer = _Transfer(handle, None, _IN_PROGRESS)

@@ -10,7 +10,10 @@ Shape (what the operator renders, ``pdoperator.render.engine.kv_transfer_config`
 
 Optional extra keys: ``side_channel_host`` (else ``VLLM_NIXL_SIDE_CHANNEL_HOST``, which the
 operator sets to the pod IP, else loopback), ``lease_s`` (how long prefill holds finished
-blocks for decode, default 30).
+blocks for decode, default 30), ``fence_s`` (how long decode keeps a failed push's blocks for a
+prefill that never answers; default from the transfer timeout and the default liveness probe,
+:func:`pdconnector.protocol.liveness.fence_seconds`), ``heartbeat_dir`` (where the transfer threads
+stamp the heartbeat the liveness probe checks; none by default).
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TransferMode
 
 SIDE_CHANNEL_HOST_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 MOCK_BACKEND: Final = "mock"
-_KNOWN_KEYS: Final = frozenset({"mode", "backends", "side_channel_port", "side_channel_host", "transfer_timeout_s", "lease_s"})
+_KNOWN_KEYS: Final = frozenset(
+    {"mode", "backends", "side_channel_port", "side_channel_host", "transfer_timeout_s", "lease_s", "fence_s", "heartbeat_dir"}
+)
 
 
 class ConnectorConfigError(ValueError):
@@ -45,6 +51,8 @@ class ConnectorConfig:
     side_channel_port: int
     transfer_timeout_s: float
     lease_s: float
+    fence_s: float
+    heartbeat_dir: str | None
     buffer_device: str
     recompute_on_failure: bool
 
@@ -90,14 +98,20 @@ def parse_connector_config(
     policy = failure_policy or "fail"
     if policy not in ("fail", "recompute"):
         raise ConnectorConfigError("kv_load_failure_policy", f"expected 'fail' or 'recompute', got {policy!r}")
+    heartbeat_dir = extra.get("heartbeat_dir")
+    if heartbeat_dir is not None and (not isinstance(heartbeat_dir, str) or not heartbeat_dir.startswith("/")):
+        raise ConnectorConfigError("kv_connector_extra_config.heartbeat_dir", f"expected an absolute directory path, got {heartbeat_dir!r}")
+    timeout_s = _positive(extra, "transfer_timeout_s", 60.0)
     return ConnectorConfig(
         engine_id=engine_id,
         mode=mode,
         backends=tuple(backends),
         side_channel_host=host,
         side_channel_port=port,
-        transfer_timeout_s=_positive(extra, "transfer_timeout_s", 60.0),
+        transfer_timeout_s=timeout_s,
         lease_s=_positive(extra, "lease_s", 30.0),
+        fence_s=_positive(extra, "fence_s", fence_seconds(timeout_s, LivenessProbe())),
+        heartbeat_dir=heartbeat_dir,
         buffer_device=device,
         recompute_on_failure=policy == "recompute",
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from pdconnector.protocol.params import (
     ERROR_KEY,
     RECEIVED_KEY,
+    REMOTE_HOLD_KEY,
     TRANSFER_ID_KEY,
     TRANSFER_MODE_KEY,
     EngineRole,
@@ -46,6 +48,7 @@ from pdconnector.worker.commands import AbandonTransfer, BlockIds, CancelTransfe
 log = logging.getLogger(__name__)
 
 _TRIMMED_KEY = "_pd_prompt_trimmed"
+PULL_HOLD_SLACK_S = 2.0  # router transit and the step between staging a READ and the worker taking it
 _STAGED_KEY = "_pd_staged"
 
 
@@ -177,7 +180,7 @@ class SchedulerSide:
                 # results (which then never ends) and could be written with bytes meant for the other.
                 raise TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already in use by request {owner} on this engine")
             local, cached = self._local_blocks(block_groups)
-            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens)
+            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens, waited_s=self._waited(request))
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
             self._incoming[request_id] = _Incoming(str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True)
@@ -206,7 +209,15 @@ class SchedulerSide:
             local.append(tuple(b.block_id for b in real if b.block_hash is None))
         return tuple(local), cached
 
-    def _decode_command(self, request_id: str, transfer: TransferRequest, local: BlockIds, cached: int, num_tokens: int) -> Command:
+    @staticmethod
+    def _waited(request: Any) -> float:
+        """Seconds since the request reached this engine (vLLM stamps ``arrival_time`` with the wall clock)."""
+        arrival = getattr(request, "arrival_time", None)
+        return max(0.0, time.time() - arrival) if isinstance(arrival, int | float) else 0.0
+
+    def _decode_command(
+        self, request_id: str, transfer: TransferRequest, local: BlockIds, cached: int, num_tokens: int, *, waited_s: float
+    ) -> Command:
         assert transfer.remote is not None
         if transfer.mode is TransferMode.PUSH:
             # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries the count).
@@ -222,7 +233,13 @@ class SchedulerSide:
                     "remote_block_ids", f"KV cache group {g}: prefill sent {len(theirs)} blocks, decode needs {len(ours)} after {cached} cached"
                 )
             matched.append(tuple(source))
-        return ReadBlocks(request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens)
+        # Prefill's hold began before it answered, so before this request arrived: what is left of it bounds the READs.
+        hold_s = transfer.remote_hold_s if transfer.remote_hold_s is not None else self.config.lease_s
+        valid_for_s = hold_s - waited_s - PULL_HOLD_SLACK_S
+        if valid_for_s <= 0:
+            detail = f"waited {waited_s:.1f}s at decode; prefill holds its blocks for {hold_s:.1f}s after answering, so they may be gone"
+            raise TransferParamsError(REMOTE_HOLD_KEY, detail)
+        return ReadBlocks(request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens, valid_for_s)
 
     def _stage(self, command: Command) -> None:
         with self._lock:
@@ -323,6 +340,7 @@ class SchedulerSide:
             "remote_port": self.engine.side_channel_port,
             "tp_size": self.engine.tp_size,
             "remote_num_tokens": num_tokens,
+            REMOTE_HOLD_KEY: int(self.config.lease_s * 1000),
         }
 
     def _prefill_blocks(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:

@@ -7,7 +7,9 @@ There they become one log line per interval (:meth:`PDTransferStats.reduce`) and
 series (:class:`PDPromMetrics`).
 
 Only rank 0 counts transfers and their waits, so a TP-sharded transfer counts once. Every
-rank counts its bytes, because each moves its own shard.
+rank counts its bytes, because each moves its own shard, and its fence events (:data:`FENCE_EVENTS`:
+blocks released by the fence without the peer's answer, transfers the transport could not cancel,
+registrations sent without their inline metadata to fit the backend's notification limit).
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 MAX_WAITS = 4096
 
 
+# Transfer-worker counters that say the fence had to act; exported as vllm:pd_kv_fence_events{event=...}.
+FENCE_EVENTS = ("fences_expired", "writes_stuck", "reads_stuck", "registrations_without_metadata")
+
+
 class Direction(StrEnum):
     SEND = "send"  # prefill: from prefill done to its blocks released (written, read, expired, ...)
     RECV = "recv"  # decode: from asking for the KV to having it, or to the failure
 
 
 def _empty() -> dict[str, Any]:
-    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}}
+    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}, "events": {}}
 
 
 @dataclass
@@ -56,6 +62,12 @@ class PDTransferStats(KVConnectorStats):
         if len(waits) < MAX_WAITS:
             waits.append(wait_s)
 
+    def count_events(self, events: dict[str, int]) -> None:
+        """Fence events of one rank since the last count (names from :data:`FENCE_EVENTS`)."""
+        for name, count in events.items():
+            if count:
+                self.data["events"][name] = self.data["events"].get(name, 0) + count
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -68,17 +80,21 @@ class PDTransferStats(KVConnectorStats):
         return taken
 
     def is_empty(self) -> bool:
-        return not self.data["ended"] and not self.data["bytes_received"]
+        return not self.data["ended"] and not self.data["bytes_received"] and not self.data["events"]
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
-        ended = dict(self.data["ended"])
+        ended, events = dict(self.data["ended"]), dict(self.data["events"])
         for key, count in other.data["ended"].items():
             ended[key] = ended.get(key, 0) + count
+        for key, count in other.data.get("events", {}).items():
+            events[key] = events.get(key, 0) + count
         waits = {direction: self.data["waits"][direction] + other.data["waits"][direction] for direction in self.data["waits"]}
-        return PDTransferStats({"ended": ended, "bytes_received": self.data["bytes_received"] + other.data["bytes_received"], "waits": waits})
+        bytes_received = self.data["bytes_received"] + other.data["bytes_received"]
+        return PDTransferStats({"ended": ended, "bytes_received": bytes_received, "waits": waits, "events": events})
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = {key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())}
+        summary.update(sorted(self.data["events"].items()))
         if self.data["bytes_received"]:
             summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
         for direction, waits in self.data["waits"].items():
@@ -115,6 +131,12 @@ class PDPromMetrics(KVConnectorPromMetrics):
             buckets=list(WAIT_BUCKETS_S),
             labelnames=[*labelnames, "direction"],
         )
+        self._fence_events = self._counter_cls(
+            name="vllm:pd_kv_fence_events",
+            documentation="Times the fence acted: blocks released without the peer's answer (fences_expired), transfers the "
+            "transport could not cancel (writes_stuck, reads_stuck), registrations sent without inline metadata.",
+            labelnames=[*labelnames, "event"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -123,6 +145,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
             self._transfers.labels(*labels, direction, outcome).inc(count)
         if transfer_stats_data["bytes_received"]:
             self._bytes.labels(*labels).inc(transfer_stats_data["bytes_received"])
+        for event, count in transfer_stats_data.get("events", {}).items():
+            self._fence_events.labels(*labels, event).inc(count)
         for direction, waits in transfer_stats_data["waits"].items():
             if waits:
                 histogram = self._waits.labels(*labels, direction)

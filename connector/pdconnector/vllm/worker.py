@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,12 +21,13 @@ from pdconnector.layout import RankLayout
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
+from pdconnector.transport.mock_faults import MockFaults
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata
-from pdconnector.vllm.stats import Direction, PDTransferStats
+from pdconnector.vllm.stats import FENCE_EVENTS, Direction, PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import ResultKind
-from pdconnector.worker.identity import EngineInfo, RankInfo
+from pdconnector.worker.identity import EngineInfo, RankInfo, agent_name
 from pdconnector.worker.side_channel import SideChannelClient
 from pdconnector.worker.transfer_worker import TransferWorker, WorkerConfig
 
@@ -51,11 +51,6 @@ class _Live:
     since: float
 
 
-def agent_name(engine_id: str, tp_rank: int) -> str:
-    """Unique per process incarnation: a restarted engine keeps its engine id but must not alias its old agent."""
-    return f"{engine_id}-tp{tp_rank}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
 class WorkerSide:
     """Args:
     regions: this rank's memory regions in ``layout.regions`` order (see :func:`pdconnector.vllm.kv_layout.memory_regions`).
@@ -75,16 +70,20 @@ class WorkerSide:
             side_channel_port=config.side_channel_port,
             limits=limits,
             pull_lease_s=config.lease_s,
+            fence_s=config.fence_s,
+            heartbeat_dir=config.heartbeat_dir,
         )
         self._live: dict[str, _Live] = {}  # by transfer id, while the transfer is live
         self._stats = PDTransferStats()
+        self._events_seen: dict[str, int] = {}
         self._worker = TransferWorker(layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client)
         self._immediate = TransferResults()
 
     def _transport_factory(self) -> Callable[[], Transport]:
         name = agent_name(self.config.engine_id, self.layout.tp_rank)
         if self.config.uses_mock_transport:
-            return lambda: create_transport("mock", name, host=self.config.side_channel_host)
+            faults = MockFaults.from_env(os.environ)
+            return lambda: create_transport("mock", name, host=self.config.side_channel_host, faults=faults)
         return lambda: create_transport("nixl", name, backends=list(self.config.backends))
 
     def start(self) -> RankInfo:
@@ -123,7 +122,12 @@ class WorkerSide:
                 case ReadBlocks():
                     self._live[command.transfer_id] = _Live(command.request_id, now)
                     self._worker.read(
-                        command.transfer_id, command.prefill, command.remote_block_ids, command.block_ids, command.num_tokens, timeout_s=timeout
+                        command.transfer_id,
+                        command.prefill,
+                        command.remote_block_ids,
+                        command.block_ids,
+                        command.num_tokens,
+                        timeout_s=min(timeout, command.valid_for_s),
                     )
                 case CancelTransfer():
                     self._worker.cancel(command.transfer_id, command.detail)
@@ -166,7 +170,10 @@ class WorkerSide:
         return out
 
     def take_stats(self) -> PDTransferStats | None:
-        """The transfers that ended since the last call (vLLM's per-step stats), or None."""
+        """The transfers that ended and the fence events since the last call (vLLM's per-step stats), or None."""
+        counters = self._worker.stats()
+        self._stats.count_events({name: counters.get(name, 0) - self._events_seen.get(name, 0) for name in FENCE_EVENTS})
+        self._events_seen = {name: counters.get(name, 0) for name in FENCE_EVENTS}
         return self._stats.take()
 
     def _counted(self, wait_s: float) -> float | None:

@@ -8,9 +8,10 @@ role methods build the same ones for the commands they queue to the transfer thr
 reports); the transfer worker keys everything by ``transfer_id`` and never reads it, so callers
 without one leave it empty.
 
-No command carries a deadline or a clock reading: the worker's role methods that take a decode command
-also take its ``timeout_s`` and measure the deadline on the worker's own monotonic clock from that
-moment, not from when the scheduler staged the command in another process.
+No command carries a clock reading: the worker's role methods that take a decode command also take
+its ``timeout_s`` and measure the deadline on the worker's own monotonic clock from that moment, not
+from when the scheduler staged the command in another process. The one duration a command carries,
+``ReadBlocks.valid_for_s``, bounds that timeout: how long prefill still holds the blocks to be read.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ReadBlocks:
     remote_block_ids: BlockIds
     block_ids: BlockIds
     num_tokens: int
+    valid_for_s: float = float("inf")  # prefill's hold outlasts staging by at least this: READs end before it runs out
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,15 @@ class WorkerContext:
             log.info("transfer %s not released yet (%s); will retry", handle.id, error)
             self._stranded.append(handle)
 
+    def cancel(self, handle: TransferHandle) -> bool:
+        """Stop and release a transfer in flight; False when the transport cannot stop it (the handle stays live)."""
+        try:
+            self.transport.release(handle)
+        except TransportError as error:
+            log.warning("transfer %s to %s cannot be cancelled: %s", handle.id, handle.peer, error)
+            return False
+        return True
+
     def retry_stranded(self) -> bool:
         """Retry the handles :meth:`release` could not release; whether any of them went."""
         if not self._stranded:

@@ -6,7 +6,10 @@ rank and the :class:`CompletionTracker` counts their completion notifications. P
 from every source rank, each READ's notification telling that rank it may free. Either way the end is
 reported once, as ``finished_recving`` or ``failed_recving``; a failure on this side tells the prefill
 ranks (an ``AbortMessage``) and invalidates the cached handshake, since the peer may have restarted
-under the same coordinates. Each command comes with its deadline, taken on the worker's clock when
+under the same coordinates. A failure is reported (and the engine frees the blocks) only once nothing
+can land in them any more: push waits for every writer's answer or the fence
+(:mod:`pdconnector.protocol.completion`); pull waits until its own READs ended or were cancelled, and
+only then tells prefill to free its side. Each command comes with its deadline, taken on the worker's clock when
 the worker received it. Inputs come from the worker thread's loop with its clock ``now``; this side
 shares nothing with the prefill side but the :class:`WorkerContext` and the :class:`PeerRegistry`.
 """
@@ -18,8 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import msgspec
+
 from pdconnector.layout import plan_transfer, writers_for
-from pdconnector.protocol.completion import CompletionTracker, TransferFailure
+from pdconnector.protocol.completion import AbortWriters, CompletionTracker, TransferFailure
 from pdconnector.protocol.messages import (
     MAX_DETAIL_CHARS,
     AbortMessage,
@@ -29,7 +34,6 @@ from pdconnector.protocol.messages import (
     ProtocolError,
     ReadDoneMessage,
     RegistrationMessage,
-    Side,
     encode,
 )
 from pdconnector.protocol.params import PrefillCoordinates
@@ -38,7 +42,7 @@ from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
 from pdconnector.worker.peers import PeerRegistry
-from pdconnector.worker.side_channel import SideChannelClient
+from pdconnector.worker.side_channel import PeerGone, SideChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,9 @@ class _PushWait:
     attempt: int
     writers: dict[int, str]  # prefill rank -> agent name, for aborts
     prefill: PrefillCoordinates
+    fenced: bool = False  # aborted: waiting for the writers' answers
+    probe: Future[EngineInfo] | None = None  # is the writers' engine still there?
+    next_probe: float = 0.0
 
 
 @dataclass
@@ -75,6 +82,8 @@ class _Reading:
     handles: dict[int, TransferHandle]  # source prefill rank -> READ in flight
     agents: dict[int, str]
     nbytes: int = 0
+    ending: tuple[FailureReason, str] | None = None  # failed: waiting for the READs left to end or be cancelled
+    stuck_since: float | None = None  # a READ of it could not be cancelled
 
 
 class DecodeSide:
@@ -94,6 +103,9 @@ class DecodeSide:
         engine_id: str,
         host: str,
         side_channel_port: int,
+        fence_s: float,
+        gone_grace_s: float = 1.0,
+        probe_interval_s: float = 2.0,
     ) -> None:
         self.layout = context.layout
         self._context = context
@@ -103,7 +115,9 @@ class DecodeSide:
         self._engine_id = engine_id
         self._host = host
         self._side_channel_port = side_channel_port
-        self._tracker = CompletionTracker()
+        self._tracker = CompletionTracker(fence_s=fence_s)
+        self._gone_grace_s = gone_grace_s
+        self._probe_interval_s = probe_interval_s
         self._handshaking: dict[str, _Handshaking] = {}
         self._abandoning: dict[str, _Abandoning] = {}
         self._pushes: dict[str, _PushWait] = {}
@@ -115,6 +129,14 @@ class DecodeSide:
 
     def next_deadline(self) -> float | None:
         return self._tracker.next_deadline()
+
+    def fenced(self) -> int:
+        """Failed transfers whose blocks are still held because a peer may still touch them."""
+        return self._tracker.fenced() + sum(1 for reading in self._reads.values() if reading.ending is not None)
+
+    def stuck_since(self) -> float | None:
+        """When the oldest READ that could not be cancelled was given up (None: there is none)."""
+        return min((r.stuck_since for r in self._reads.values() if r.stuck_since is not None), default=None)
 
     def handles(self) -> list[TransferHandle]:
         """The READs in flight (for shutdown)."""
@@ -143,6 +165,35 @@ class DecodeSide:
         future.add_done_callback(lambda _: self._wake())
         self._abandoning[command.transfer_id] = _Abandoning(command, deadline, future)
 
+    def poll_probes(self, now: float) -> bool:
+        """Fenced pushes whose prefill engine turned out gone (refused, or another incarnation answers) end their
+        fence after the grace: a dead process posts nothing."""
+        progressed = False
+        for transfer_id, waiting in self._pushes.items():
+            if not waiting.fenced or self._side_channel is None:
+                continue
+            if waiting.probe is None:
+                if now >= waiting.next_probe:
+                    waiting.probe = self._side_channel.probe(waiting.prefill)
+                    waiting.probe.add_done_callback(lambda _: self._wake())
+                continue
+            if not waiting.probe.done():
+                continue
+            probe, waiting.probe = waiting.probe, None
+            waiting.next_probe = now + self._probe_interval_s
+            error = probe.exception()
+            if isinstance(error, PeerGone):
+                gone = True
+            elif error is None:
+                gone = not set(waiting.writers.values()) & {rank.agent_name for rank in probe.result().ranks}
+            else:
+                gone = False  # unreachable or slow: maybe frozen, the fence decides
+            if gone and self._tracker.writers_gone(transfer_id, now, grace_s=self._gone_grace_s):
+                engine_id = waiting.prefill.engine_id
+                log.info("transfer %s: prefill %s is gone; its blocks are released after %.1fs", transfer_id, engine_id, self._gone_grace_s)
+                progressed = True
+        return progressed
+
     def poll_abandons(self, now: float) -> bool:
         progressed = False
         for transfer_id, abandoning in list(self._abandoning.items()):
@@ -166,18 +217,17 @@ class DecodeSide:
                 self._context.send(engine.ranks[p].agent_name, message)
         return progressed
 
-    def cancel(self, transfer_id: str, detail: str) -> None:
+    def cancel(self, transfer_id: str, detail: str, now: float) -> None:
+        """The request ended: nothing registered yet ends now; a registered push or posted pull ends once fenced."""
         if self._handshaking.pop(transfer_id, None) is not None:
             self._fail(transfer_id, FailureReason.CANCELLED, detail)
-        if self._tracker.cancel(transfer_id) is not None:
-            self._end_push(transfer_id, abort=True, detail=detail)
-            self._fail(transfer_id, FailureReason.CANCELLED, detail)
+        self._tracker.cancel(transfer_id, FailureReason.CANCELLED, detail, now)
         if transfer_id in self._reads:
-            self._end_read(transfer_id, FailureReason.CANCELLED, detail)
+            self._end_read(transfer_id, FailureReason.CANCELLED, detail, now)
 
-    def on_message(self, message: CompletionMessage | FailureMessage) -> None:
+    def on_message(self, message: CompletionMessage | FailureMessage, now: float) -> None:
         """A notification meant for decode (a prefill rank's completion or failure)."""
-        self._tracker.on_message(message)
+        self._tracker.on_message(message, now)
 
     def poll_handshakes(self, now: float) -> bool:
         progressed = False
@@ -205,9 +255,9 @@ class DecodeSide:
                 self._fail(transfer_id, FailureReason.INCOMPATIBLE, f"handshake with {command.prefill.engine_id} failed: {error}")
                 continue
             if isinstance(command, ExpectPush):
-                self._register(command, waiting.deadline, engine)
+                self._register(command, waiting.deadline, engine, now)
             else:
-                self._post_reads(command, waiting.deadline, engine)
+                self._post_reads(command, waiting.deadline, engine, now)
         return progressed
 
     def poll_reads(self, now: float) -> bool:
@@ -217,51 +267,57 @@ class DecodeSide:
             failed = None
             for p, handle in list(reading.handles.items()):
                 status = self._context.state(handle)
-                if status.state is TransferState.DONE:
+                if status.finished:
                     del reading.handles[p]
                     self._context.release(handle)
-                elif status.state is TransferState.FAILED:
+                    progressed = True
+                if status.state is TransferState.FAILED and failed is None:
                     failed = f"READ from prefill rank {p} failed: {status.error}"
-                    break
-            if failed is not None:
-                progressed = True
-                self._end_read(transfer_id, FailureReason.WRITE_FAILED, failed)
+            if reading.ending is not None:
+                if not reading.handles:
+                    self._close_failed_read(transfer_id)
+            elif failed is not None:
+                self._end_read(transfer_id, FailureReason.WRITE_FAILED, failed, now)
+            elif not reading.handles and reading.deadline <= now:
+                # Done, but maybe after prefill's hold ended (the deadline is bounded by it): the bytes may be another request's.
+                self._end_read(transfer_id, FailureReason.TIMEOUT, "READ completed after its deadline; its bytes are not used", now)
             elif not reading.handles:
                 progressed = True
-                self._end_read(transfer_id, None, f"read from prefill ranks {sorted(reading.agents)}")
+                self._end_read(transfer_id, None, f"read from prefill ranks {sorted(reading.agents)}", now)
         return progressed
 
     def expire(self, now: float) -> bool:
         progressed = False
         for transfer_id, reading in list(self._reads.items()):
-            if reading.deadline <= now:
-                self._end_read(transfer_id, FailureReason.TIMEOUT, f"READ not done by the deadline (pending prefill ranks {sorted(reading.handles)})")
+            if reading.deadline <= now and reading.ending is None:
+                detail = f"READ not done by the deadline (pending prefill ranks {sorted(reading.handles)})"
+                self._end_read(transfer_id, FailureReason.TIMEOUT, detail, now)
                 progressed = True
         polled = self._tracker.poll(now)
+        for abort in polled.aborts:
+            self._abort_writers(abort)
         for received in polled.finished:
             self._pushes.pop(received.transfer_id, None)
             detail = f"attempt {received.attempt} received"
             self._context.report(TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, "received", detail, received.bytes_written))
         for failure in polled.failed:
-            self._end_push(failure.transfer_id, abort=failure.side is Side.DECODE, detail=failure.detail)
+            self._pushes.pop(failure.transfer_id, None)
+            if failure.unconfirmed:
+                self._context.count("fences_expired")
+                unconfirmed = list(failure.unconfirmed)
+                log.warning("transfer %s: prefill ranks %s never answered; blocks released after the fence", failure.transfer_id, unconfirmed)
             self._report_failure(failure)
-        return progressed or bool(polled.finished or polled.failed)
+        return progressed or bool(polled.finished or polled.failed or polled.aborts)
 
     # --- push: registration ------------------------------------------------------------------------------------------
 
-    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo) -> None:
+    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo, now: float) -> None:
         rank, d_tp, p_tp = self.layout.tp_rank, self.layout.tp_size, engine.tp_size
         writers = {p: engine.ranks[p].agent_name for p in writers_for(rank, p_tp, d_tp)}
         previous = self._pushes.get(command.transfer_id)
         if previous is not None and command.attempt <= previous.attempt:
             log.warning("transfer %s: attempt %d ignored, attempt %d is pending", command.transfer_id, command.attempt, previous.attempt)
             return
-        try:
-            self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)
-        except ValueError as error:
-            self._fail(command.transfer_id, FailureReason.CAPACITY, str(error))
-            return
-        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill)
         own = self._context.own
         try:
             message = RegistrationMessage(
@@ -281,36 +337,57 @@ class DecodeSide:
                 layout_fingerprint=self._context.layout_fingerprint,
                 cached_blocks=command.cached_blocks,
                 device_id=self._context.device_id,
+                lifetime_ms=max(1, int((deadline - now) * 1000)),
             )
-            frame = encode(message)
-        except (ProtocolError, ValueError) as error:
-            self._tracker.cancel(command.transfer_id)
-            self._end_push(command.transfer_id, abort=False)
+            frame = self._fit(message)
+            self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)
+        except ProtocolError as error:
             self._fail(command.transfer_id, FailureReason.INVALID_REGISTRATION, str(error))
             return
+        except ValueError as error:
+            self._fail(command.transfer_id, FailureReason.CAPACITY, str(error))
+            return
+        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill)
         self._context.count("registrations_sent", len(writers))
         for agent in writers.values():
             if not self._context.send_frame(agent, frame):
-                self._tracker.cancel(command.transfer_id)
-                self._end_push(command.transfer_id, abort=True, detail="registration could not be delivered")
-                self._fail(command.transfer_id, FailureReason.WRITE_FAILED, f"could not send the registration to prefill agent {agent}")
+                # Ranks that did get it may write: fence like any other failure.
+                detail = f"could not send the registration to prefill agent {agent}"
+                self._tracker.cancel(command.transfer_id, FailureReason.WRITE_FAILED, detail, now)
                 return
 
-    def _end_push(self, transfer_id: str, *, abort: bool, detail: str = "") -> None:
-        """Forget a push this rank waited for; ``abort``: it failed on this side, so tell the writers to free and
-        re-handshake next time (the peer may have restarted under the same coordinates)."""
-        waiting = self._pushes.pop(transfer_id, None)
-        if waiting is None or not abort:
+    def _fit(self, message: RegistrationMessage) -> bytes:
+        """The registration's frame within the transport's notification limit (LIBFABRIC's is a few KiB): without the
+        inline agent metadata if need be (prefill has it from this engine's side-channel announce), else refused."""
+        limit = self._context.transport.notification_limit
+        frame = encode(message)
+        if len(frame) > limit and message.agent_metadata:
+            frame = encode(msgspec.structs.replace(message, agent_metadata=b""))
+            self._context.count("registrations_without_metadata")
+        if len(frame) > limit:
+            blocks = sum(len(group) for group in message.block_ids)
+            raise ProtocolError(
+                "block_ids", f"a registration of {blocks} blocks takes {len(frame)} bytes, over the transport's {limit}-byte notification limit"
+            )
+        return frame
+
+    def _abort_writers(self, abort: AbortWriters) -> None:
+        """Tell the writers decode gave up; each answers once quiet. Re-handshake next time: a silent or failing
+        peer may have restarted under the same coordinates."""
+        waiting = self._pushes.get(abort.transfer_id)
+        if waiting is None:
             return
+        waiting.fenced = True  # poll_probes asks the side channel, now and then, whether the writers' engine is still there
         if self._side_channel is not None:
             self._side_channel.invalidate(waiting.prefill)
-        message = AbortMessage(transfer_id=transfer_id, attempt=waiting.attempt, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
-        for agent in waiting.writers.values():
-            self._context.send(agent, message)
+        detail = abort.detail[:MAX_DETAIL_CHARS]
+        message = AbortMessage(transfer_id=abort.transfer_id, attempt=abort.attempt, decode_rank=self.layout.tp_rank, detail=detail)
+        for rank in abort.ranks:
+            self._context.send(waiting.writers[rank], message)
 
     # --- pull: reads -------------------------------------------------------------------------------------------------
 
-    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo) -> None:
+    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo, now: float) -> None:
         rank, d_tp = self.layout.tp_rank, self.layout.tp_size
         reading = _Reading(command, deadline, {}, {})
         self._reads[command.transfer_id] = reading
@@ -332,16 +409,35 @@ class DecodeSide:
                 self._context.count("reads_posted")
                 reading.nbytes += plan.nbytes
         except (ValueError, TransportError) as error:
-            self._end_read(command.transfer_id, FailureReason.WRITE_FAILED, f"cannot post READ: {error}")
+            self._end_read(command.transfer_id, FailureReason.WRITE_FAILED, f"cannot post READ: {error}", now)
 
-    def _end_read(self, transfer_id: str, reason: FailureReason | None, detail: str) -> None:
-        """Finish a pull on this rank: release handles; on failure tell every source rank to free and report."""
-        reading = self._reads.pop(transfer_id)
-        for handle in reading.handles.values():
-            self._context.release(handle)
+    def _end_read(self, transfer_id: str, reason: FailureReason | None, detail: str, now: float) -> None:
+        """Finish a pull on this rank. Success: report. Failure: cancel the READs still in flight; the ones the
+        transport cannot stop keep the transfer (and both sides' blocks) until they end, then it closes."""
+        reading = self._reads[transfer_id]
         if reason is None:
+            del self._reads[transfer_id]
             self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes))
             return
+        reading.ending = (reason, detail)
+        for p, handle in list(reading.handles.items()):
+            if self._context.state(handle).finished:
+                self._context.release(handle)
+                del reading.handles[p]
+            elif self._context.cancel(handle):
+                del reading.handles[p]
+        if reading.handles:
+            reading.stuck_since = now
+            self._context.count("reads_stuck")
+            log.error("transfer %s: READs from prefill ranks %s cannot be cancelled; their blocks stay pinned", transfer_id, sorted(reading.handles))
+            return
+        self._close_failed_read(transfer_id)
+
+    def _close_failed_read(self, transfer_id: str) -> None:
+        """No READ of a failed pull is in flight any more: tell every source rank to free, then report."""
+        reading = self._reads.pop(transfer_id)
+        assert reading.ending is not None and not reading.handles
+        reason, detail = reading.ending
         if self._side_channel is not None:
             self._side_channel.invalidate(reading.command.prefill)
         abort = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])

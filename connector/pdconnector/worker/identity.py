@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import secrets
 from dataclasses import asdict
 from typing import Annotated, Final
 
@@ -100,3 +102,9 @@ def check_peer(local_layout: RankLayout, peer: EngineInfo, *, peer_is_prefill: b
         if len(rank.region_base_addresses) != expected_regions:
             count = len(rank.region_base_addresses)
             raise IncompatiblePeer(f"engine {peer.engine_id} rank {rank.tp_rank}: {count} regions, the layout has {expected_regions}")
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    """Unique per process incarnation: a restarted engine keeps its engine id, but bytes meant for its previous life
+    must not reach it, so its agents get names no earlier incarnation had."""
+    return f"{engine_id}-tp{tp_rank}-{os.getpid()}-{secrets.token_hex(3)}"

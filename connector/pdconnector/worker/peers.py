@@ -2,9 +2,11 @@
 
 Agents arrive three ways, all on the worker thread: a whole engine from a side-channel answer
 (decode looking prefill up) or announce (prefill learning of decode), and a single agent from a
-registration's metadata. Metadata already loaded is not loaded again. When an engine id comes back
-with other agents (the engine restarted), the agents of its earlier incarnation are removed, so
-the transport does not keep connections to processes that are gone.
+registration's metadata (which names its engine and rank). Metadata already loaded is not loaded
+again. An agent is kept per (engine id, rank): when one comes back under another agent name (the
+engine restarted: agent names carry the process incarnation), the earlier incarnation's agent is
+removed, so the transport keeps no connections to processes that are gone and the number of agents
+(``len``) stays that of the live peer ranks.
 """
 
 from __future__ import annotations
@@ -22,27 +24,33 @@ class PeerRegistry:
     def __init__(self, context: WorkerContext) -> None:
         self._context = context
         self._metadata: dict[str, bytes] = {}  # agent name -> metadata loaded into the transport
-        self._engine_agents: dict[str, tuple[str, ...]] = {}  # engine id -> its agents we loaded
+        self._rank_agents: dict[tuple[str, int], str] = {}  # (engine id, rank) -> that rank's current agent
 
     def __contains__(self, agent: object) -> bool:
         """Whether the transport can reach ``agent`` (its metadata is loaded)."""
         return agent in self._metadata
 
+    def __len__(self) -> int:
+        return len(self._metadata)
+
     def load_engine(self, engine: EngineInfo) -> None:
         """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had."""
-        names = tuple(self.load(rank.agent_metadata) for rank in engine.ranks)
-        stale = set(self._engine_agents.get(engine.engine_id, ())) - set(names)
-        for name in stale:
-            self._forget(name)
-            self._context.count("peers_dropped")
-        self._engine_agents[engine.engine_id] = names
+        for rank in engine.ranks:
+            self.load(rank.agent_metadata, engine_id=engine.engine_id, tp_rank=rank.tp_rank)
 
-    def load(self, metadata: bytes) -> str:
-        """Load one agent's metadata unless it is in already; returns the agent's name."""
-        name = self._context.transport.add_peer(metadata) if metadata not in self._metadata.values() else None
+    def load(self, metadata: bytes, *, engine_id: str, tp_rank: int) -> str:
+        """Load the agent of ``engine_id``'s rank ``tp_rank`` unless it is in already (replacing an earlier
+        incarnation's); returns the agent's name."""
+        name = next((agent for agent, loaded in self._metadata.items() if loaded == metadata), None)
         if name is None:
-            return next(agent for agent, loaded in self._metadata.items() if loaded == metadata)
-        self._metadata[name] = metadata
+            name = self._context.transport.add_peer(metadata)
+            self._metadata[name] = metadata
+            self._context.count("peers_loaded")
+        previous = self._rank_agents.get((engine_id, tp_rank))
+        if previous is not None and previous != name:
+            self._forget(previous)
+            self._context.count("peers_dropped")
+        self._rank_agents[(engine_id, tp_rank)] = name
         return name
 
     def _forget(self, name: str) -> None:

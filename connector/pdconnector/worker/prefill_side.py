@@ -50,6 +50,11 @@ class PrefillSide:
         )
         self._holds = PullHolds(prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, lease_s=pull_lease_s)
         self._writes: dict[WriteKey, TransferHandle] = {}
+        self._stuck: dict[WriteKey, float] = {}  # past their deadline and not cancellable: since when
+
+    def stuck_since(self) -> float | None:
+        """When the oldest WRITE that could not be cancelled passed its deadline (None: there is none)."""
+        return min(self._stuck.values(), default=None)
 
     @property
     def busy(self) -> bool:
@@ -78,14 +83,14 @@ class PrefillSide:
         self._apply(self._table.cancel(transfer_id, detail, now), now)
         self._report_released(self._holds.cancel(transfer_id, detail))
 
-    def on_message(self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float) -> None:
-        """A notification meant for prefill (decode registering, giving up, or done reading)."""
+    def on_message(self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float, *, sender: str) -> None:
+        """A notification meant for prefill (decode registering, giving up, or done reading) from agent ``sender``."""
         match message:
             case RegistrationMessage():
                 self._context.count("registrations_received")
                 if message.agent_metadata:
                     try:
-                        self._peers.load(message.agent_metadata)
+                        self._peers.load(message.agent_metadata, engine_id=message.decode_engine_id, tp_rank=message.decode_tp_rank)
                     except TransportError as error:
                         log.warning("registration of %s: cannot load decode agent %s: %s", message.transfer_id, message.agent_name, error)
                 self._apply(self._table.registration_received(message, now), now)
@@ -93,7 +98,7 @@ class PrefillSide:
                 self._report_released(self._holds.notice_received(message, now))
             case AbortMessage():
                 # Unknown to both tables, it may be a pull abort overtaking its hold: the holds keep it for a lease.
-                self._apply(self._table.abort_received(message, now), now)
+                self._apply(self._table.abort_received(message, now, sender=sender), now)
                 self._holds.notice_received(message, now)
             case ReadDoneMessage():
                 self._report_released(self._holds.notice_received(message, now))
@@ -106,6 +111,7 @@ class PrefillSide:
             if not status.finished:
                 continue
             del self._writes[key]
+            self._stuck.pop(key, None)
             self._context.release(handle)
             progressed = True
             if status.state is TransferState.DONE:
@@ -136,22 +142,33 @@ class PrefillSide:
                 case StartWrite():
                     pending += self._start_write(event, now)
                 case AbandonWrite(key=key):
-                    handle = self._writes.pop(key, None)
-                    if handle is not None:
-                        self._context.release(handle)
-                case NotifyDecode(destination=destination, message=message):
-                    self._context.send(destination.agent_name, message)
+                    pending += self._cancel_write(key, now)
+                case NotifyDecode(agent=agent, message=message):
+                    self._context.send(agent, message)
                 case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks):
                     if blocks is not None:
                         self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome.value, detail))
 
+    def _cancel_write(self, key: WriteKey, now: float) -> list[Event]:
+        """A WRITE past its deadline: gone once the transport confirms the cancel; otherwise it stays pinned and polled."""
+        handle = self._writes.get(key)
+        if handle is None:
+            return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
+        if self._context.cancel(handle):
+            del self._writes[key]
+            return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
+        self._stuck[key] = now
+        self._context.count("writes_stuck")
+        log.error("transfer %s: WRITE to decode rank %d cannot be cancelled; its blocks stay pinned", key.transfer_id, key.decode_rank)
+        return []
+
     def _start_write(self, event: StartWrite, now: float) -> list[Event]:
         registration, key = event.registration, event.key
         try:
-            if registration.agent_metadata:
-                self._peers.load(registration.agent_metadata)
+            # Loaded when the registration or the handshake arrived; gone if that decode rank restarted since (never reloaded
+            # from an old registration: bytes meant for its previous life must not reach the new one).
             if registration.agent_name not in self._peers:
-                raise TransportError(f"decode agent {registration.agent_name!r} is unknown (no metadata in the registration or the handshake)")
+                raise TransportError(f"decode agent {registration.agent_name!r} is not loaded (restarted since it registered, or never announced)")
             destination = RankLayout(self.layout.model, registration.decode_tp_size, registration.decode_tp_rank, registration.num_blocks)
             if len(registration.region_base_addresses) != len(destination.regions):
                 count = len(registration.region_base_addresses)

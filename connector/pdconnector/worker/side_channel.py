@@ -47,6 +47,11 @@ class SideChannelError(ConnectionError):
     """The side channel of ``address`` could not be used; the message says why."""
 
 
+class PeerGone(SideChannelError):
+    """Nobody listens at the address any more, or another engine does: the engine looked up is not running there
+    (a frozen one still accepts connections, so it is never reported gone)."""
+
+
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: Annotated[int, msgspec.Meta(ge=0)]
     announce: EngineInfo | None = None
@@ -177,6 +182,8 @@ def fetch_engine_info(host: str, port: int, *, timeout_s: float, announce: Engin
             raw = _recv_frame(sock, timeout_s)
     except SideChannelError as error:
         raise SideChannelError(f"side channel {address}: {error}") from None
+    except ConnectionRefusedError as error:
+        raise PeerGone(f"side channel {address} unreachable: {error}") from None
     except OSError as error:
         raise SideChannelError(f"side channel {address} unreachable: {error}") from None
     try:
@@ -201,8 +208,12 @@ class SideChannelClient:
         self._announce = announce
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="side-channel-client")
+        # Probes of peers that went silent may each wait out the timeout (a frozen peer accepts and never answers):
+        # they get their own thread, so handshakes of new transfers never queue behind them.
+        self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-channel-probe")
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int], _Cached] = {}
+        self._probes: dict[tuple[str, int], Future[EngineInfo]] = {}
 
     def lookup(self, peer: PrefillCoordinates) -> Future[EngineInfo]:
         """The peer's info: cached if the cached engine id is the one asked for, fetched otherwise."""
@@ -222,14 +233,27 @@ class SideChannelClient:
         with self._lock:
             self._cache.pop((peer.host, peer.side_channel_port), None)
 
+    def probe(self, peer: PrefillCoordinates) -> Future[EngineInfo]:
+        """A fresh look at the peer (not the cache): fails with :class:`PeerGone` when it is not running there any more.
+        Callers probing one address at the same time share one probe."""
+        key = (peer.host, peer.side_channel_port)
+        with self._lock:
+            running = self._probes.get(key)
+            if running is not None and not running.done():
+                return running
+            future = self._probe_pool.submit(self._fetch, peer)
+            self._probes[key] = future
+            return future
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
 
     def _fetch(self, peer: PrefillCoordinates) -> EngineInfo:
         announce = self._announce() if self._announce is not None else None
         info = fetch_engine_info(peer.host, peer.side_channel_port, timeout_s=self._timeout_s, announce=announce)
         if info.engine_id != peer.engine_id:
-            raise SideChannelError(
+            raise PeerGone(
                 f"side channel {peer.host}:{peer.side_channel_port} serves engine {info.engine_id!r}, not {peer.engine_id!r} (restarted or replaced)"
             )
         if info.tp_size != peer.tp_size:

@@ -55,6 +55,7 @@ from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectP
 from pdconnector.worker.context import TransferResult, WorkerContext
 from pdconnector.worker.decode_side import DecodeSide
 from pdconnector.worker.identity import EngineInfo, RankInfo
+from pdconnector.worker.liveness import Heartbeat
 from pdconnector.worker.peers import PeerRegistry
 from pdconnector.worker.prefill_side import PrefillSide
 from pdconnector.worker.side_channel import SideChannelClient
@@ -71,6 +72,8 @@ class WorkerConfig:
     side_channel_port: int = 5600
     limits: RendezvousLimits = field(default_factory=RendezvousLimits)
     pull_lease_s: float = 30.0
+    fence_s: float = 60.0  # how long decode keeps a failed push's blocks for a writer that never answers
+    heartbeat_dir: str | None = None  # where the liveness heartbeat goes (pdconnector.worker.liveness)
     min_poll_s: float = 1e-4
     busy_poll_max_s: float = 2e-3
     idle_poll_max_s: float = 0.05
@@ -148,7 +151,10 @@ class TransferWorker:
             engine_id=config.engine_id,
             host=config.host,
             side_channel_port=config.side_channel_port,
+            fence_s=config.fence_s,
         )
+        self._heartbeat = Heartbeat(config.heartbeat_dir, layout.tp_rank)
+        self._fenced = self._peer_agents = 0  # published by the thread each turn, read by others
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -233,6 +239,15 @@ class TransferWorker:
         """Event counters (registrations received, writes/reads posted, notifications refused, ...), for metrics and tests."""
         return self._context.stats()
 
+    def fenced(self) -> int:
+        """Failed transfers whose blocks this rank still holds because a peer may touch them (as of the thread's
+        last turn; any thread)."""
+        return self._fenced
+
+    def peer_agents(self) -> int:
+        """Peer agents this rank's transport holds (as of the thread's last turn; any thread)."""
+        return self._peer_agents
+
     def _put(self, command: _Command) -> None:
         if self._stop.is_set():
             raise RuntimeError("transfer worker is closed")
@@ -290,8 +305,12 @@ class TransferWorker:
                 progressed |= self._decode.poll_reads(now)
                 progressed |= self._decode.poll_handshakes(now)
                 progressed |= self._decode.poll_abandons(now)
+                progressed |= self._decode.poll_probes(now)
                 progressed |= self._prefill.expire(now)
                 progressed |= self._decode.expire(now)
+                stuck = self._prefill.stuck_since() is not None or self._decode.stuck_since() is not None
+                self._heartbeat.beat(now, healthy=not stuck)
+                self._fenced, self._peer_agents = self._decode.fenced(), len(self._peers)
             except Exception:
                 # A bug in one transfer's handling must not stop every other transfer's deadlines.
                 log.exception("transfer worker rank %d: step failed", self.layout.tp_rank)
@@ -334,7 +353,7 @@ class TransferWorker:
                 self._prefill.prefill_done(command, now)
             case CancelTransfer(transfer_id=transfer_id, detail=detail):
                 self._prefill.cancel(transfer_id, detail, now)
-                self._decode.cancel(transfer_id, detail)
+                self._decode.cancel(transfer_id, detail, now)
             case _Receive(command=AbandonTransfer() as abandoned, deadline=deadline):
                 self._decode.abandon(abandoned, deadline)
             case _Receive(command=received, deadline=deadline):
@@ -356,9 +375,9 @@ class TransferWorker:
                 continue
             match message:
                 case RegistrationMessage() | AbortMessage() | ReadDoneMessage():
-                    self._prefill.on_message(message, now)
+                    self._prefill.on_message(message, now, sender=sender)
                 case CompletionMessage() | FailureMessage():
-                    self._decode.on_message(message)
+                    self._decode.on_message(message, now)
         return bool(notifications)
 
     def _refuse(self, sender: str, frame: bytes, error: ProtocolError) -> None:

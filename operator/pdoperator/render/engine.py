@@ -7,6 +7,8 @@ import json
 import re
 from typing import Any
 
+from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
+
 from pdoperator.api.model import (
     Architecture,
     ConnectorImpl,
@@ -29,6 +31,9 @@ UPSTREAM_CONNECTOR_CLASS = {Mode.PULL: "NixlConnector", Mode.PUSH: "NixlPushConn
 KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 
 CONTAINER_NAME = "engine"
+# The container's own filesystem, not a volume: a restarted container must not find its previous life's stale heartbeat.
+HEARTBEAT_DIR = "/tmp/pdconnector-heartbeat"
+TRANSFER_LIVENESS = LivenessProbe()
 POD_NAME_REF = "$(POD_NAME)"
 MODELS_DIR = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -90,6 +95,9 @@ def kv_transfer_config(spec: PDServiceSpec, role: Role, pod_engine_id: str) -> d
             "backends": backends,
             "side_channel_port": engine.side_channel_port,
             "transfer_timeout_s": engine.transfer_timeout_seconds,
+            # Decode's fence outlasts the liveness probe below killing a frozen prefill (pdconnector.protocol.liveness).
+            "fence_s": fence_seconds(engine.transfer_timeout_seconds, TRANSFER_LIVENESS),
+            "heartbeat_dir": HEARTBEAT_DIR,
         },
     }
 
@@ -269,12 +277,28 @@ def _health_probe(period: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def _engine_probes(defaults: RenderDefaults) -> dict[str, Any]:
+def _transfer_liveness_probe(spec: PDServiceSpec) -> dict[str, Any]:
+    """Our connector's liveness: the transfer threads' heartbeat (a frozen or stuck engine dies within the bound its
+    peers' fence counts on) and the engine's own /health."""
+    probe = TRANSFER_LIVENESS
+    command = ["python3", "-m", "pdconnector.worker.liveness", HEARTBEAT_DIR, "--max-age", str(probe.heartbeat_max_age_s)]
+    command += ["--url", f"http://127.0.0.1:{spec.engine.port}/health", "--timeout", str(probe.timeout_s - 1)]
+    return {
+        "exec": {"command": command},
+        "periodSeconds": probe.period_s,
+        "timeoutSeconds": probe.timeout_s,
+        "failureThreshold": probe.failure_threshold,
+        "terminationGracePeriodSeconds": probe.termination_grace_s,
+    }
+
+
+def _engine_probes(spec: PDServiceSpec, defaults: RenderDefaults) -> dict[str, Any]:
     startup_period = 10
+    builtin = spec.engine.connector is not ConnectorImpl.VLLM
     return {
         "startupProbe": _health_probe(startup_period, max(1, defaults.engine_startup_budget_seconds // startup_period)),
         "readinessProbe": _health_probe(5, 3),
-        "livenessProbe": _health_probe(10, 6),
+        "livenessProbe": _transfer_liveness_probe(spec) if builtin else _health_probe(10, 6),
     }
 
 
@@ -306,7 +330,7 @@ def render_engine_pod_template(pds: PDService, role: Role, defaults: RenderDefau
             {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
         ],
         "resources": _engine_resources(spec, role),
-        **_engine_probes(defaults),
+        **_engine_probes(spec, defaults),
         "volumeMounts": mounts,
     }
     if (security_context := _engine_security_context(spec)) is not None:

@@ -1,7 +1,7 @@
 from typing import TypeVar
 
 import pytest
-from pdconnector.protocol.messages import AbortMessage, FailureReason, RegistrationMessage, Side
+from pdconnector.protocol.messages import AbortMessage, FailureReason, Side
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
     Closed,
@@ -16,7 +16,9 @@ from pdconnector.protocol.rendezvous import (
     paired_blocks,
 )
 
-LIMITS = RendezvousLimits(max_entries=8, registration_lease_s=10.0, prefill_lease_s=100.0, write_timeout_s=5.0, tombstone_ttl_s=1000.0)
+LIMITS = RendezvousLimits(
+    max_entries=8, registration_lease_s=10.0, prefill_lease_s=100.0, write_timeout_s=5.0, tombstone_ttl_s=1000.0, registration_lifetime_s=500.0
+)
 BLOCKS = ((1, 2, 3),)
 BLOCK_SIZE = 16
 T = TypeVar("T")
@@ -35,6 +37,9 @@ def only(events: list[Event], kind: type[T]) -> T:
 
 def kinds(events: list[Event]) -> list[type]:
     return [type(event) for event in events]
+
+
+DECODE_AGENT = "decode-0-rank0"  # the agent name the registration factory gives decode rank 0
 
 
 def abort(transfer_id: str = "tx-1", attempt: int = 0) -> AbortMessage:
@@ -248,7 +253,7 @@ def test_a_lost_prefill_expires_the_registration_and_tells_decode(registration):
     events = rendezvous.expire(now=LIMITS.prefill_lease_s)
     assert kinds(events) == [NotifyDecode, Closed]
     notify, closed = events
-    assert notify.destination == registration()
+    assert notify.agent == registration().agent_name
     assert notify.message.side is Side.PREFILL
     assert notify.message.reason is FailureReason.LEASE_EXPIRED
     assert (closed.outcome, closed.blocks) == (Outcome.EXPIRED, None)
@@ -267,25 +272,59 @@ def test_a_new_attempt_renews_the_lease_on_held_blocks(registration):
     rendezvous = table(prefill_tp=1)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     # Decode TP 2: rank 0 registers attempt 0, then both ranks are preempted; rank 0 registers attempt 1 at t=8.
-    rendezvous.registration_received(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0)
-    rendezvous.registration_received(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0)
+    first = only(rendezvous.registration_received(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0), StartWrite)
+    rendezvous.write_done(first.key, now=2.0)
+    second = only(rendezvous.registration_received(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0), StartWrite)
+    rendezvous.write_done(second.key, now=9.0)
     assert not any(isinstance(event, Closed) for event in rendezvous.expire(now=12.0))  # the old lease (t=10) no longer applies
     events = rendezvous.expire(now=18.0)
     assert isinstance(events[-1], Closed)
 
 
-def test_a_write_past_its_deadline_is_abandoned_then_decode_told_then_blocks_freed(registration):
+def test_a_write_past_its_deadline_is_cancelled_and_decode_told_only_once_the_cancel_is_confirmed(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     assert rendezvous.expire(now=start.deadline - 0.01) == []
-    events = rendezvous.expire(now=start.deadline)
-    assert kinds(events) == [AbandonWrite, NotifyDecode, Closed]
-    assert events[0].key == start.key
-    assert events[1].message.reason is FailureReason.WRITE_TIMEOUT
-    assert events[2].outcome is Outcome.FAILED
-    assert events[2].blocks == start.prefill
-    assert rendezvous.write_done(start.key, now=start.deadline + 1) == []  # the abandoned write's late result is ignored
+    assert only(rendezvous.expire(now=start.deadline), AbandonWrite).key == start.key
+    assert rendezvous.expire(now=start.deadline + 1) == []  # asked once; blocks still pinned, decode not told yet
+    events = rendezvous.write_failed(start.key, "cancelled", now=start.deadline + 2)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[0].message.reason is FailureReason.WRITE_TIMEOUT
+    assert (events[1].outcome, events[1].blocks) == (Outcome.FAILED, start.prefill)
+    assert rendezvous.write_done(start.key, now=start.deadline + 3) == []  # the ended write's late result is ignored
+
+
+def test_a_write_that_cannot_be_cancelled_keeps_the_blocks_until_it_really_ends(registration):
+    rendezvous = table()
+    rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
+    start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
+    only(rendezvous.expire(now=start.deadline), AbandonWrite)
+    assert rendezvous.expire(now=start.deadline + 1000) == []  # no lease frees blocks a write may still read
+    assert "tx-1" in rendezvous
+    events = rendezvous.write_done(start.key, now=start.deadline + 1001)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[1].outcome is Outcome.FAILED  # landed too late to count: decode was past its deadline
+
+
+def test_a_registration_is_not_written_after_its_lifetime_measured_on_receipt(registration):
+    rendezvous = table()
+    rendezvous.registration_received(registration(lifetime_ms=2000), now=10.0)
+    events = rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=12.0)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[0].message.reason is FailureReason.LEASE_EXPIRED
+    assert "lifetime" in events[0].message.detail
+    assert (events[1].outcome, events[1].blocks) == (Outcome.EXPIRED, PrefillBlocks("tx-1", BLOCKS, 48))
+
+
+def test_a_registration_whose_lifetime_ends_before_the_prefill_is_answered_at_that_moment(registration):
+    rendezvous = table()
+    rendezvous.registration_received(registration(lifetime_ms=2000), now=10.0)
+    assert rendezvous.next_deadline() == 12.0
+    assert rendezvous.expire(now=11.9) == []
+    events = rendezvous.expire(now=12.0)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert events[1].blocks is None
 
 
 def test_next_deadline_is_never_later_than_the_next_thing_to_expire(registration):
@@ -317,11 +356,11 @@ def test_after_one_destination_fails_the_blocks_wait_for_the_other_write_in_flig
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     to_0 = only(rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
     to_1 = only(rendezvous.registration_received(registration(decode_rank=1, decode_tp=2), now=0.0), StartWrite)
-    events = rendezvous.write_failed(to_0.key, "boom", now=1.0)
-    assert kinds(events) == [NotifyDecode, NotifyDecode]
-    assert {event.destination.decode_tp_rank for event in events} == {0, 1}
-    closed = only(rendezvous.write_done(to_1.key, now=2.0), Closed)
-    assert closed.outcome is Outcome.FAILED
+    assert rendezvous.write_failed(to_0.key, "boom", now=1.0) == []  # rank 1 is told once nothing writes into it
+    events = rendezvous.write_done(to_1.key, now=2.0)
+    assert kinds(events) == [NotifyDecode, NotifyDecode, Closed]
+    assert {event.agent for event in events[:2]} == {"decode-0-rank0", "decode-0-rank1"}
+    assert events[2].outcome is Outcome.FAILED
 
 
 def test_a_local_cancel_tells_every_registered_decode_rank(registration):
@@ -333,27 +372,30 @@ def test_a_local_cancel_tells_every_registered_decode_rank(registration):
     assert events[1].outcome is Outcome.CANCELLED
 
 
-def test_a_decode_abort_before_prefill_finishes_frees_the_blocks_when_it_does(registration):
+def test_a_decode_abort_before_prefill_finishes_is_answered_at_once_and_frees_the_blocks_when_it_does(registration):
     rendezvous = table()
-    assert rendezvous.abort_received(abort(), now=0.0) == []
+    ack = only(rendezvous.abort_received(abort(), now=0.0, sender=DECODE_AGENT), NotifyDecode)
+    assert (ack.agent, ack.message.reason, ack.message.attempt) == (DECODE_AGENT, FailureReason.CANCELLED, 0)
     closed = only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=5.0), Closed)
     assert (closed.outcome, closed.blocks) == (Outcome.CANCELLED, PrefillBlocks("tx-1", BLOCKS, 48))
     assert len(rendezvous) == 0
 
 
-def test_a_decode_abort_during_a_write_frees_the_blocks_once_the_write_ends_without_notifying_decode(registration):
+def test_a_decode_abort_during_a_write_is_answered_once_the_write_ended(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
-    assert rendezvous.abort_received(abort(), now=1.0) == []
-    closed = only(rendezvous.write_done(start.key, now=2.0), Closed)
-    assert closed.outcome is Outcome.CANCELLED
+    assert rendezvous.abort_received(abort(), now=1.0, sender=DECODE_AGENT) == []  # decode keeps its blocks meanwhile
+    events = rendezvous.write_done(start.key, now=2.0)
+    assert kinds(events) == [NotifyDecode, Closed]
+    assert (events[0].agent, events[0].message.reason) == (DECODE_AGENT, FailureReason.CANCELLED)
+    assert events[1].outcome is Outcome.CANCELLED
 
 
 def test_an_abort_of_a_superseded_attempt_is_ignored(registration):
     rendezvous = table()
     rendezvous.registration_received(registration(attempt=2), now=0.0)
-    assert rendezvous.abort_received(abort(attempt=1), now=0.0) == []
+    assert rendezvous.abort_received(abort(attempt=1), now=0.0, sender=DECODE_AGENT) == []
     only(rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=1.0), StartWrite)
 
 
@@ -401,7 +443,7 @@ def test_a_missing_decode_rank_expires_the_transfer_and_tells_the_ranks_that_reg
     assert rendezvous.write_done(start.key, now=1.0) == []  # decode rank 1 never registers
     events = rendezvous.expire(now=LIMITS.registration_lease_s)
     assert kinds(events) == [NotifyDecode, Closed]
-    assert events[0].destination.decode_tp_rank == 0
+    assert events[0].agent == "decode-0-rank0"
     assert events[1].outcome is Outcome.EXPIRED
 
 
@@ -476,5 +518,5 @@ def test_failure_notifications_carry_the_destination_attempt_and_the_prefill_ran
     rendezvous.registration_received(registration(attempt=4, decode_rank=0, decode_tp=1), now=0.0)
     notify = rendezvous.cancel("tx-1", "shutdown", now=0.0)[0]
     assert isinstance(notify, NotifyDecode)
-    assert isinstance(notify.destination, RegistrationMessage)
+    assert notify.agent == registration().agent_name
     assert (notify.message.transfer_id, notify.message.attempt, notify.message.rank) == ("tx-1", 4, 1)

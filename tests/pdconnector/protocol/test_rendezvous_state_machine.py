@@ -2,11 +2,13 @@
 
 The machine plays the caller: it hands prefill blocks to the table, delivers
 registrations and aborts (duplicated, stale, misrouted), completes or fails the
-writes it was told to start, and lets time pass. Whatever happens:
-every entry ends exactly once; blocks are released exactly once and never while a
-write still reads them; writes only start on held blocks; failures go only to
-decode ranks that registered; the table stays within its bound; and once every
-deadline has passed nothing is left held, open or in flight.
+writes it was told to start (a cancelled write may end either way, or much later),
+and lets time pass. Whatever happens: every entry ends exactly once; blocks are
+released exactly once and never while a write still reads them; writes only start
+on held blocks and within their registration's lifetime; failures go only to decode
+agents that registered or aborted, and only once no write of the transfer is in
+flight (decode frees its blocks on them); the table stays within its bound; and
+once every write has ended and every deadline passed, nothing is left held or open.
 """
 
 from hypothesis import settings
@@ -30,6 +32,7 @@ TRANSFER_IDS = [f"tx-{index}" for index in range(6)]
 LIMITS = RendezvousLimits(max_entries=4, registration_lease_s=3.0, prefill_lease_s=5.0, write_timeout_s=2.0, tombstone_ttl_s=4.0, max_tombstones=3)
 PREFILL_RANK, PREFILL_TP = 0, 2  # writes decode rank 0 of TP 1 or 2, ranks 0 and 1 of TP 4
 BLOCK_SIZE = 16
+ABORTING_AGENT = "decode-0-rank0"  # aborts come from the agent of decode rank 0
 
 
 class RendezvousMachine(RuleBasedStateMachine):
@@ -43,8 +46,11 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.held: dict[str, PrefillBlocks] = {}
         self.released: set[str] = set()
         self.in_flight: dict[WriteKey, StartWrite] = {}
-        self.abandoned: set[WriteKey] = set()
+        self.cancelling: set[WriteKey] = set()
+        self.ended: set[WriteKey] = set()
         self.sent: set[RegistrationMessage] = set()
+        self.received_at: dict[RegistrationMessage, float] = {}
+        self.agents = {ABORTING_AGENT}
         self.open: set[str] = set()
 
     # --- the caller's side of each event ------------------------------------------------------
@@ -52,7 +58,9 @@ class RendezvousMachine(RuleBasedStateMachine):
     def apply(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, StartWrite):
-                assert event.key not in self.in_flight and event.key not in self.abandoned, "a write started twice"
+                assert event.key not in self.in_flight and event.key not in self.ended, "a write started twice"
+                lifetime = event.registration.lifetime_ms / 1000 or LIMITS.registration_lifetime_s
+                assert self.now < self.received_at[event.registration] + lifetime, "a write started after its registration's lifetime"
                 held = self.held.get(event.key.transfer_id)
                 assert held is not None, "a write started on blocks the table does not hold"
                 assert event.prefill == paired_blocks(held, event.registration, block_size=BLOCK_SIZE, ssm_groups=frozenset())
@@ -60,12 +68,12 @@ class RendezvousMachine(RuleBasedStateMachine):
                 assert event.registration.attempt == event.key.attempt and event.registration.decode_tp_rank == event.key.decode_rank
                 self.in_flight[event.key] = event
             elif isinstance(event, AbandonWrite):
-                assert self.in_flight.pop(event.key, None) is not None, "abandoned a write that was not in flight"
-                self.abandoned.add(event.key)
+                assert event.key in self.in_flight and event.key not in self.cancelling, "cancelled a write that was not in flight, or twice"
+                self.cancelling.add(event.key)
             elif isinstance(event, NotifyDecode):
-                assert event.destination in self.sent, "notified a decode rank that never registered"
-                assert event.message.transfer_id == event.destination.transfer_id
-                assert event.message.attempt == event.destination.attempt
+                assert event.agent in self.agents, "notified an agent that never registered or aborted"
+                transfer_id = event.message.transfer_id
+                assert not any(key.transfer_id == transfer_id for key in self.in_flight), "told decode to free while a write is in flight"
             else:
                 self.close(event)
 
@@ -104,34 +112,49 @@ class RendezvousMachine(RuleBasedStateMachine):
         groups=st.integers(1, 2),
         registered=st.integers(0, 3),
         cached=st.integers(0, 2),
+        lifetime_ms=st.sampled_from([0, 1000, 4000]),
     )
-    def decode_registers(self, *, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int, registered: int, cached: int) -> None:
+    def decode_registers(
+        self, *, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int, registered: int, cached: int, lifetime_ms: int
+    ) -> None:
         """Registered and cached block counts that fit the prefill's blocks or do not (then the transfer fails)."""
         decode_tp, decode_rank = layout
         blocks = (tuple(range(50, 50 + registered)),) * groups
-        message = self.build_registration(transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=blocks, cached_blocks=cached)
+        message = self.build_registration(
+            transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=blocks, cached_blocks=cached, lifetime_ms=lifetime_ms
+        )
         self.sent.add(message)
+        self.agents.add(message.agent_name)
+        if transfer_id not in self.table:
+            self.received_at[message] = self.now  # opens a new entry: its lifetime starts now
+        self.received_at.setdefault(message, self.now)
         self.call(transfer_id, self.table.registration_received(message, self.now))
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data(), succeeded=st.booleans())
     def a_write_ends(self, data: st.DataObject, succeeded: bool) -> None:
+        """Done, failed, or (for a cancelled one) the cancel confirmed, reported as failed."""
         key = data.draw(st.sampled_from(sorted(self.in_flight, key=repr)))
+        self.end_write(key, succeeded)
+
+    def end_write(self, key: WriteKey, succeeded: bool) -> None:
         del self.in_flight[key]
+        self.cancelling.discard(key)
+        self.ended.add(key)
         events = self.table.write_done(key, self.now) if succeeded else self.table.write_failed(key, "transport error", self.now)
         self.call(key.transfer_id, events)
 
-    @precondition(lambda self: self.abandoned)
+    @precondition(lambda self: self.ended)
     @rule(data=st.data())
-    def an_abandoned_write_reports_late(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.abandoned, key=repr)))
+    def an_ended_write_reports_again(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.ended, key=repr)))
         assert self.table.write_done(key, self.now) == []
         assert self.table.write_failed(key, "late", self.now) == []
 
     @rule(transfer_id=st.sampled_from(TRANSFER_IDS), attempt=st.integers(0, 3))
     def decode_aborts(self, transfer_id: str, attempt: int) -> None:
         message = AbortMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=0)
-        self.call(transfer_id, self.table.abort_received(message, self.now))
+        self.call(transfer_id, self.table.abort_received(message, self.now, sender=ABORTING_AGENT))
 
     @rule(transfer_id=st.sampled_from(TRANSFER_IDS))
     def prefill_cancels(self, transfer_id: str) -> None:
@@ -163,9 +186,12 @@ class RendezvousMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.now += LIMITS.prefill_lease_s + LIMITS.registration_lease_s + LIMITS.write_timeout_s + 1
         self.apply(self.table.expire(self.now))
+        assert set(self.cancelling) == set(self.in_flight), "a write outlived its deadline without being cancelled"
+        for key in sorted(self.in_flight, key=repr):  # the transport ends every write, if only much later
+            self.end_write(key, False)
+        self.apply(self.table.expire(self.now))
         assert len(self.table) == 0 and not self.open, "entries outlived every deadline"
         assert not self.held, "blocks leaked"
-        assert not self.in_flight, "writes outlived their deadline"
 
 
 def test_rendezvous_table_invariants_hold_under_any_interleaving(registration):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from pdconnector.transport import Device, MemoryRegion, MockTransport, TransferState, TransportError
 from pdconnector.transport import mock_wire as wire
+from pdconnector.transport.mock_faults import MockFaults
 
 from tests.pdconnector.transport.harness import Buffer, descs_at, finish, wait_for
 
@@ -196,3 +197,20 @@ def test_frames_round_trip_descriptors_and_notification() -> None:
     assert transfer_id == 1 << 60 and notification == b"n" * 1000 and np.array_equal(decoded, descriptors)
     with pytest.raises(wire.WireError, match="inconsistent"):
         wire.decode_transfer(wire.encode_transfer(1, b"abc", descriptors)[:-5])
+
+
+def test_a_transfer_in_flight_cannot_be_released_and_is_released_once_final(target: tuple[MockTransport, Buffer]) -> None:
+    """Nothing takes a posted WRITE back: the fence counts on release() refusing until the bytes have landed."""
+    agent, buffer = target
+    sender = MockTransport("late-sender", faults=MockFaults(write_delay_s=1.0))
+    source = Buffer(4096)
+    sender.register([source.region])
+    try:
+        peer = sender.add_peer(agent.metadata())
+        handle = sender.write(peer, source.descs([(0, 512)]), descs_at(buffer.addr, [(0, 512)]), b"late")
+        with pytest.raises(TransportError, match="in flight and cannot be cancelled"):
+            sender.release(handle)
+        assert finish(sender, handle, timeout=10).state is TransferState.DONE
+        sender.release(handle)
+    finally:
+        sender.close()

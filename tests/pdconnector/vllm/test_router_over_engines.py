@@ -7,17 +7,21 @@ the request as served with transferred KV (what the operator's KVTransferVerifie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from pdconnector.protocol.params import TransferMode
-from pdconnector.router.config import RouterConfig, dump_router_config
+from pdconnector.router.config import DEFAULT_MAX_REQUEST_BODY_BYTES, RouterConfig, dump_router_config
 from pdconnector.sim.cluster import Process
 
+from tests.pdconnector.router.fuzz_cases import fuzz_cases
 from tests.pdconnector.vllm.harness import LOOPBACK, complete, output_differences, stream_token_ids
 from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, MAX_TOKENS, PDPair, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
 
@@ -43,6 +47,7 @@ def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
             "mode": mode.value,
             "served_model_name": "tiny",
             "compat_hash": "real-engines",
+            "max_model_len": 2048,  # the harness's --max-model-len
             "prefill": role("prefill", pair.prefill.url, pair.prefill_engine_id, pair.prefill_side_channel_port),
             "decode": role("decode", pair.decode.url, "tiny-decode-0", 1),
         }
@@ -55,17 +60,25 @@ def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
         yield pair
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
-def test_requests_through_the_router_equal_colocated_output_and_are_verified(engines: PDPair, mode: TransferMode, tmp_path: Path) -> None:
-    config_path = tmp_path / "router.yaml"
+@contextlib.contextmanager
+def running_router(engines: PDPair, mode: TransferMode, workdir: Path) -> Iterator[Process]:
+    config_path = workdir / "router.yaml"
     config_path.write_text(dump_router_config(router_config(engines, mode)))
     (port,) = reserve_ports(1)
     argv = [sys.executable, "-m", "pdconnector.router.main", "--config", str(config_path), "--host", LOOPBACK, "--port", str(port)]
-    router = Process("router", [*argv, "--health-interval", "0.5"], f"http://{LOOPBACK}:{port}", tmp_path / "router.log")
+    router = Process("router", [*argv, "--health-interval", "0.5"], f"http://{LOOPBACK}:{port}", workdir / "router.log")
     router.start()
     try:
         router.wait_healthy(120)
+        yield router
+    finally:
+        router.stop()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_requests_through_the_router_equal_colocated_output_and_are_verified(engines: PDPair, mode: TransferMode, tmp_path: Path) -> None:
+    with running_router(engines, mode, tmp_path) as router:
         for seed, length in enumerate((BLOCK_SIZE + 1, 300)):
             prompt = prompt_of(length, seed + 7)
             expected = complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS)
@@ -77,6 +90,22 @@ def test_requests_through_the_router_equal_colocated_output_and_are_verified(eng
         with urllib.request.urlopen(f"{router.url}/status", timeout=10) as response:
             transfers = json.loads(response.read())["transfers"]
         assert transfers == {"verified": 2, "unverified": 0, "unconfirmable": 1}
-    finally:
-        router.stop()
+    assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
+
+
+FUZZ_CASES = 150
+
+
+@pytest.mark.timeout(900)
+def test_hostile_bodies_through_the_router_get_4xx_from_real_engines_and_leave_both_serving(engines: PDPair, tmp_path: Path) -> None:
+    statuses: Counter[int] = Counter()
+    with running_router(engines, TransferMode.PUSH, tmp_path) as router, httpx.Client(timeout=60) as client:
+        for case in fuzz_cases(seed=19, count=FUZZ_CASES, model="tiny", max_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES):
+            response = client.post(router.url + case.path, content=case.body, headers={"Content-Type": "application/json"})
+            statuses[response.status_code] += 1
+            assert response.status_code < 500, (case.kind, case.body[:300], response.text[:500])
+        prompt = prompt_of(BLOCK_SIZE + 3, 13)
+        routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
+        assert output_differences(complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4) == []
+    assert sum(n for status, n in statuses.items() if 400 <= status < 500) > FUZZ_CASES // 2, statuses
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ class FakeRequest:
     max_tokens: int = 16
     _all_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    arrival_time: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
@@ -189,11 +191,34 @@ def test_pull_decode_reads_only_the_blocks_it_lacks() -> None:
         "remote_port": 5600,
         "tp_size": 1,
         "remote_num_tokens": 40,
+        "remote_hold_ms": 20_000,
     }
     request = FakeRequest("d2", params, list(range(40)))
     assert side.get_num_new_matched_tokens(request, 16) == (24, True)
     side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1)], 24)
-    assert side.build_meta().commands == [ReadBlocks("d2", "tx-2", PREFILL, ((12, 13),), ((8, 9),), 24)]
+    (command,) = side.build_meta().commands
+    assert command == ReadBlocks("d2", "tx-2", PREFILL, ((12, 13),), ((8, 9),), 24, command.valid_for_s)
+    assert 20.0 - 2.0 - 1.0 < command.valid_for_s <= 20.0 - 2.0  # prefill's hold, less the slack and the time queued here
+
+
+def test_a_pull_decode_that_waited_longer_than_prefill_holds_its_blocks_reads_nothing_and_fails_naming_why() -> None:
+    side = scheduler("pull")
+    params = {
+        **prefill_leg_params(TransferMode.PULL, "tx-late"),
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[11, 12]],
+        "remote_engine_id": "prefill-0",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "remote_hold_ms": 10_000,
+    }
+    request = FakeRequest("d9", params, list(range(32)), arrival_time=time.time() - 9.0)
+    side.update_state_after_alloc(request, [blocks(8, 9)], 32)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, FailRequest)
+    assert "remote_hold_ms" in command.detail and "waited 9." in command.detail
 
 
 @pytest.mark.parametrize("first_received", [False, True])
@@ -249,6 +274,7 @@ def test_prefill_holds_its_blocks_and_returns_what_a_pull_decode_needs() -> None
     assert params is not None
     assert params["remote_block_ids"] == [[4, 5, 6]] and params["remote_engine_id"] == "engine-a" and params["remote_port"] == 5601
     assert params[TRANSFER_ID_KEY] == "tx-3" and params["remote_num_tokens"] == 40
+    assert params["remote_hold_ms"] == int(config("pull").lease_s * 1000)  # decode reads only within it
     assert side.build_meta().commands == [PrefillDone("p1", "tx-3", ((4, 5, 6),), 40, pull=True)]
     side.finished_sending({"p1"})
     assert not side.holds("p1")

@@ -27,13 +27,14 @@ def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and
         "ended": {"recv/received": 2, "recv/timeout": 1},
         "bytes_received": 12288,
         "waits": {"send": [], "recv": [0.02, 0.04, 30.0]},
+        "events": {},
     }
 
 
 def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() -> None:
     stats = PDTransferStats()
     stats.record(Direction.RECV, "received", wait_s=None, nbytes=4096)
-    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}}
+    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}, "events": {}}
     assert not stats.is_empty()
 
 
@@ -109,3 +110,17 @@ def test_prometheus_counts_transfers_bytes_and_waits_per_engine(registry: Collec
     assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_bucket", {**engine1, "direction": "recv", "le": "0.025"}) == 2
     assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", {"model_name": "tiny", "engine": "0"}) is None
     assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "send"}) is None
+
+
+def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: CollectorRegistry) -> None:
+    rank0, rank1 = PDTransferStats(), PDTransferStats()
+    rank0.count_events({"fences_expired": 1, "writes_stuck": 0})
+    rank1.count_events({"fences_expired": 2, "reads_stuck": 1})
+    assert PDTransferStats().is_empty() and not rank0.is_empty()  # an event alone is worth shipping
+    total = rank0.aggregate(rank1)
+    assert total.data["events"] == {"fences_expired": 3, "reads_stuck": 1}
+    assert total.reduce()["fences_expired"] == 3
+    prom_metrics(registry).observe(total.to_dict(), engine_idx=0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "fences_expired"}) == 3
+    assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "reads_stuck"}) == 1

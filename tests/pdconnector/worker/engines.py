@@ -101,6 +101,8 @@ class Engine:
         num_blocks: int,
         transport: str,
         limits: dict[str, float] | None = None,
+        fence_s: float = 60.0,
+        transport_options: dict[str, Any] | None = None,
         device: str | None = None,
         first_device_id: int = 0,
     ) -> None:
@@ -119,14 +121,18 @@ class Engine:
         def factory(rank: int) -> Transport:
             # Called on the rank's worker thread: what that thread looks like when the agent comes to exist.
             self._transport_threads[rank] = {"thread": threading.current_thread().name, "cuda_device": self.memory.current_device()}
-            return create_transport(transport, f"{name}-r{rank}-{suffix}")  # type: ignore[arg-type]
+            return create_transport(transport, f"{name}-r{rank}-{suffix}", **(transport_options or {}))  # type: ignore[arg-type]
 
         regions = [[self.memory.region(p) for p in pools] for pools in self.pools]
         if first_device_id:
             regions = [[replace(r, device_id=first_device_id + rank) for r in rank_regions] for rank, rank_regions in enumerate(regions)]
         limits = limits or {}
         config = WorkerConfig(
-            engine_id=name, side_channel_port=0, limits=RendezvousLimits(**limits), pull_lease_s=limits.get("registration_lease_s", 30.0)
+            engine_id=name,
+            side_channel_port=0,
+            limits=RendezvousLimits(**limits),
+            pull_lease_s=limits.get("registration_lease_s", 30.0),
+            fence_s=fence_s,
         )
         self.transfers = EngineTransfers(
             self.model, tp_size=tp, num_blocks=num_blocks, regions=regions, transport_factory=factory, config=config, on_result=self._wake

@@ -180,10 +180,11 @@ def test_idle_engine_processes_with_nixl_agents_burn_almost_no_cpu(hosts: tuple[
         coords = prefill.start()
         decode.start()
         push_both_orders(Pair(prefill, decode, coords, "mamba2", (2, 2), BLOCKS))
-        # Both processes idle at once, each measuring its own CPU time over 2 s (NIXL's busy progress thread would cost ~2 s each).
+        # Both processes idle at once, each measuring its own CPU time over 5 s (NIXL's busy progress thread would cost ~5 s
+        # each): an idle engine of two ranks stays under 2% of a core (measured here: ~0.9%).
         with ThreadPoolExecutor(2) as pool:
-            cpu = list(pool.map(lambda engine: engine.idle_cpu(seconds=2.0), (prefill, decode)))
-        assert max(cpu) < 0.3, cpu
+            cpu = list(pool.map(lambda engine: engine.idle_cpu(seconds=5.0), (prefill, decode)))
+        assert max(cpu) < 0.02 * 5.0, cpu
     finally:
         decode.close()
         prefill.close()

@@ -147,7 +147,14 @@ def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_
             "kv_buffer_device": "cuda",
             "engine_id": f"$(POD_NAME)-{compat}",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"mode": "push", "backends": ["UCX"], "side_channel_port": 6100, "transfer_timeout_s": 30},
+            "kv_connector_extra_config": {
+                "mode": "push",
+                "backends": ["UCX"],
+                "side_channel_port": 6100,
+                "transfer_timeout_s": 30,
+                "fence_s": 95.0,  # 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
+                "heartbeat_dir": "/tmp/pdconnector-heartbeat",
+            },
         }
 
 
@@ -264,8 +271,9 @@ def test_dev_shm_is_memory_backed_and_sized_by_the_spec(make_pds):
 
 def test_probes_hit_health_and_startup_tolerates_a_long_model_load(make_pds):
     engine = container(make_pds(), "prefill")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "http://127.0.0.1:8000/health" in engine["livenessProbe"]["exec"]["command"]  # besides the transfer heartbeat
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
     budget = RenderDefaults(engine_startup_budget_seconds=600)
@@ -383,3 +391,31 @@ def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(var
             user_env = {var.name for var in getattr(pds.spec, role).env}
             own_env = {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV}
             assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
+
+
+def test_engines_with_our_connector_are_killed_by_a_stale_transfer_heartbeat_within_the_bound_decode_fences_for(make_pds, tmp_path):
+    """A frozen prefill must die (and its NIC context with it) before decode's fence frees the blocks it may write."""
+    from pdconnector.protocol.liveness import LivenessProbe  # noqa: PLC0415
+    from pdconnector.worker.liveness import main as liveness_check  # noqa: PLC0415
+
+    pds = make_pds({"engine": {"transferTimeoutSeconds": 30}})
+    for role in ("prefill", "decode"):
+        probe = container(pds, role)["livenessProbe"]
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python3", "-m", "pdconnector.worker.liveness"]
+        assert command[3] == "/tmp/pdconnector-heartbeat"
+        assert liveness_check([str(tmp_path), *command[4:6]]) == 0  # the rendered arguments parse (no heartbeat yet: passes)
+        kill_bound = LivenessProbe(
+            heartbeat_max_age_s=int(command[5]),
+            period_s=probe["periodSeconds"],
+            timeout_s=probe["timeoutSeconds"],
+            failure_threshold=probe["failureThreshold"],
+            termination_grace_s=probe["terminationGracePeriodSeconds"],
+        ).kill_bound_s()
+        fence_s = kv_config(pds, role)["kv_connector_extra_config"]["fence_s"]
+        assert fence_s >= 30 + 2 * kill_bound
+
+
+def test_the_upstream_connector_keeps_the_plain_health_liveness_probe(make_pds):
+    pds = make_pds({"engine": {"connector": "vllm"}})
+    assert container(pds, "decode")["livenessProbe"]["httpGet"]["path"] == "/health"

@@ -15,13 +15,22 @@ def _require_mover(transport: str) -> None:
         pytest.fail(f"mock engines must be able to move KV over {transport} here (make test installs it): {reason}")
 
 
-def start_cluster(workdir, subnet: int, engine_args: list[str], transport: str = "mock", colocated: bool = True) -> LocalCluster:
+def start_cluster(
+    workdir,
+    subnet: int,
+    engine_args: list[str],
+    *,
+    transport: str = "mock",
+    colocated: bool = True,
+    engine_env: dict[str, str] | None = None,
+    **router_overrides: object,
+) -> LocalCluster:
     _require_mover(transport)
-    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args, transport=transport)
+    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args, transport=transport, engine_env=engine_env or {})
     try:
         cluster.start(colocated=colocated)
-        cluster.start_router("push", "push")
-        cluster.start_router("pull", "pull")
+        cluster.start_router("push", "push", **router_overrides)
+        cluster.start_router("pull", "pull", **router_overrides)
     except BaseException:
         cluster.stop()
         raise

@@ -11,30 +11,13 @@ import httpx
 import openai
 import pytest
 
+from tests.pdconnector.router.e2e.checks import all_healthy, blocks_all_free, wait_until
+
 MODEL = "tiny"
 
 
 def client_for(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
-def blocks_all_free(cluster) -> bool:
-    for engine in cluster.engines.values():
-        if not engine.alive:
-            continue
-        samples = engine.metrics()
-        if samples["pd_mock_kv_blocks_free"] != samples["pd_mock_kv_blocks_total"]:
-            return False
-    return True
 
 
 def ready(url: str) -> bool:
@@ -53,13 +36,8 @@ def cluster(slow_cluster):
         if not engine.alive:
             slow_cluster.restart(name)
     for router in slow_cluster.routers.values():
-        wait_until(lambda url=router.url: _all_healthy(url))
+        wait_until(lambda url=router.url: all_healthy(url))
     wait_until(lambda: blocks_all_free(slow_cluster))
-
-
-def _all_healthy(url: str) -> bool:
-    with urllib.request.urlopen(url + "/status", timeout=2) as response:
-        return all(b["healthy"] for b in json.loads(response.read())["backends"])
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -116,7 +94,7 @@ def test_push_with_every_prefill_down_is_a_prompt_503_naming_them_then_served_on
     assert "prefill-0: ejected" in refused.value.message and "prefill-1: ejected" in refused.value.message
     for name in ("prefill-0", "prefill-1"):
         cluster.restart(name)
-    wait_until(lambda: _all_healthy(cluster.routers["push"].url))
+    wait_until(lambda: all_healthy(cluster.routers["push"].url))
     assert router.completions.create(model=MODEL, prompt="anyone there", max_tokens=2).choices[0].text
 
 

@@ -1,0 +1,35 @@
+"""Waiting on a local cluster: conditions polled to a deadline, and whether every engine has all its blocks back."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+
+from pdconnector.sim.cluster import LocalCluster
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def blocks_all_free(cluster: LocalCluster) -> bool:
+    for engine in cluster.engines.values():
+        if not engine.alive:
+            continue
+        samples = engine.metrics()
+        if samples["pd_mock_kv_blocks_free"] != samples["pd_mock_kv_blocks_total"]:
+            return False
+    return True
+
+
+def all_healthy(router_url: str) -> bool:
+    """Whether the router counts every backend healthy."""
+    with urllib.request.urlopen(router_url + "/status", timeout=2) as response:
+        return all(b["healthy"] for b in json.loads(response.read())["backends"])
