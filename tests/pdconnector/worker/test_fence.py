@@ -4,7 +4,8 @@ is alive, and frees them as soon as it can no longer touch them.
 The prefill engine runs in its own process, frozen with SIGSTOP after it took decode's registration (the hard case: a
 frozen process neither answers nor disconnects). Decode's deadline passes meanwhile; its result (which lets the engine
 reuse the blocks) must wait for the prefill's answer after SIGCONT, or for the fence when no answer comes, and arrive at
-once when the prefill process is gone. Over MockTransport and over real NIXL (UCX, host memory).
+once when the prefill process is gone. Over MockTransport and real NIXL (UCX) in host memory, and over NIXL with both
+engines' pools in VRAM (the GPU suite: ``pytest -m gpu``; skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -17,18 +18,29 @@ import pytest
 from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
 from tests.pdconnector.worker.engines import MODELS, Engine, EngineHost, RemoteEngine, request_blocks
+from tests.pdconnector.worker.vram import gpu_suite
 
 BLOCKS = 32
 DEADLINE_S = 1.5
 SLACK_S = 1.5  # thread wake-ups and notification round trips on a loaded 2-core machine
-TRANSPORTS = ["mock", "nixl"]
+SUITE = gpu_suite()
+VRAM = pytest.param(
+    ("nixl", SUITE.device), id="nixl-vram", marks=[pytest.mark.gpu, pytest.mark.skipif(SUITE.skip_reason is not None, reason=SUITE.skip_reason or "")]
+)
+MEMORIES = [pytest.param(("mock", None), id="mock"), pytest.param(("nixl", None), id="nixl"), VRAM]
 
 
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    if request.param == "nixl" and (reason := nixl_unavailable_reason()) is not None:
+@pytest.fixture(params=MEMORIES)
+def memory(request: pytest.FixtureRequest) -> tuple[str, str | None]:
+    """(transport, device of both engines' pools: None for numpy host memory)."""
+    if request.param[0] == "nixl" and (reason := nixl_unavailable_reason()) is not None:
         pytest.fail(f"NIXL must be importable here: {reason}")
     return request.param
+
+
+@pytest.fixture
+def transport(memory: tuple[str, str | None]) -> str:
+    return memory[0]
 
 
 @pytest.fixture
@@ -43,10 +55,13 @@ def prefill_host(transport: str) -> Iterator[EngineHost]:
         host.kill()
 
 
-def _frozen_after_registration(prefill_host: EngineHost, transport: str, *, fence_s: float) -> tuple[RemoteEngine, Engine, dict[str, Any]]:
+def _frozen_after_registration(
+    prefill_host: EngineHost, memory: tuple[str, str | None], *, fence_s: float
+) -> tuple[RemoteEngine, Engine, dict[str, Any]]:
     """Decode registers a push with a prefill process, which is frozen once it has the registration."""
-    prefill = prefill_host.create("prefill-frozen", "dense", tp=1, num_blocks=BLOCKS, transport=transport)
-    decode = Engine("decode-fenced", "dense", tp=1, num_blocks=BLOCKS, transport=transport, fence_s=fence_s)
+    transport, device = memory
+    prefill = prefill_host.create("prefill-frozen", "dense", tp=1, num_blocks=BLOCKS, transport=transport, device=device)
+    decode = Engine("decode-fenced", "dense", tp=1, num_blocks=BLOCKS, transport=transport, fence_s=fence_s, device=device)
     coords = prefill.start()
     decode.start()
     spec = MODELS["dense"]
@@ -61,9 +76,9 @@ def _frozen_after_registration(prefill_host: EngineHost, transport: str, *, fenc
 
 
 def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_and_frees_them_on_its_answer(
-    prefill_host: EngineHost, transport: str
+    prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
-    prefill, decode, request = _frozen_after_registration(prefill_host, transport, fence_s=60.0)
+    prefill, decode, request = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []  # deadline passed: the blocks are still held
         assert decode.transfers.workers[0].fenced() == 1
@@ -87,10 +102,10 @@ def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_a
 
 
 def test_a_prefill_that_never_answers_is_fenced_for_fence_s_after_the_deadline_then_released_and_counted(
-    prefill_host: EngineHost, transport: str
+    prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
     fence_s = 2.0
-    _, decode, _ = _frozen_after_registration(prefill_host, transport, fence_s=fence_s)
+    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=fence_s)
     try:
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + fence_s - 0.5) == []
         results = decode.wait("tx-fenced", timeout_s=SLACK_S + 1.0)
@@ -100,8 +115,8 @@ def test_a_prefill_that_never_answers_is_fenced_for_fence_s_after_the_deadline_t
         decode.close()
 
 
-def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(prefill_host: EngineHost, transport: str) -> None:
-    _, decode, _ = _frozen_after_registration(prefill_host, transport, fence_s=60.0)
+def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(prefill_host: EngineHost, memory: tuple[str, str | None]) -> None:
+    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S) == []
         prefill_host.kill()  # a dead process posts nothing: its side channel refuses, and the fence ends after a grace
@@ -113,8 +128,8 @@ def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(prefill_host:
         decode.close()
 
 
-def test_a_decode_cancel_is_fenced_the_same_way(prefill_host: EngineHost, transport: str) -> None:
-    _, decode, _ = _frozen_after_registration(prefill_host, transport, fence_s=60.0)
+def test_a_decode_cancel_is_fenced_the_same_way(prefill_host: EngineHost, memory: tuple[str, str | None]) -> None:
+    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         decode.cancel("tx-fenced")
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []
