@@ -98,6 +98,7 @@ class CompletionTracker:
         self._finished: list[ReceivedTransfer] = []
         self._failed: list[TransferFailure] = []
         self._aborts: list[AbortWriters] = []
+        self._fenced: set[str] = set()  # the pending transfers that failed and wait for their writers to be quiet
         self._deadlines: DeadlineQueue[str] = DeadlineQueue()
 
     def __len__(self) -> int:
@@ -108,7 +109,10 @@ class CompletionTracker:
 
     def fenced(self) -> int:
         """Transfers that failed and wait for their writers to be quiet (their blocks still held)."""
-        return sum(1 for expectation in self._pending.values() if expectation.failure is not None)
+        return len(self._fenced)
+
+    def is_fenced(self, transfer_id: str) -> bool:
+        return transfer_id in self._fenced
 
     def next_deadline(self) -> float | None:
         return self._deadlines.earliest()
@@ -210,6 +214,7 @@ class CompletionTracker:
 
     def _fence(self, transfer_id: str, expectation: _Expectation, failure: TransferFailure, now: float) -> None:
         expectation.failure = failure
+        self._fenced.add(transfer_id)
         # A live writer may post until the registration's lifetime ends, which decode's deadline marks.
         expectation.fence_until = max(now, expectation.deadline) + self.fence_s
         noisy = tuple(sorted(expectation.writers - expectation.quiet))
@@ -225,5 +230,6 @@ class CompletionTracker:
     def _release(self, transfer_id: str, expectation: _Expectation, *, unconfirmed: tuple[int, ...]) -> None:
         assert expectation.failure is not None
         del self._pending[transfer_id]
+        self._fenced.discard(transfer_id)
         failure = expectation.failure
         self._failed.append(TransferFailure(failure.transfer_id, failure.attempt, failure.side, failure.reason, failure.detail, unconfirmed))

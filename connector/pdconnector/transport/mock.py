@@ -318,8 +318,10 @@ class MockTransport(Transport):
         """Apply the configured faults to one frame about to leave; False: drop it."""
         assert self._faults is not None and self._dropper is not None
         if kind is wire.FrameKind.WRITE:
-            if self._faults.delayed_writes < 0 or self._writes_delayed < self._faults.delayed_writes:
-                self._writes_delayed += 1
+            with self._lock:  # one sender thread per link: count the delayed WRITEs across them
+                delay = self._faults.delayed_writes < 0 or self._writes_delayed < self._faults.delayed_writes
+                self._writes_delayed += delay
+            if delay:
                 time.sleep(self._faults.write_delay_s)
         elif kind is wire.FrameKind.NOTIFY:
             if self._dropper.random() < self._faults.notification_drop_rate:

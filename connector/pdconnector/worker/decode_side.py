@@ -70,7 +70,6 @@ class _PushWait:
     attempt: int
     writers: dict[int, str]  # prefill rank -> agent name, for aborts
     prefill: PrefillCoordinates
-    fenced: bool = False  # aborted: waiting for the writers' answers
     probe: Future[EngineInfo] | None = None  # is the writers' engine still there?
     next_probe: float = 0.0
 
@@ -83,7 +82,6 @@ class _Reading:
     agents: dict[int, str]
     nbytes: int = 0
     ending: tuple[FailureReason, str] | None = None  # failed: waiting for the READs left to end or be cancelled
-    stuck_since: float | None = None  # a READ of it could not be cancelled
 
 
 class DecodeSide:
@@ -122,6 +120,8 @@ class DecodeSide:
         self._abandoning: dict[str, _Abandoning] = {}
         self._pushes: dict[str, _PushWait] = {}
         self._reads: dict[str, _Reading] = {}
+        self._failed_reads = 0  # reads failed and waiting for their READs to end or be cancelled (``ending`` set)
+        self._stuck: dict[str, float] = {}  # failed reads with a READ that could not be cancelled: since when
 
     @property
     def busy(self) -> bool:
@@ -132,11 +132,11 @@ class DecodeSide:
 
     def fenced(self) -> int:
         """Failed transfers whose blocks are still held because a peer may still touch them."""
-        return self._tracker.fenced() + sum(1 for reading in self._reads.values() if reading.ending is not None)
+        return self._tracker.fenced() + self._failed_reads
 
     def stuck_since(self) -> float | None:
         """When the oldest READ that could not be cancelled was given up (None: there is none)."""
-        return min((r.stuck_since for r in self._reads.values() if r.stuck_since is not None), default=None)
+        return min(self._stuck.values(), default=None)
 
     def handles(self) -> list[TransferHandle]:
         """The READs in flight (for shutdown)."""
@@ -170,7 +170,7 @@ class DecodeSide:
         fence after the grace: a dead process posts nothing."""
         progressed = False
         for transfer_id, waiting in self._pushes.items():
-            if not waiting.fenced or self._side_channel is None:
+            if self._side_channel is None or not self._tracker.is_fenced(transfer_id):
                 continue
             if waiting.probe is None:
                 if now >= waiting.next_probe:
@@ -377,7 +377,7 @@ class DecodeSide:
         waiting = self._pushes.get(abort.transfer_id)
         if waiting is None:
             return
-        waiting.fenced = True  # poll_probes asks the side channel, now and then, whether the writers' engine is still there
+        # poll_probes asks the side channel, now and then, whether the writers' engine is still there.
         if self._side_channel is not None:
             self._side_channel.invalidate(waiting.prefill)
         detail = abort.detail[:MAX_DETAIL_CHARS]
@@ -420,6 +420,7 @@ class DecodeSide:
             self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes))
             return
         reading.ending = (reason, detail)
+        self._failed_reads += 1
         for p, handle in list(reading.handles.items()):
             if self._context.state(handle).finished:
                 self._context.release(handle)
@@ -427,7 +428,7 @@ class DecodeSide:
             elif self._context.cancel(handle):
                 del reading.handles[p]
         if reading.handles:
-            reading.stuck_since = now
+            self._stuck[transfer_id] = now
             self._context.count("reads_stuck")
             log.error("transfer %s: READs from prefill ranks %s cannot be cancelled; their blocks stay pinned", transfer_id, sorted(reading.handles))
             return
@@ -437,6 +438,8 @@ class DecodeSide:
         """No READ of a failed pull is in flight any more: tell every source rank to free, then report."""
         reading = self._reads.pop(transfer_id)
         assert reading.ending is not None and not reading.handles
+        self._failed_reads -= 1
+        self._stuck.pop(transfer_id, None)
         reason, detail = reading.ending
         if self._side_channel is not None:
             self._side_channel.invalidate(reading.command.prefill)
