@@ -11,9 +11,11 @@ than gone, and a frozen process can resume and post a WRITE. What bounds it:
   decode's deadline plus the time its thread may stall unkilled (one kill bound);
 * a posted WRITE ends, is cancelled, or stops the heartbeat, within ``write_timeout_s``; then one more kill bound.
 
-So nothing of prefill touches decode's blocks later than ``deadline + write_timeout_s + 2 * kill_bound_s``:
-decode's fence (:func:`fence_seconds`), counted from the later of its deadline and its own failure, adds a slack
-for the network. The operator renders the probe and this fence together (``pdoperator.render.engine``).
+A registration's lifetime is decode's time left plus :data:`REGISTRATION_GRACE_S`, so that decode's own abort (sent
+at its deadline), not the lifetime, normally ends the transfer on prefill. So nothing of prefill touches decode's
+blocks later than ``deadline + grace + write_timeout_s + 2 * kill_bound_s``: decode's fence (:func:`fence_seconds`),
+counted from the later of its deadline and its own failure, adds a slack for the network. The operator renders the
+probe and this fence together (``pdoperator.render.engine``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from typing import Final
 
 FENCE_SLACK_S: Final = 5.0  # notification transit and clock-rate drift between the two machines
+REGISTRATION_GRACE_S: Final = 1.0  # a registration outlives decode's deadline by this: decode's abort arrives first
 
 
 @dataclass(frozen=True)
@@ -48,4 +51,4 @@ def fence_seconds(write_timeout_s: float, probe: LivenessProbe) -> float:
     """How long after its deadline (or its own failure, if later) decode keeps a silent writer's blocks."""
     if write_timeout_s <= 0:
         raise ValueError(f"write_timeout_s must be positive, got {write_timeout_s}")
-    return write_timeout_s + 2 * probe.kill_bound_s() + FENCE_SLACK_S
+    return REGISTRATION_GRACE_S + write_timeout_s + 2 * probe.kill_bound_s() + FENCE_SLACK_S

@@ -25,6 +25,7 @@ import msgspec
 
 from pdconnector.layout import plan_transfer, writers_for
 from pdconnector.protocol.completion import AbortWriters, CompletionTracker, TransferFailure
+from pdconnector.protocol.liveness import REGISTRATION_GRACE_S
 from pdconnector.protocol.messages import (
     MAX_DETAIL_CHARS,
     AbortMessage,
@@ -337,7 +338,7 @@ class DecodeSide:
                 layout_fingerprint=self._context.layout_fingerprint,
                 cached_blocks=command.cached_blocks,
                 device_id=self._context.device_id,
-                lifetime_ms=max(1, int((deadline - now) * 1000)),
+                lifetime_ms=int((deadline - now + REGISTRATION_GRACE_S) * 1000),
             )
             frame = self._fit(message)
             self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)

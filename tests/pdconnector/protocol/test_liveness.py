@@ -1,7 +1,7 @@
 """The fence's length follows from the liveness probe that kills a frozen engine (pdconnector.protocol.liveness)."""
 
 import pytest
-from pdconnector.protocol.liveness import FENCE_SLACK_S, LivenessProbe, fence_seconds
+from pdconnector.protocol.liveness import FENCE_SLACK_S, REGISTRATION_GRACE_S, LivenessProbe, fence_seconds
 
 
 def test_a_frozen_engine_dies_within_stale_age_plus_failing_probes_plus_grace() -> None:
@@ -11,7 +11,7 @@ def test_a_frozen_engine_dies_within_stale_age_plus_failing_probes_plus_grace() 
 
 def test_the_fence_covers_a_post_within_the_lifetime_a_whole_write_and_two_kill_bounds() -> None:
     probe = LivenessProbe()
-    assert fence_seconds(30.0, probe) == 30.0 + 2 * probe.kill_bound_s() + FENCE_SLACK_S
+    assert fence_seconds(30.0, probe) == REGISTRATION_GRACE_S + 30.0 + 2 * probe.kill_bound_s() + FENCE_SLACK_S
     assert fence_seconds(60.0, probe) > fence_seconds(30.0, probe)
 
 

@@ -152,7 +152,7 @@ def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_
                 "backends": ["UCX"],
                 "side_channel_port": 6100,
                 "transfer_timeout_s": 30,
-                "fence_s": 95.0,  # 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
+                "fence_s": 96.0,  # 1 s registration grace + 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
                 "heartbeat_dir": "/tmp/pdconnector-heartbeat",
             },
         }
