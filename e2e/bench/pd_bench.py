@@ -13,6 +13,9 @@ latency is kept (a P/D pair's first request pays for any handshake not done at s
 Each run of `vllm bench serve` (random token prompts through a word-level tokenizer, so input
 lengths are exact) writes one JSON file; the sweep then draws TTFT vs QPS and TPOT vs QPS (one
 line per label and input length) as PNG and prints a markdown table (also written to summary.md).
+Next to each run's TTFT it prints where the time went: the mean of every stage the router
+(``pd_router_leg_seconds``: each leg to its answer) and the engines (``vllm:pd_kv_stage_seconds``,
+:mod:`pdconnector.protocol.timeline`) observed during the run, from their ``/metrics``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-cpu.yaml"
 RESULT_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "completed", "failed")
+# The histograms whose per-run means say where a request's time went: (family, the label naming the stage).
+STAGE_FAMILIES = (("pd_router_leg_seconds", "role"), ("vllm:pd_kv_stage_seconds", "stage"))
 
 
 @dataclass(frozen=True)
@@ -135,24 +140,66 @@ def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
                 first_requests[variant] = f"failed: {error}"
                 print(f"{variant}: the warm-up request failed ({error}); sweeping anyway", file=sys.stderr)
             print(f"{variant}: first request {first_requests[variant]} s")
-            runs += sweep(variant, endpoint, pds.spec.model.name, tokenizer, args)
+            processes = [(process.role.value, process.url) for process in plan.processes]
+            runs += sweep(variant, endpoint, pds.spec.model.name, tokenizer, args, processes=processes)
         finally:
             down(state_dir)
     (args.out / "first_request_s.json").write_text(json.dumps(first_requests, indent=2))
     return runs
 
 
-def sweep(label: str, base_url: str, model: str, tokenizer: Path, args: argparse.Namespace) -> list[Run]:
+def stage_totals(processes: Sequence[tuple[str, str]]) -> dict[str, tuple[float, float]]:
+    """``<process>.<stage>`` -> (sum of seconds, count) of the stage histograms on each (name, URL)'s ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    totals: dict[str, tuple[float, float]] = {}
+    for name, url in processes:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+                text = response.read().decode()
+        except OSError:
+            continue
+        for family in text_string_to_metric_families(text):
+            label = dict(STAGE_FAMILIES).get(family.name)
+            if label is None:
+                continue
+            for sample in family.samples:
+                if sample.name.endswith(("_sum", "_count")) and label in sample.labels:
+                    key = f"{name}.{sample.labels[label]}"
+                    total, count = totals.get(key, (0.0, 0.0))
+                    totals[key] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+    return totals
+
+
+def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds per stage over what happened between two :func:`stage_totals`."""
+    means = {}
+    for key, (total, count) in sorted(after.items()):
+        earlier_total, earlier_count = before.get(key, (0.0, 0.0))
+        if count > earlier_count:
+            means[key] = round((total - earlier_total) / (count - earlier_count) * 1e3, 3)
+    return means
+
+
+def sweep(
+    label: str, base_url: str, model: str, tokenizer: Path, args: argparse.Namespace, *, processes: Sequence[tuple[str, str]] = ()
+) -> list[Run]:
+    """Every (input length, QPS) run against ``base_url``; ``processes`` (name, URL) are scraped for stage timings."""
     runs = []
     for input_len in args.input_lens:
         for qps in args.qps:
             prompts = max(args.min_prompts, round(qps * args.seconds))
+            before = stage_totals(processes)
             result = bench_serve(base_url, model, tokenizer, input_len=input_len, output_len=args.output_len, qps=qps, prompts=prompts)
+            stages = stage_means_ms(before, stage_totals(processes))
             run = Run(label, input_len, qps, result)
             runs.append(run)
-            (args.out / run.filename).write_text(json.dumps({"label": label, "input_len": input_len, "qps": qps, **run.result}, indent=2))
+            record = {"label": label, "input_len": input_len, "qps": qps, **run.result, "stages_mean_ms": stages}
+            (args.out / run.filename).write_text(json.dumps(record, indent=2))
             print(f"{label:<16} in={input_len:<5} qps={qps:<5g} TTFT p50 {run.result['p50_ttft_ms']:8.1f} ms  TPOT p50 "
                   f"{run.result['p50_tpot_ms']:7.2f} ms  done {run.result['completed']:.0f} failed {run.result['failed']:.0f}")  # fmt: skip
+            if stages:
+                print("    stages, mean ms: " + "  ".join(f"{key} {ms:.2f}" for key, ms in stages.items()))
     return runs
 
 

@@ -1,13 +1,15 @@
-"""End-to-end push latency through the transfer workers: prefill finished -> every decode rank reports received.
+"""End-to-end push latency through the transfer workers, in both orders the two halves of a push can meet.
 
 Run: ``python -m pdconnector.bench.worker_bench [--repeat N] [--tokens 1024,4096,16384] [--transports mock,nixl]``.
 
 Two engines in this process (prefill TP 1, decode TP 1 or 2), each rank with its own worker and
-transport, host memory. Decode registers first (the concurrent-dispatch case: registration is
-waiting when prefill finishes), then the clock runs from ``prefill_finished`` until the last
-decode rank's result is drained, which includes planning, posting, the copy, the completion
-notification and the workers' polling. Model: 16 attention layers, 8 KV heads x 128, bf16,
-block 16 (64 KiB per block per layer at TP 1), so 16k tokens move 1 GiB per request.
+transport, host memory. *Registration first* (decode registered while prefill computed): the clock
+runs from ``prefill_finished`` until the last decode rank's result is drained, which includes
+planning, posting, the copy, the completion notification and the workers' wake-ups. *Prefill
+first* (prefill finished and went idle, decode registers later): the clock runs from
+``expect_push``, so the registration's trip to an idle prefill is in it, which is where a polling
+timer would show. Model: 16 attention layers, 8 KV heads x 128, bf16, block 16 (64 KiB per block
+per layer at TP 1), so 16k tokens move 1 GiB per request.
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ class _Engine:
         return kinds
 
 
-def measure(kind: TransportKind, decode_tp: int, tokens: list[int], repeat: int) -> dict[int, list[float]]:
+IDLE_S = 0.2  # how long prefill sits idle with its blocks before decode registers (prefill first)
+
+
+def measure(kind: TransportKind, decode_tp: int, tokens: list[int], repeat: int, *, prefill_first: bool) -> dict[int, list[float]]:
     blocks_needed = -(-max(tokens) // MODEL.block_size)
     prefill = _Engine("bench-prefill", kind, 1, blocks_needed)
     decode = _Engine("bench-decode", kind, decode_tp, blocks_needed)
@@ -71,14 +76,21 @@ def measure(kind: TransportKind, decode_tp: int, tokens: list[int], repeat: int)
             ids = [list(range(-(-n // MODEL.block_size)))]
             samples = []
             for i in range(repeat + 1):  # the first run warms connections up and is dropped
-                transfer_id = f"tx-{kind}-{n}-{i}"
-                for worker in decode.transfers.workers:
-                    worker.expect_push(transfer_id, prefill.transfers.coordinates, ids, n, timeout_s=60)
-                registered += decode_tp
-                while prefill.transfers.workers[0].stats().get("registrations_received", 0) < registered:
-                    time.sleep(0.001)
-                start = time.perf_counter()
-                prefill.transfers.workers[0].prefill_finished(transfer_id, ids, n)
+                transfer_id = f"tx-{kind}-{n}-{i}-{prefill_first}"
+                if prefill_first:
+                    prefill.transfers.workers[0].prefill_finished(transfer_id, ids, n)
+                    time.sleep(IDLE_S)
+                    start = time.perf_counter()
+                    for worker in decode.transfers.workers:
+                        worker.expect_push(transfer_id, prefill.transfers.coordinates, ids, n, timeout_s=60)
+                else:
+                    for worker in decode.transfers.workers:
+                        worker.expect_push(transfer_id, prefill.transfers.coordinates, ids, n, timeout_s=60)
+                    registered += decode_tp
+                    while prefill.transfers.workers[0].stats().get("registrations_received", 0) < registered:
+                        time.sleep(0.001)
+                    start = time.perf_counter()
+                    prefill.transfers.workers[0].prefill_finished(transfer_id, ids, n)
                 kinds = decode.wait_all(60)
                 elapsed = time.perf_counter() - start
                 prefill.wait_all(10)
@@ -102,17 +114,19 @@ def main() -> None:
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     bytes_per_token = MODEL.attention.bytes_per_token * len(MODEL.layers) if MODEL.attention else 0
-    results = {kind: measure(kind, args.decode_tp, tokens, args.repeat) for kind in args.transports.split(",")}
-    header = f"{'tokens':>7} {'MiB':>7} " + " ".join(f"{kind + ' p50 ms':>14} {kind + ' GiB/s':>11}" for kind in results)
-    print(f"push: prefill TP1 -> decode TP{args.decode_tp}, prefill finished -> all decode ranks received, median of {args.repeat}")
-    print(header)
-    for n in tokens:
-        mib = n * bytes_per_token / 2**20
-        cells = []
-        for samples in results.values():
-            p50 = statistics.median(samples[n])
-            cells.append(f"{p50 * 1e3:14.2f} {mib / 1024 / p50:11.2f}")
-        print(f"{n:7d} {mib:7.0f} " + " ".join(cells))
+    kinds = args.transports.split(",")
+    for prefill_first in (False, True):
+        results = {kind: measure(kind, args.decode_tp, tokens, args.repeat, prefill_first=prefill_first) for kind in kinds}
+        clock = "decode registers (prefill idle for 0.2 s)" if prefill_first else "prefill finished (decode registered)"
+        print(f"push: prefill TP1 -> decode TP{args.decode_tp}, {clock} -> all decode ranks received, median of {args.repeat}")
+        print(f"{'tokens':>7} {'MiB':>7} " + " ".join(f"{kind + ' p50 ms':>14} {kind + ' GiB/s':>11}" for kind in results))
+        for n in tokens:
+            mib = n * bytes_per_token / 2**20
+            cells = []
+            for samples in results.values():
+                p50 = statistics.median(samples[n])
+                cells.append(f"{p50 * 1e3:14.2f} {mib / 1024 / p50:11.2f}")
+            print(f"{n:7d} {mib:7.0f} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+DoorbellPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the rank has no doorbell (pdconnector.worker.doorbell)
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -97,6 +98,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     ``device_id``: the device the decode rank's regions live on (``cuda:device_id``), named in every remote descriptor.
     ``lifetime_ms``: how long after prefill receives it the registration may still be written (0: prefill's default);
     decode keeps the blocks at least that long plus its fence, so a WRITE posted within the lifetime lands in them.
+    ``doorbell_port``: the decode rank's doorbell on ``decode_host``, rung after every notification sent to it.
     Fields at their default are left out of the frame: a registration without a
     prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
     a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
@@ -117,6 +119,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     cached_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_PER_GROUP)] = 0
     device_id: DeviceId = 0
     lifetime_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_LIFETIME_MS)] = 0
+    doorbell_port: DoorbellPort = 0
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:

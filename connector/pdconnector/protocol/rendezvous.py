@@ -53,6 +53,7 @@ from enum import StrEnum
 from pdconnector.layout.plan import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
 from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
+from pdconnector.protocol.timeline import Milestone, Timeline
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class Closed:
     outcome: Outcome
     detail: str
     blocks: PrefillBlocks | None
+    stages: dict[str, float] = field(default_factory=dict)  # pdconnector.protocol.timeline: where its time went
 
 
 Event = StartWrite | AbandonWrite | NotifyDecode | Closed
@@ -196,6 +198,7 @@ class _Entry:
     valid_until: dict[int, float] = field(default_factory=dict)  # decode rank -> end of its registration's lifetime
     ending: tuple[Outcome, str] | None = None  # decided, waiting for in-flight writes to drain
     notices: dict[tuple[str, int], FailureMessage] = field(default_factory=dict)  # sent once the writes drained
+    timeline: Timeline = field(default_factory=Timeline)
 
     def waiting(self) -> bool:
         return self.prefill is None or not self.destinations or set(self.registrations) != self.destinations
@@ -258,6 +261,7 @@ class RendezvousTable:
         else:
             self._set_lease(entry, now + self.limits.registration_lease_s)
         entry.prefill = blocks
+        entry.timeline.mark(Milestone.PREFILLED, now)
         return self._pair(entry, now)
 
     def registration_received(self, message: RegistrationMessage, now: float) -> list[Event]:
@@ -286,6 +290,7 @@ class RendezvousTable:
         lifetime = message.lifetime_ms / 1000 if message.lifetime_ms else self.limits.registration_lifetime_s
         entry.valid_until[message.decode_tp_rank] = now + lifetime
         self._deadlines.push(now + lifetime, entry.transfer_id)
+        entry.timeline.mark(Milestone.REGISTERED, now)
         return self._pair(entry, now)
 
     def write_done(self, key: WriteKey, now: float) -> list[Event]:
@@ -296,6 +301,7 @@ class RendezvousTable:
         entry.cancelling.discard(key)
         if entry.ending is None and key.attempt == entry.attempt:
             entry.written.add(key.decode_rank)
+            entry.timeline.mark(Milestone.WRITTEN, now)
         return self._settle(entry, now)
 
     def write_failed(self, key: WriteKey, detail: str, now: float) -> list[Event]:
@@ -412,6 +418,7 @@ class RendezvousTable:
             events.append(StartWrite(key, registration, source, deadline))
         if events:
             self._deadlines.push(deadline, entry.transfer_id)
+            entry.timeline.mark(Milestone.POSTED, now)
         return events
 
     def _expire_entry(self, entry: _Entry, now: float) -> list[Event]:
@@ -461,7 +468,8 @@ class RendezvousTable:
         outcome, detail = entry.ending
         self._bury(entry.transfer_id, outcome, detail, attempt=entry.attempt, had_prefill=entry.prefill is not None, now=now)
         notices: list[Event] = [NotifyDecode(agent, message) for (agent, _), message in entry.notices.items()]
-        return [*notices, Closed(entry.transfer_id, outcome, detail, entry.prefill)]
+        entry.timeline.mark(Milestone.RELEASED, now)
+        return [*notices, Closed(entry.transfer_id, outcome, detail, entry.prefill, entry.timeline.stages())]
 
     # --- helpers ------------------------------------------------------------------------------
 

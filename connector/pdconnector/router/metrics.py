@@ -17,6 +17,13 @@ class RouterMetrics:
         self.latency = Histogram(
             "pd_router_request_duration_seconds", "End-to-end request latency", ["mode"], buckets=LATENCY_BUCKETS, registry=self.registry
         )
+        self.legs = Histogram(
+            "pd_router_leg_seconds",
+            "Seconds from sending a leg to its answer (prefill: the whole answer; decode: its first byte)",
+            ["mode", "role"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.in_flight = Gauge("pd_router_backend_in_flight", "Requests outstanding per backend", ["role", "backend"], registry=self.registry)
         self.leg_errors = Counter("pd_router_leg_errors", "Failed prefill or decode legs", ["role", "kind"], registry=self.registry)
         self.transfer_failures = Counter("pd_router_transfer_failures", "Requests failed by a KV transfer", registry=self.registry)

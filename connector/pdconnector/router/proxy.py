@@ -84,6 +84,7 @@ class Exchange:
     transfer_id: str = ""
     failed: set[str] = field(default_factory=set)
     pending_prefill: asyncio.Task[Any] | None = None
+    legs: dict[str, float] = field(default_factory=dict)  # role -> seconds to the answer (decode: to its first byte)
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Request-Id": self.request_id}
@@ -220,6 +221,7 @@ class Dispatcher:
     # --- legs --------------------------------------------------------------------------------------------------
     async def _prefill_leg(self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange) -> dict[str, Any]:
         body = _prefill_body(request.body, params)
+        sent = asyncio.get_running_loop().time()
         with self._occupy(backend):
             try:
                 async with asyncio.timeout(self.settings.prefill_timeout_s):
@@ -230,7 +232,13 @@ class Dispatcher:
             # In push mode decode would otherwise wait out its transfer deadline for KV that will never be written.
             raise LegError(backend, FailureKind.REPORTED, f"it kept no KV for decode: {reported}")
         backend.served += 1
+        self._leg_answered(Role.PREFILL, exchange, sent)
         return answer
+
+    def _leg_answered(self, role: Role, exchange: Exchange, sent: float) -> None:
+        seconds = asyncio.get_running_loop().time() - sent
+        exchange.legs[role.value] = seconds
+        self.metrics.legs.labels(self.settings.dispatch.value, role.value).observe(seconds)
 
     async def _decode_leg(
         self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange, deadline: float
@@ -238,6 +246,7 @@ class Dispatcher:
         body = _decode_body(request.body, params)
         headers = {"X-Request-Id": exchange.request_id}
         loop = asyncio.get_running_loop()
+        sent = loop.time()
         if not request.stream:
             try:
                 with self._occupy(backend):
@@ -245,6 +254,7 @@ class Dispatcher:
                         answer, raw = await call_json(self.session, backend, request.endpoint.value, body, headers)
             except TimeoutError as exc:
                 raise LegError(backend, FailureKind.TIMEOUT, "decode gave no answer in time") from exc
+            self._leg_answered(Role.DECODE, exchange, sent)
             return DecodeStarted(backend=backend, body=answer, raw=raw)
         first_byte_deadline = min(deadline, loop.time() + self.settings.decode_first_byte_timeout_s)
         stream: EventStream | None = None
@@ -263,6 +273,7 @@ class Dispatcher:
             if isinstance(exc, TimeoutError):
                 raise LegError(backend, FailureKind.TIMEOUT, "decode sent no first token in time") from exc
             raise
+        self._leg_answered(Role.DECODE, exchange, sent)
         return DecodeStarted(backend=backend, stream=stream, events=events, first_event=first)
 
     def _finish_stream(self, started: DecodeStarted) -> None:
@@ -417,6 +428,7 @@ class Dispatcher:
                     "decode": exchange.decode.name if exchange.decode else None,
                     "transfer_id": exchange.transfer_id,
                     "seconds": round(loop.time() - exchange.started_at, 4),
+                    "legs_ms": {role: round(seconds * 1e3, 3) for role, seconds in exchange.legs.items()},
                 },
             )
 

@@ -13,7 +13,8 @@ operator sets to the pod IP, else loopback), ``lease_s`` (how long prefill holds
 blocks for decode, default 30), ``fence_s`` (how long decode keeps a failed push's blocks for a
 prefill that never answers; default from the transfer timeout and the default liveness probe,
 :func:`pdconnector.protocol.liveness.fence_seconds`), ``heartbeat_dir`` (where the transfer threads
-stamp the heartbeat the liveness probe checks; none by default).
+stamp the heartbeat the liveness probe checks; none by default), ``log_timeline`` (true: one log
+line per transfer with its stages, :mod:`pdconnector.protocol.timeline`; default false).
 """
 
 from __future__ import annotations
@@ -30,7 +31,17 @@ SIDE_CHANNEL_HOST_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 DEFAULT_SIDE_CHANNEL_PORT: Final = 5600
 MOCK_BACKEND: Final = "mock"
 _KNOWN_KEYS: Final = frozenset(
-    {"mode", "backends", "side_channel_port", "side_channel_host", "transfer_timeout_s", "lease_s", "fence_s", "heartbeat_dir"}
+    {
+        "mode",
+        "backends",
+        "side_channel_port",
+        "side_channel_host",
+        "transfer_timeout_s",
+        "lease_s",
+        "fence_s",
+        "heartbeat_dir",
+        "log_timeline",
+    }
 )
 
 
@@ -55,6 +66,7 @@ class ConnectorConfig:
     heartbeat_dir: str | None
     buffer_device: str
     recompute_on_failure: bool
+    log_timeline: bool = False
 
     @property
     def uses_mock_transport(self) -> bool:
@@ -101,6 +113,9 @@ def parse_connector_config(
     heartbeat_dir = extra.get("heartbeat_dir")
     if heartbeat_dir is not None and (not isinstance(heartbeat_dir, str) or not heartbeat_dir.startswith("/")):
         raise ConnectorConfigError("kv_connector_extra_config.heartbeat_dir", f"expected an absolute directory path, got {heartbeat_dir!r}")
+    log_timeline = extra.get("log_timeline", False)
+    if not isinstance(log_timeline, bool):
+        raise ConnectorConfigError("kv_connector_extra_config.log_timeline", f"expected true or false, got {log_timeline!r}")
     timeout_s = _positive(extra, "transfer_timeout_s", 60.0)
     return ConnectorConfig(
         engine_id=engine_id,
@@ -114,6 +129,7 @@ def parse_connector_config(
         heartbeat_dir=heartbeat_dir,
         buffer_device=device,
         recompute_on_failure=policy == "recompute",
+        log_timeline=log_timeline,
     )
 
 

@@ -190,7 +190,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -256,7 +258,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_state_after_alloc(request, blocks.blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_meta()
+        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(scheduler_output.scheduled_cached_reqs.req_ids)
+        return self._sched().build_meta(scheduled)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         scheduler = self._sched()

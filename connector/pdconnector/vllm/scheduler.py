@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,8 +41,10 @@ from pdconnector.protocol.params import (
     TransferRequest,
     parse_transfer_params,
 )
+from pdconnector.protocol.timeline import Stage
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata
+from pdconnector.vllm.stats import PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, BlockIds, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class SchedulerSide:
         self._incoming: dict[str, _Incoming] = {}  # decode requests whose transfer has not ended
         self._received: dict[str, _Incoming] = {}  # decode requests that received, until they finish
         self._holding: dict[str, str] = {}  # prefill request id -> transfer id, blocks kept for decode
+        self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
+        self._stats = PDTransferStats()  # the stages vLLM's scheduler adds around a transfer (admission, resume)
 
     # --- handshake plumbing -----------------------------------------------------------------------------------------
 
@@ -180,7 +184,9 @@ class SchedulerSide:
                 # results (which then never ends) and could be written with bytes meant for the other.
                 raise TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already in use by request {owner} on this engine")
             local, cached = self._local_blocks(block_groups)
-            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens, waited_s=self._waited(request))
+            waited_s = self._waited(request)
+            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens, waited_s=waited_s)
+            self._stats.record_stages({Stage.ADMISSION.value: waited_s})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
             self._incoming[request_id] = _Incoming(str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True)
@@ -247,7 +253,14 @@ class SchedulerSide:
 
     # --- per step ---------------------------------------------------------------------------------------------------
 
-    def build_meta(self) -> PDConnectorMetadata:
+    def build_meta(self, scheduled: Iterable[str] = ()) -> PDConnectorMetadata:
+        """This step's commands for the workers; ``scheduled``: the requests this step runs (a received one resumes)."""
+        if self._resuming:
+            now = time.monotonic()
+            for request_id in scheduled:
+                since = self._resuming.pop(request_id, None)
+                if since is not None:
+                    self._stats.record_stages({Stage.RESUME.value: now - since})
         with self._lock:
             meta = PDConnectorMetadata(commands=self._commands, peers=self._peers)
             if self._engine_info is not None and not self._engine_info_shipped:
@@ -261,10 +274,16 @@ class SchedulerSide:
             return bool(self._commands or self._peers)
 
     def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> None:
+        now = time.monotonic()
         for request_id in finished_recving:
             incoming = self._incoming.pop(request_id, None)
             if incoming is not None and request_id not in failed_recving and not incoming.failed:
                 self._received[request_id] = incoming
+                self._resuming[request_id] = now
+
+    def take_stats(self) -> PDTransferStats | None:
+        """The scheduler's stages since the last call (merged by vLLM with the workers' stats), or None."""
+        return self._stats.take()
 
     def finished_sending(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -274,6 +293,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
+        self._resuming.pop(request_id, None)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # A KV wait runs from a few milliseconds (a block or two over host memory) to the transfer timeout.
 WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A stage of a transfer (pdconnector.protocol.timeline) takes from tens of microseconds (a post) to the timeout.
+STAGE_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
 # How many waits one stats object keeps between two reads; vLLM reads them after every step, so this only
 # bounds a stalled reader.
 MAX_WAITS = 4096
@@ -41,13 +43,14 @@ class Direction(StrEnum):
 
 
 def _empty() -> dict[str, Any]:
-    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}, "events": {}}
+    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}, "events": {}, "stages": {}}
 
 
 @dataclass
 class PDTransferStats(KVConnectorStats):
     """``data``: ``ended`` maps ``"<direction>/<outcome>"`` to a count, ``bytes_received`` sums the bytes that
-    arrived, ``waits`` holds each direction's wait in seconds. Plain JSON-like values: vLLM serialises them."""
+    arrived, ``waits`` holds each direction's wait in seconds, ``stages`` each stage's durations in seconds
+    (:class:`~pdconnector.protocol.timeline.Stage`). Plain JSON-like values: vLLM serialises them."""
 
     data: dict[str, Any] = field(default_factory=_empty)
 
@@ -61,6 +64,13 @@ class PDTransferStats(KVConnectorStats):
         waits = self.data["waits"][direction.value]
         if len(waits) < MAX_WAITS:
             waits.append(wait_s)
+
+    def record_stages(self, stages: dict[str, float]) -> None:
+        """Where one transfer's time went (a stage name -> seconds), on the rank that counts transfers."""
+        for name, seconds in stages.items():
+            durations = self.data["stages"].setdefault(name, [])
+            if len(durations) < MAX_WAITS:
+                durations.append(seconds)
 
     def count_events(self, events: dict[str, int]) -> None:
         """Fence events of one rank since the last count (names from :data:`FENCE_EVENTS`)."""
@@ -80,7 +90,7 @@ class PDTransferStats(KVConnectorStats):
         return taken
 
     def is_empty(self) -> bool:
-        return not self.data["ended"] and not self.data["bytes_received"] and not self.data["events"]
+        return not self.data["ended"] and not self.data["bytes_received"] and not self.data["events"] and not self.data["stages"]
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         ended, events = dict(self.data["ended"]), dict(self.data["events"])
@@ -89,8 +99,11 @@ class PDTransferStats(KVConnectorStats):
         for key, count in other.data.get("events", {}).items():
             events[key] = events.get(key, 0) + count
         waits = {direction: self.data["waits"][direction] + other.data["waits"][direction] for direction in self.data["waits"]}
+        stages = {name: list(durations) for name, durations in self.data["stages"].items()}
+        for name, durations in other.data.get("stages", {}).items():
+            stages[name] = stages.get(name, []) + durations
         bytes_received = self.data["bytes_received"] + other.data["bytes_received"]
-        return PDTransferStats({"ended": ended, "bytes_received": bytes_received, "waits": waits, "events": events})
+        return PDTransferStats({"ended": ended, "bytes_received": bytes_received, "waits": waits, "events": events, "stages": stages})
 
     def reduce(self) -> dict[str, int | float]:
         summary: dict[str, int | float] = {key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())}
@@ -101,6 +114,8 @@ class PDTransferStats(KVConnectorStats):
             if waits:
                 summary[f"{direction}_wait_p50_ms"] = round(statistics.median(waits) * 1e3, 2)
                 summary[f"{direction}_wait_max_ms"] = round(max(waits) * 1e3, 2)
+        for name, durations in sorted(self.data["stages"].items()):
+            summary[f"{name}_p50_ms"] = round(statistics.median(durations) * 1e3, 3)
         return summary
 
 
@@ -137,6 +152,12 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "transport could not cancel (writes_stuck, reads_stuck), registrations sent without inline metadata.",
             labelnames=[*labelnames, "event"],
         )
+        self._stages = self._histogram_cls(
+            name="vllm:pd_kv_stage_seconds",
+            documentation="Seconds a transfer spent in each stage of its timeline (pdconnector.protocol.timeline), on this engine.",
+            buckets=list(STAGE_BUCKETS_S),
+            labelnames=[*labelnames, "stage"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -152,3 +173,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 histogram = self._waits.labels(*labels, direction)
                 for wait in waits:
                     histogram.observe(wait)
+        for name, durations in transfer_stats_data.get("stages", {}).items():
+            histogram = self._stages.labels(*labels, name)
+            for seconds in durations:
+                histogram.observe(seconds)

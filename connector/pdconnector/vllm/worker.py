@@ -151,6 +151,11 @@ class WorkerSide:
             direction = Direction.SEND if result.kind is ResultKind.FINISHED_SENDING else Direction.RECV
             self._stats.record(direction, result.outcome, wait_s=self._counted(now - live.since), nbytes=result.nbytes)
             request_id = live.request_id
+            if self.layout.tp_rank == 0:
+                self._stats.record_stages(result.stages)
+                if self.config.log_timeline:
+                    stages = " ".join(f"{name}={seconds * 1e3:.3f}ms" for name, seconds in result.stages.items())
+                    log.info("request %s transfer %s %s %s: %s", request_id, result.transfer_id, direction.value, result.outcome, stages)
             match result.kind:
                 case ResultKind.FINISHED_SENDING:
                     out.finished_sending.add(request_id)

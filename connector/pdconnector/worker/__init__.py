@@ -5,7 +5,8 @@ engine asks of it), ``prefill_side`` / ``decode_side`` (the two roles on that th
 (the peer agents loaded), ``context`` (what the sides share: transport, results, counters),
 ``engine`` (:class:`EngineTransfers`: a worker per rank plus the side channel), ``side_channel``
 (the handshake server and caching client), ``identity`` (what the side channel serves, layout
-compatibility), ``pull`` (prefill's holds for pull-mode READs).
+compatibility), ``pull`` (prefill's holds for pull-mode READs), ``doorbell`` (the UDP wake-up peers ring
+after each notification), ``liveness`` (the heartbeat the engine's liveness probe reads).
 """
 
 from pdconnector.worker.context import ResultKind, TransferResult

@@ -2,7 +2,8 @@
 
 :class:`~pdconnector.worker.prefill_side.PrefillSide` and :class:`~pdconnector.worker.decode_side.DecodeSide`
 never call each other; each holds this context and reports through it, sends its notifications
-through it and releases its transfer handles through it. The transport and this rank's identity
+through it (ringing the peer's doorbell after each, :mod:`pdconnector.worker.doorbell`) and releases its
+transfer handles through it. The transport and this rank's identity
 (:class:`RankInfo`) are bound once, on the worker thread, when the transport is registered; every
 call that touches them runs on that thread. :meth:`WorkerContext.take_results` and
 :meth:`WorkerContext.stats` are the only parts other threads call.
@@ -13,9 +14,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
@@ -23,6 +25,7 @@ import numpy as np
 from pdconnector.layout import RankLayout
 from pdconnector.protocol.messages import AbortMessage, FailureMessage, encode
 from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
+from pdconnector.worker.doorbell import Ringer
 from pdconnector.worker.identity import RankInfo, fingerprint, layout_summary
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class TransferResult:
 
     ``outcome``: for sending, a :class:`~pdconnector.protocol.rendezvous.Outcome` value (written/failed/expired/cancelled/rejected);
     for receiving, ``received`` or a :class:`~pdconnector.protocol.messages.FailureReason` value. ``nbytes``: bytes received.
+    ``stages``: seconds per :class:`~pdconnector.protocol.timeline.Stage` the transfer passed through on this rank.
     """
 
     transfer_id: str
@@ -47,6 +51,7 @@ class TransferResult:
     outcome: str
     detail: str
     nbytes: int = 0
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 class WorkerContext:
@@ -67,6 +72,9 @@ class WorkerContext:
         self._transport: Transport | None = None
         self._own: RankInfo | None = None
         self._stranded: list[TransferHandle] = []  # abandoned transfers the transport could not release yet
+        self._doorbells: dict[str, tuple[str, int]] = {}  # peer agent -> its doorbell (host, UDP port)
+        self.sent_at = float("-inf")  # monotonic time of the last notification sent
+        self._ringer = Ringer()
 
     def bind(self, transport: Transport, own: RankInfo) -> None:
         """The registered transport and what the side channel serves for this rank (worker thread, once)."""
@@ -115,13 +123,29 @@ class WorkerContext:
         return self.send_frame(agent, encode(message))
 
     def send_frame(self, agent: str, frame: bytes) -> bool:
-        """Notify ``agent``; False (logged) when the transport refused."""
+        """Notify ``agent`` and ring its doorbell; False (logged) when the transport refused."""
         try:
             self.transport.notify(agent, frame)
         except TransportError as error:
             log.warning("notification to %s not sent: %s", agent, error)
             return False
+        self.sent_at = time.monotonic()
+        self.ring(agent)
         return True
+
+    def set_doorbell(self, agent: str, host: str, port: int) -> None:
+        """Where ``agent``'s doorbell is (port 0: it has none)."""
+        if port:
+            self._doorbells[agent] = (host, port)
+
+    def forget_doorbell(self, agent: str) -> None:
+        self._doorbells.pop(agent, None)
+
+    def ring(self, agent: str) -> None:
+        """Wake ``agent``'s transfer thread: a notification to it is on its way (sent, or riding a transfer that ended)."""
+        doorbell = self._doorbells.get(agent)
+        if doorbell is not None and self._ringer.ring(*doorbell):
+            self.count("doorbells_rung")
 
     def state(self, handle: TransferHandle) -> TransferStatus:
         """The transfer's state; a transport that cannot say counts as a failed transfer."""
@@ -168,3 +192,4 @@ class WorkerContext:
             transport.close()
         except TransportError as error:
             log.warning("closing transport %s: %s", transport.name, error)
+        self._ringer.close()

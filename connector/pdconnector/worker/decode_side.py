@@ -38,6 +38,7 @@ from pdconnector.protocol.messages import (
     encode,
 )
 from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle, TransferState, TransportError
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
@@ -55,6 +56,7 @@ class _Handshaking:
     command: ExpectPush | ReadBlocks
     deadline: float
     info: Future[EngineInfo]
+    timeline: Timeline
 
 
 @dataclass
@@ -71,6 +73,7 @@ class _PushWait:
     attempt: int
     writers: dict[int, str]  # prefill rank -> agent name, for aborts
     prefill: PrefillCoordinates
+    timeline: Timeline
     probe: Future[EngineInfo] | None = None  # is the writers' engine still there?
     next_probe: float = 0.0
 
@@ -81,6 +84,7 @@ class _Reading:
     deadline: float
     handles: dict[int, TransferHandle]  # source prefill rank -> READ in flight
     agents: dict[int, str]
+    timeline: Timeline
     nbytes: int = 0
     ending: tuple[FailureReason, str] | None = None  # failed: waiting for the READs left to end or be cancelled
 
@@ -126,7 +130,10 @@ class DecodeSide:
 
     @property
     def busy(self) -> bool:
-        return bool(self._reads or self._handshaking or self._abandoning or self._pushes or self._tracker)
+        """Whether a transfer may be moving: a READ in flight ends only in the transport's state, and a registered
+        push may be written into at any moment, which can need this agent to progress (UCX over TCP emulates RDMA
+        with messages both sides handle). Handshakes, probes and abandons wake the thread when answered."""
+        return bool(self._reads or self._pushes or self._tracker)
 
     def next_deadline(self) -> float | None:
         return self._tracker.next_deadline()
@@ -145,8 +152,9 @@ class DecodeSide:
 
     # --- inputs -----------------------------------------------------------------------------------------------------
 
-    def begin(self, command: ExpectPush | ReadBlocks, deadline: float) -> None:
-        """Start receiving: look the prefill engine up; registration or READs follow when it answers."""
+    def begin(self, command: ExpectPush | ReadBlocks, deadline: float, issued_at: float) -> None:
+        """Start receiving (asked for by the engine at ``issued_at``): look the prefill engine up; registration or
+        READs follow when it answers."""
         transfer_id = command.transfer_id
         if transfer_id in self._reads or (isinstance(command, ReadBlocks) and (transfer_id in self._handshaking or transfer_id in self._pushes)):
             self._fail(transfer_id, FailureReason.INVALID_REGISTRATION, f"transfer {transfer_id} is already being received")
@@ -156,7 +164,9 @@ class DecodeSide:
             return
         future = self._side_channel.lookup(command.prefill)
         future.add_done_callback(lambda _: self._wake())
-        self._handshaking[transfer_id] = _Handshaking(command, deadline, future)
+        timeline = Timeline()
+        timeline.mark(Milestone.REQUESTED, issued_at)
+        self._handshaking[transfer_id] = _Handshaking(command, deadline, future, timeline)
 
     def abandon(self, command: AbandonTransfer, deadline: float) -> None:
         """Tell the prefill ranks this rank would have received from that it never will (no result: nothing waits)."""
@@ -209,7 +219,7 @@ class DecodeSide:
             progressed = True
             try:
                 engine = abandoning.info.result()
-                self._peers.load_engine(engine)
+                self._peers.load_engine(engine, host=command.prefill.host)
             except (ConnectionError, OSError, ValueError, TransportError) as error:
                 log.info("transfer %s: cannot reach prefill %s to abandon it (%s); it frees at its lease", transfer_id, command.prefill, error)
                 continue
@@ -246,7 +256,7 @@ class DecodeSide:
             try:
                 engine = waiting.info.result()
                 check_peer(self.layout, engine, peer_is_prefill=True)
-                self._peers.load_engine(engine)
+                self._peers.load_engine(engine, host=command.prefill.host)
             except IncompatiblePeer as error:
                 self._fail(transfer_id, FailureReason.INCOMPATIBLE, str(error))
                 continue
@@ -255,10 +265,11 @@ class DecodeSide:
                 self._side_channel.invalidate(command.prefill)
                 self._fail(transfer_id, FailureReason.INCOMPATIBLE, f"handshake with {command.prefill.engine_id} failed: {error}")
                 continue
+            waiting.timeline.mark(Milestone.HANDSHAKEN, now)
             if isinstance(command, ExpectPush):
-                self._register(command, waiting.deadline, engine, now)
+                self._register(command, waiting.deadline, engine, waiting.timeline, now)
             else:
-                self._post_reads(command, waiting.deadline, engine, now)
+                self._post_reads(command, waiting.deadline, engine, waiting.timeline, now)
         return progressed
 
     def poll_reads(self, now: float) -> bool:
@@ -271,6 +282,7 @@ class DecodeSide:
                 if status.finished:
                     del reading.handles[p]
                     self._context.release(handle)
+                    self._context.ring(handle.peer)  # the READ's notification tells that prefill rank it may free
                     progressed = True
                 if status.state is TransferState.FAILED and failed is None:
                     failed = f"READ from prefill rank {p} failed: {status.error}"
@@ -298,9 +310,10 @@ class DecodeSide:
         for abort in polled.aborts:
             self._abort_writers(abort)
         for received in polled.finished:
-            self._pushes.pop(received.transfer_id, None)
+            stages = self._received(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
-            self._context.report(TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, "received", detail, received.bytes_written))
+            result = TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, "received", detail, received.bytes_written, stages)
+            self._context.report(result)
         for failure in polled.failed:
             self._pushes.pop(failure.transfer_id, None)
             if failure.unconfirmed:
@@ -312,7 +325,14 @@ class DecodeSide:
 
     # --- push: registration ------------------------------------------------------------------------------------------
 
-    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo, now: float) -> None:
+    @staticmethod
+    def _received(waiting: _PushWait | _Reading | None, now: float) -> dict[str, float]:
+        if waiting is None:
+            return {}
+        waiting.timeline.mark(Milestone.RECEIVED, now)
+        return waiting.timeline.stages()
+
+    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo, timeline: Timeline, now: float) -> None:
         rank, d_tp, p_tp = self.layout.tp_rank, self.layout.tp_size, engine.tp_size
         writers = {p: engine.ranks[p].agent_name for p in writers_for(rank, p_tp, d_tp)}
         previous = self._pushes.get(command.transfer_id)
@@ -339,6 +359,7 @@ class DecodeSide:
                 cached_blocks=command.cached_blocks,
                 device_id=self._context.device_id,
                 lifetime_ms=int((deadline - now + REGISTRATION_GRACE_S) * 1000),
+                doorbell_port=own.doorbell_port,
             )
             frame = self._fit(message)
             self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)
@@ -348,7 +369,8 @@ class DecodeSide:
         except ValueError as error:
             self._fail(command.transfer_id, FailureReason.CAPACITY, str(error))
             return
-        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill)
+        timeline.mark(Milestone.ASKED, now)
+        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill, timeline)
         self._context.count("registrations_sent", len(writers))
         for agent in writers.values():
             if not self._context.send_frame(agent, frame):
@@ -388,9 +410,10 @@ class DecodeSide:
 
     # --- pull: reads -------------------------------------------------------------------------------------------------
 
-    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo, now: float) -> None:
+    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo, timeline: Timeline, now: float) -> None:
         rank, d_tp = self.layout.tp_rank, self.layout.tp_size
-        reading = _Reading(command, deadline, {}, {})
+        timeline.mark(Milestone.ASKED, now)
+        reading = _Reading(command, deadline, {}, {}, timeline)
         self._reads[command.transfer_id] = reading
         sources = writers_for(rank, engine.tp_size, d_tp)
         # Every source rank holds the blocks for this READ: all of them are told if it fails, posted or not.
@@ -418,7 +441,8 @@ class DecodeSide:
         reading = self._reads[transfer_id]
         if reason is None:
             del self._reads[transfer_id]
-            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes))
+            stages = self._received(reading, now)
+            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes, stages))
             return
         reading.ending = (reason, detail)
         self._failed_reads += 1

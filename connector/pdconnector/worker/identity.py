@@ -18,14 +18,15 @@ from typing import Annotated, Final
 import msgspec
 
 from pdconnector.layout import ModelSpec, RankLayout, check_compatible
-from pdconnector.protocol.messages import MAX_AGENT_METADATA_BYTES, MAX_REGIONS, MAX_TP_SIZE, DeviceId, EngineId
+from pdconnector.protocol.messages import MAX_AGENT_METADATA_BYTES, MAX_REGIONS, MAX_TP_SIZE, DeviceId, DoorbellPort, EngineId
 
 MAX_LAYOUT_FIELDS: Final = 64
 
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One TP rank's transfer agent: how to reach it, where its regions start and on which device they live
-    (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor must name)."""
+    (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor must name),
+    and the UDP port of its doorbell on the engine's side-channel host (0: none)."""
 
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
     agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -33,6 +34,7 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     region_base_addresses: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_REGIONS)]
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]
     device_id: DeviceId = 0
+    doorbell_port: DoorbellPort = 0
 
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

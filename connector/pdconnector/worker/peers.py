@@ -6,7 +6,7 @@ registration's metadata (which names its engine and rank). Metadata already load
 again. An agent is kept per (engine id, rank): when one comes back under another agent name (the
 engine restarted: agent names carry the process incarnation), the earlier incarnation's agent is
 removed, so the transport keeps no connections to processes that are gone and the number of agents
-(``len``) stays that of the live peer ranks.
+(``len``) stays that of the live peer ranks. An agent's doorbell goes with it.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ class PeerRegistry:
     def __len__(self) -> int:
         return len(self._metadata)
 
-    def load_engine(self, engine: EngineInfo) -> None:
-        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had."""
+    def load_engine(self, engine: EngineInfo, *, host: str | None = None) -> None:
+        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had. ``host``: the
+        engine's side-channel host, where its ranks' doorbells are (None: not known here)."""
         for rank in engine.ranks:
-            self.load(rank.agent_metadata, engine_id=engine.engine_id, tp_rank=rank.tp_rank)
+            name = self.load(rank.agent_metadata, engine_id=engine.engine_id, tp_rank=rank.tp_rank)
+            if host is not None:
+                self._context.set_doorbell(name, host, rank.doorbell_port)
 
     def load(self, metadata: bytes, *, engine_id: str, tp_rank: int) -> str:
         """Load the agent of ``engine_id``'s rank ``tp_rank`` unless it is in already (replacing an earlier
@@ -55,6 +58,7 @@ class PeerRegistry:
 
     def _forget(self, name: str) -> None:
         self._metadata.pop(name, None)
+        self._context.forget_doorbell(name)
         try:
             self._context.transport.remove_peer(name)
         except TransportError as error:

@@ -58,7 +58,10 @@ class PrefillSide:
 
     @property
     def busy(self) -> bool:
-        return bool(self._writes or self._table or self._holds)
+        """Whether a transfer may be moving: a WRITE in flight ends only in the transport's state, and a decode READ
+        from held blocks may need this agent to progress (UCX over TCP emulates RDMA with messages both sides
+        handle). Blocks waiting for a registration are not: the registration rings."""
+        return bool(self._writes or self._holds)
 
     def next_deadline(self) -> float | None:
         return min((d for d in (self._table.next_deadline(), self._holds.next_deadline()) if d is not None), default=None)
@@ -81,7 +84,7 @@ class PrefillSide:
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> None:
         self._apply(self._table.cancel(transfer_id, detail, now), now)
-        self._report_released(self._holds.cancel(transfer_id, detail))
+        self._report_released(self._holds.cancel(transfer_id, detail, now))
 
     def on_message(self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float, *, sender: str) -> None:
         """A notification meant for prefill (decode registering, giving up, or done reading) from agent ``sender``."""
@@ -93,6 +96,8 @@ class PrefillSide:
                         self._peers.load(message.agent_metadata, engine_id=message.decode_engine_id, tp_rank=message.decode_tp_rank)
                     except TransportError as error:
                         log.warning("registration of %s: cannot load decode agent %s: %s", message.transfer_id, message.agent_name, error)
+                if message.agent_name in self._peers:
+                    self._context.set_doorbell(message.agent_name, message.decode_host, message.doorbell_port)
                 self._apply(self._table.registration_received(message, now), now)
             case AbortMessage() if message.transfer_id in self._holds:
                 self._report_released(self._holds.notice_received(message, now))
@@ -115,6 +120,7 @@ class PrefillSide:
             self._context.release(handle)
             progressed = True
             if status.state is TransferState.DONE:
+                self._context.ring(handle.peer)  # the WRITE's completion notification is on its way to decode
                 self._apply(self._table.write_done(key, now), now)
             else:
                 self._apply(self._table.write_failed(key, f"WRITE failed: {status.error}", now), now)
@@ -145,9 +151,9 @@ class PrefillSide:
                     pending += self._cancel_write(key, now)
                 case NotifyDecode(agent=agent, message=message):
                     self._context.send(agent, message)
-                case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks):
+                case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks, stages=stages):
                     if blocks is not None:
-                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome.value, detail))
+                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome.value, detail, stages=stages))
 
     def _cancel_write(self, key: WriteKey, now: float) -> list[Event]:
         """A WRITE past its deadline: gone once the transport confirms the cancel; otherwise it stays pinned and polled."""
@@ -197,4 +203,5 @@ class PrefillSide:
 
     def _report_released(self, released: Released | None) -> None:
         if released is not None:
-            self._context.report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, released.outcome.value, released.detail))
+            outcome, detail = released.outcome.value, released.detail
+            self._context.report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=released.stages))

@@ -22,6 +22,7 @@ from pdconnector.layout import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
 from pdconnector.protocol.messages import AbortMessage, ReadDoneMessage
 from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
+from pdconnector.protocol.timeline import Milestone, Timeline
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Released:
     outcome: Outcome
     detail: str
     blocks: PrefillBlocks
+    stages: dict[str, float] = field(default_factory=dict)  # pdconnector.protocol.timeline: where its time went
 
 
 @dataclass
@@ -39,6 +41,7 @@ class _Hold:
     blocks: PrefillBlocks
     deadline: float
     readers_done: set[int] = field(default_factory=set)
+    timeline: Timeline = field(default_factory=Timeline)
 
 
 Notice = ReadDoneMessage | AbortMessage
@@ -71,7 +74,8 @@ class PullHolds:
         """Hold ``blocks`` until decode is done with them; released at once if decode's notices came first."""
         if blocks.transfer_id in self._holds:
             raise ValueError(f"prefill of {blocks.transfer_id} reported finished twice")
-        self._holds[blocks.transfer_id] = _Hold(blocks, now + self.lease_s)
+        self._holds[blocks.transfer_id] = hold = _Hold(blocks, now + self.lease_s)
+        hold.timeline.mark(Milestone.PREFILLED, now)
         self._deadlines.push(now + self.lease_s, blocks.transfer_id)
         _, early = self._early.pop(blocks.transfer_id, (0.0, []))
         for notice in early:
@@ -85,8 +89,9 @@ class PullHolds:
             self._keep_early(message, now)
             return None
         if isinstance(message, AbortMessage):
-            return self._release(message.transfer_id, Outcome.CANCELLED, f"decode rank {message.decode_rank} aborted: {message.detail}")
-        return self._read_done(message)
+            detail = f"decode rank {message.decode_rank} aborted: {message.detail}"
+            return self._release(message.transfer_id, Outcome.CANCELLED, detail, now)
+        return self._read_done(message, now)
 
     def _keep_early(self, message: Notice, now: float) -> None:
         if message.transfer_id not in self._early:
@@ -95,33 +100,35 @@ class PullHolds:
             self._early[message.transfer_id] = (now + self.lease_s, [])
         self._early[message.transfer_id][1].append(message)
 
-    def _read_done(self, message: ReadDoneMessage) -> Released | None:
+    def _read_done(self, message: ReadDoneMessage, now: float) -> Released | None:
         hold = self._holds[message.transfer_id]
         try:
             readers = set(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
         except ValueError as error:
-            return self._release(message.transfer_id, Outcome.FAILED, str(error))
+            return self._release(message.transfer_id, Outcome.FAILED, str(error), now)
         if message.decode_rank in readers:
             hold.readers_done.add(message.decode_rank)
         if hold.readers_done >= readers:
-            return self._release(message.transfer_id, Outcome.WRITTEN, f"read by decode ranks {sorted(readers)}")
+            return self._release(message.transfer_id, Outcome.WRITTEN, f"read by decode ranks {sorted(readers)}", now)
         return None
 
-    def cancel(self, transfer_id: str, detail: str) -> Released | None:
-        return self._release(transfer_id, Outcome.CANCELLED, detail) if transfer_id in self._holds else None
+    def cancel(self, transfer_id: str, detail: str, now: float) -> Released | None:
+        return self._release(transfer_id, Outcome.CANCELLED, detail, now) if transfer_id in self._holds else None
 
     def expire(self, now: float) -> list[Released]:
         released = []
         for transfer_id in self._deadlines.due(now):
             hold = self._holds.get(transfer_id)
             if hold is not None and hold.deadline <= now:
-                released.append(self._release(transfer_id, Outcome.EXPIRED, f"no decode READ completed within the {self.lease_s}s lease"))
+                detail = f"no decode READ completed within the {self.lease_s}s lease"
+                released.append(self._release(transfer_id, Outcome.EXPIRED, detail, now))
         self._deadlines.compact(self._holds.__contains__, len(self._holds))
         # Early notices are few and arrive in time order, so the oldest-first dict doubles as their queue.
         while self._early and next(iter(self._early.values()))[0] <= now:
             del self._early[next(iter(self._early))]
         return released
 
-    def _release(self, transfer_id: str, outcome: Outcome, detail: str) -> Released:
+    def _release(self, transfer_id: str, outcome: Outcome, detail: str, now: float) -> Released:
         hold = self._holds.pop(transfer_id)
-        return Released(transfer_id, outcome, detail, hold.blocks)
+        hold.timeline.mark(Milestone.RELEASED, now)
+        return Released(transfer_id, outcome, detail, hold.blocks, hold.timeline.stages())

@@ -20,9 +20,16 @@ release) and the :class:`~pdconnector.worker.peers.PeerRegistry` (the peer agent
 
 Failure semantics: every wait has a deadline, every failure frees what it held and tells the
 peer (a ``FailureMessage`` or an ``AbortMessage``) so nobody waits out a timeout when a prompt
-answer is possible. Idle: the thread waits on its input queue with a timeout that grows from
-``min_poll_s`` to ``busy_poll_max_s`` while anything is pending and to ``idle_poll_max_s`` when
-nothing is (still bounded by the next deadline), so an idle worker costs next to no CPU.
+answer is possible. Wake-ups: the thread waits on its input queue, which the engine's commands,
+answered handshakes and the rank's doorbell (:mod:`pdconnector.worker.doorbell`, rung by peers after
+each notification they send it) fill, so a registration or completion is taken the moment it can
+have arrived. It polls only while a transfer may be moving (a WRITE or READ in flight ends only
+in the transport's state, and the agent on the other end of one may have to progress too), and for
+``MESSAGE_WINDOW_S`` after it sent a notification or heard a ring (a notification may need this
+agent's progress to leave, or arrive after its ring); then the wait grows from ``min_poll_s`` to
+``busy_poll_max_s``. Otherwise it waits ``idle_poll_max_s``
+(what a lost ring costs at most), always bounded by the next deadline, so an idle worker costs
+next to no CPU and one waiting for a registration wakes when it comes.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from pdconnector.transport.cuda import bind_cuda_device
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import TransferResult, WorkerContext
 from pdconnector.worker.decode_side import DecodeSide
+from pdconnector.worker.doorbell import Doorbell
 from pdconnector.worker.identity import EngineInfo, RankInfo
 from pdconnector.worker.liveness import Heartbeat
 from pdconnector.worker.peers import PeerRegistry
@@ -61,6 +69,11 @@ from pdconnector.worker.prefill_side import PrefillSide
 from pdconnector.worker.side_channel import SideChannelClient
 
 log = logging.getLogger(__name__)
+
+# How long the thread keeps polling after it sent a notification (UCX may need the sender's progress to connect and
+# send it) or heard a ring (which can overtake the notification it announces: UCX sends a WRITE's notification as a
+# message of its own after the data, the mock transport delivers on its receiver thread).
+MESSAGE_WINDOW_S = 0.05
 
 BlockIds = Sequence[Sequence[int]]
 
@@ -85,10 +98,12 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class _Receive:
-    """A decode command and its deadline, taken on the worker's clock when the command was received."""
+    """A decode command, when the engine issued it and its deadline (both on the engine's monotonic clock, which the
+    worker thread shares)."""
 
     command: ExpectPush | ReadBlocks | AbandonTransfer
     deadline: float
+    issued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -260,9 +275,11 @@ class TransferWorker:
 
     def _run(self) -> None:
         transport: Transport | None = None
+        doorbell: Doorbell | None = None
         try:
             if self._regions and self._regions[0].device is Device.VRAM:
                 bind_cuda_device(self._context.device_id)  # before the agent exists: UCX binds to the thread's CUDA context
+            doorbell = Doorbell(self.config.host, self._wake, name=f"doorbell-{self.config.engine_id}-{self.layout.tp_rank}")
             transport = self._transport_factory()
             transport.register(self._regions)
             own = RankInfo(
@@ -272,6 +289,7 @@ class TransferWorker:
                 region_base_addresses=tuple(r.addr for r in self._regions),
                 num_blocks=self.layout.num_blocks,
                 device_id=self._context.device_id,
+                doorbell_port=doorbell.port,
             )
             self._context.bind(transport, own)
         except BaseException as error:
@@ -279,25 +297,29 @@ class TransferWorker:
                 # A registration that failed half way must not leave the agent (and what it did register) behind.
                 with contextlib.suppress(TransportError):
                     transport.close()
+            if doorbell is not None:
+                doorbell.close()
             self._start_error = error
             self._ready.set()
             return
         self._ready.set()
         try:
-            self._loop(transport)
+            self._loop(transport, doorbell)
         except BaseException:
             log.exception("transfer worker rank %d crashed", self.layout.tp_rank)
             raise
         finally:
+            doorbell.close()
             self._context.close([*self._prefill.handles(), *self._decode.handles()])
 
-    def _loop(self, transport: Transport) -> None:
+    def _loop(self, transport: Transport, doorbell: Doorbell) -> None:
         delay = self.config.min_poll_s
         while not self._stop.is_set():
             try:
                 progressed = self._drain_inbox(delay)
                 if self._stop.is_set():
                     return
+                doorbell.answered()  # this turn takes the notifications every ring so far announced
                 now = time.monotonic()
                 progressed |= self._on_notifications(self._take_notifications(transport), now)
                 progressed |= self._context.retry_stranded()
@@ -315,7 +337,8 @@ class TransferWorker:
                 # A bug in one transfer's handling must not stop every other transfer's deadlines.
                 log.exception("transfer worker rank %d: step failed", self.layout.tp_rank)
                 progressed = False
-            delay = self._next_delay(delay, progressed)
+            recent = time.monotonic() - max(doorbell.rung_at, self._context.sent_at) < MESSAGE_WINDOW_S
+            delay = self._next_delay(delay, progressed, polling=recent)
 
     def _take_notifications(self, transport: Transport) -> list[tuple[str, bytes]]:
         try:
@@ -336,11 +359,11 @@ class TransferWorker:
             except queue.Empty:
                 return True
 
-    def _next_delay(self, delay: float, progressed: bool) -> float:
+    def _next_delay(self, delay: float, progressed: bool, *, polling: bool) -> float:
         if progressed:
             return self.config.min_poll_s
-        busy = self._prefill.busy or self._decode.busy
-        delay = min(delay * 2, self.config.busy_poll_max_s if busy else self.config.idle_poll_max_s)
+        polling |= self._prefill.busy or self._decode.busy
+        delay = min(delay * 2, self.config.busy_poll_max_s) if polling else self.config.idle_poll_max_s
         deadlines = [d for d in (self._prefill.next_deadline(), self._decode.next_deadline()) if d is not None]
         if deadlines:
             delay = min(delay, max(min(deadlines) - time.monotonic(), self.config.min_poll_s))
@@ -356,8 +379,8 @@ class TransferWorker:
                 self._decode.cancel(transfer_id, detail, now)
             case _Receive(command=AbandonTransfer() as abandoned, deadline=deadline):
                 self._decode.abandon(abandoned, deadline)
-            case _Receive(command=received, deadline=deadline):
-                self._decode.begin(received, deadline)
+            case _Receive(command=received, deadline=deadline, issued_at=issued_at):
+                self._decode.begin(received, deadline, issued_at)
             case _AddPeers(engine=engine):
                 try:
                     self._peers.load_engine(engine)

@@ -79,6 +79,14 @@ def test_a_completed_write_closes_the_transfer_and_releases_the_blocks_once(regi
     assert rendezvous.expire(now=10_000.0) == []
 
 
+def test_a_closed_transfer_says_where_its_time_went_on_this_rank(registration):
+    rendezvous = table()
+    rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=1.0)
+    start = only(rendezvous.registration_received(registration(), now=1.25), StartWrite)
+    closed = only(rendezvous.write_done(start.key, now=1.75), Closed)
+    assert closed.stages == {"registration": 0.25, "post": 0.0, "write": 0.5, "hold": 0.75}
+
+
 def test_transfers_are_paired_by_transfer_id_only(registration):
     rendezvous = table()
     rendezvous.prefill_finished("tx-a", BLOCKS, 48, now=0.0)

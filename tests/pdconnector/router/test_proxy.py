@@ -104,6 +104,16 @@ async def test_non_streaming_answer_is_passed_through_and_counted_verified(clust
     assert (await status_of(client))["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_leg_is_timed_per_mode_and_role(cluster, make_router, stream):
+    client = await make_router(mode="pull")
+    response = await client.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    await response.read()
+    exposition = await (await client.get("/metrics")).text()
+    for role in ("prefill", "decode"):
+        assert f'pd_router_leg_seconds_count{{mode="pull",role="{role}"}} 1.0' in exposition
+
+
 async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk(cluster, make_router):
     client = await make_router()
     response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})

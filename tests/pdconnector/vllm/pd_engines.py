@@ -132,12 +132,20 @@ class PDPair:
 
 @contextlib.contextmanager
 def pd_pair(
-    name: str, model_dir: Path, log_dir: Path, *, policy: str = "fail", timeout_s: float = 30.0, decode_prefix_caching: bool = False
+    name: str,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    policy: str = "fail",
+    timeout_s: float = 30.0,
+    decode_prefix_caching: bool = False,
+    decode_args: Sequence[str] = (),
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
 
     ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off everywhere else),
-    so a P/D request there receives only the blocks after its local prefix hit."""
+    so a P/D request there receives only the blocks after its local prefix hit. ``decode_args``: more engine arguments
+    for decode."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
@@ -155,7 +163,7 @@ def pd_pair(
         kv_transfer_config=connector_config(decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy),
         env=ENGINE_ENV,
         port=decode_http,
-        extra_args=("--enable-prefix-caching",) if decode_prefix_caching else (),  # the last of the two flags wins
+        extra_args=(*decode_args, *(("--enable-prefix-caching",) if decode_prefix_caching else ())),  # the last of the two flags wins
     )
     with running_servers(prefill, decode):
         yield PDPair(prefill, decode, prefill_id, prefill_sc)

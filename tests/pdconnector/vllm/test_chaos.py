@@ -91,6 +91,10 @@ def _pair(name: str, model: Path, log_dir: Path, *, backend: str, prefill_env: d
         extra_args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)),
     )
     with running_servers(prefill, decode):
+        # Each engine's first prompt of a length pays for its kernels (eager engines skip vLLM's warm-up); the scenarios
+        # time prefill against decode's 3 s deadline, so that first time is spent here.
+        for server in (prefill, decode):
+            complete(server.url, prompt_of(PROMPT_TOKENS, seed=99), max_tokens=1)
         yield PDPair(prefill, decode, prefill_id, prefill_sc)
 
 
@@ -164,6 +168,8 @@ def test_a_write_that_lands_after_decodes_deadline_never_reaches_a_block_another
             decode_leg = _send_decode_leg(pool, pair, victim, transfer_id, timeout_s=VICTIM_ANSWER_S + SLACK_S)
             prefill_leg = complete(pair.prefill.url, victim, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PUSH, transfer_id))
             assert prefill_leg.token_ids, "prefill computed the victim and posted its (late) WRITE"
+            prefilled_after = time.monotonic() - asked
+            assert prefilled_after < DEADLINE_S, f"prefill took {prefilled_after:.1f}s, past decode's deadline: no late WRITE to catch"
             time.sleep(max(0.0, asked + DEADLINE_S - time.monotonic()))
             with _filling(fillers):  # from decode's deadline until well after the late bytes landed
                 error, answered_after = _victim_error(decode_leg, asked)

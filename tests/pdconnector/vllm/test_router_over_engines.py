@@ -8,11 +8,15 @@ the request as served with transferred KV (what the operator's KVTransferVerifie
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import sys
+import threading
+import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,8 +26,25 @@ from pdconnector.router.config import DEFAULT_MAX_REQUEST_BODY_BYTES, RouterConf
 from pdconnector.sim.cluster import Process
 
 from tests.pdconnector.router.fuzz_cases import fuzz_cases
-from tests.pdconnector.vllm.harness import LOOPBACK, complete, output_differences, stream_token_ids
-from tests.pdconnector.vllm.pd_engines import BLOCK_SIZE, MAX_TOKENS, PDPair, pd_pair, prompt_of, reserve_ports, wait_for_free_blocks
+from tests.pdconnector.vllm.harness import (
+    LOOPBACK,
+    Completion,
+    complete,
+    metric_sum,
+    output_differences,
+    scrape_metrics,
+    stream_token_ids,
+)
+from tests.pdconnector.vllm.pd_engines import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    PDPair,
+    kv_cache_usage,
+    pd_pair,
+    prompt_of,
+    reserve_ports,
+    wait_for_free_blocks,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +77,8 @@ def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
 
 @pytest.fixture(scope="module")
 def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
-    with pd_pair("routed-dense", dense_model, engine_log_dir) as pair:
+    # Decode runs one sequence at a time, so a local request there keeps a routed decode leg queued without blocks.
+    with pd_pair("routed-dense", dense_model, engine_log_dir, decode_args=("--max-num-seqs", "1")) as pair:
         yield pair
 
 
@@ -108,4 +130,79 @@ def test_hostile_bodies_through_the_router_get_4xx_from_real_engines_and_leave_b
         routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
         assert output_differences(complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4) == []
     assert sum(n for status, n in statuses.items() if 400 <= status < 500) > FUZZ_CASES // 2, statuses
+    assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
+
+
+def _sent(engines: PDPair) -> Counter[str]:
+    """How prefill's transfers ended so far, by outcome."""
+    text = scrape_metrics(engines.prefill.url)
+    outcomes = ("written", "read", "cancelled", "expired", "failed", "rejected")
+    return Counter({o: int(metric_sum(text, "vllm:pd_kv_transfers", labels={"direction": "send", "outcome": o})) for o in outcomes})
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+LEASE_S = 30.0  # what prefill would hold a transfer's blocks for if no abort reached it (pd_pair's transfer timeout)
+ABORT_BOUND_S = 3.0
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(engines: PDPair, mode: TransferMode, tmp_path: Path) -> None:
+    """Abort before allocation, through the router: decode's only sequence slot is busy with a local request, so the
+    routed decode leg waits in vLLM's queue without blocks while prefill holds the computed KV for it. The client
+    goes away; decode's connector sees the request end unallocated and tells prefill, which frees at once instead
+    of at its lease. The local request is untouched, and both engines serve P/D traffic afterwards."""
+    with running_router(engines, mode, tmp_path) as router, ThreadPoolExecutor(max_workers=1) as pool:
+        before = _sent(engines)
+        occupier = pool.submit(complete, engines.decode.url, prompt_of(40, 3), max_tokens=1500, timeout_s=300)
+        assert _wait_for(lambda: kv_cache_usage(engines.decode) > 0, 60), "the local request never started on decode"
+        body = json.dumps({"model": "tiny", "prompt": prompt_of(BLOCK_SIZE * 3 + 5, 21), "max_tokens": MAX_TOKENS, "temperature": 0})
+        client = http.client.HTTPConnection(LOOPBACK, int(router.url.rsplit(":", 1)[1]), timeout=60)
+        client.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        assert _wait_for(lambda: kv_cache_usage(engines.prefill) > 0, 60), "prefill never computed the routed request"
+        time.sleep(0.5)  # decode has the leg by now (push: sent with the prefill leg; pull: right after prefill answered)
+        client.close()  # the client goes away
+        left = time.monotonic()
+        assert _wait_for(lambda: kv_cache_usage(engines.prefill) == 0, LEASE_S), "prefill kept the blocks"
+        freed_after_s = time.monotonic() - left
+        assert not occupier.done(), "the local request ended before the test was over: the routed leg may have been allocated"
+        assert freed_after_s < ABORT_BOUND_S, f"prefill freed {freed_after_s:.1f} s after the client left: at its lease, not on decode's abort"
+        assert _wait_for(lambda: sum((_sent(engines) - before).values()) == 1, 10)
+        ended = _sent(engines) - before
+        assert ended["expired"] == 0 and ended["written"] == 0 and ended["read"] == 0, ended
+        local = occupier.result()
+        assert len(local.token_ids) == 1500
+        prompt = prompt_of(BLOCK_SIZE + 9, 22)
+        routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
+        assert output_differences(complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4) == []
+    assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
+
+
+@pytest.mark.timeout(900)
+def test_two_clients_sending_the_same_request_id_at_once_are_both_served_right(engines: PDPair, tmp_path: Path) -> None:
+    """A client-chosen ``X-Request-Id`` reused by concurrent requests: the router mints a transfer id per request, so
+    neither takes the other's KV; both answers equal their co-located outputs."""
+    prompts = [prompt_of(BLOCK_SIZE + 2, 31), prompt_of(2 * BLOCK_SIZE + 7, 32)]
+    expected = [complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS) for prompt in prompts]
+    with running_router(engines, TransferMode.PUSH, tmp_path) as router:
+        start = threading.Barrier(len(prompts))
+
+        def send(prompt: list[int]) -> Completion:
+            start.wait(timeout=30)
+            return complete(router.url, prompt, max_tokens=MAX_TOKENS, request_id="reused-id", timeout_s=300)
+
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            routed = list(pool.map(send, prompts))
+        for want, got in zip(expected, routed, strict=True):
+            assert output_differences(want, got, logprob_atol=1e-4) == []
+        with urllib.request.urlopen(f"{router.url}/status", timeout=10) as response:
+            assert json.loads(response.read())["transfers"]["verified"] == len(prompts)
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}

@@ -348,6 +348,7 @@ def test_engine_description_is_shipped_once_and_announced_peers_each_time() -> N
         ({"transfer_timeout_s": -1}, "transfer_timeout_s"),
         ({"sidechannel_port": 1}, "sidechannel_port"),
         ({"backends": ["mock", "UCX"]}, "backends"),
+        ({"log_timeline": "yes"}, "log_timeline"),
     ],
 )
 def test_bad_connector_configuration_names_the_field(extra: dict[str, Any], key: str) -> None:
@@ -361,3 +362,31 @@ def test_configuration_defaults_and_side_channel_host_from_the_operator_env() ->
     )
     assert (parsed.mode, parsed.backends, parsed.side_channel_host, parsed.side_channel_port) == (TransferMode.PUSH, ("UCX",), "10.1.2.3", 5600)
     assert parsed.recompute_on_failure is False
+
+
+def test_the_scheduler_times_a_decode_legs_admission_and_its_resume_after_the_kv_arrived() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), arrival_time=time.time() - 0.25)
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.build_meta(["d1"])  # scheduled for its load, before any KV: no resume yet
+    side.update_connector_output({"d1"}, set())
+    time.sleep(0.01)
+    side.build_meta(["d2"])  # a step that does not run it
+    side.build_meta(["d1"])
+    taken = side.take_stats()
+    assert taken is not None
+    stages = taken.data["stages"]
+    assert stages["admission"][0] == pytest.approx(0.25, abs=0.1)
+    assert len(stages["resume"]) == 1 and 0.01 <= stages["resume"][0] < 1.0
+    assert side.take_stats() is None
+
+
+def test_a_received_request_aborted_before_it_resumed_leaves_no_resume_behind() -> None:
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), status=ABORTED)
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.update_connector_output({"d1"}, set())
+    side.request_finished(request, [[7, 8, 9]])
+    side.take_stats()
+    side.build_meta(["d1"])  # a recycled request id must not count the old one's wait
+    assert side.take_stats() is None

@@ -28,13 +28,14 @@ def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and
         "bytes_received": 12288,
         "waits": {"send": [], "recv": [0.02, 0.04, 30.0]},
         "events": {},
+        "stages": {},
     }
 
 
 def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() -> None:
     stats = PDTransferStats()
     stats.record(Direction.RECV, "received", wait_s=None, nbytes=4096)
-    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}, "events": {}}
+    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}, "events": {}, "stages": {}}
     assert not stats.is_empty()
 
 
@@ -124,3 +125,23 @@ def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: Collec
     labels = {"model_name": "tiny", "engine": "0"}
     assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "fences_expired"}) == 3
     assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "reads_stuck"}) == 1
+
+
+def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_exported(registry: CollectorRegistry) -> None:
+    worker, scheduler = PDTransferStats(), PDTransferStats()
+    worker.record(Direction.RECV, "received", wait_s=0.004)
+    worker.record_stages({"handshake": 0.0001, "kv_wait": 0.003})
+    worker.record_stages({"handshake": 0.0003, "kv_wait": 0.005})
+    scheduler.record_stages({"resume": 0.002})
+    assert not scheduler.is_empty()  # the scheduler's stages alone are worth shipping
+    total = worker.aggregate(scheduler)
+    assert total.data["stages"] == {"handshake": [0.0001, 0.0003], "kv_wait": [0.003, 0.005], "resume": [0.002]}
+    assert worker.data["stages"]["kv_wait"] == [0.003, 0.005]  # aggregating copies
+    summary = total.reduce()
+    assert (summary["handshake_p50_ms"], summary["kv_wait_p50_ms"], summary["resume_p50_ms"]) == (0.2, 4.0, 2.0)
+    prom_metrics(registry).observe(msgspec.msgpack.decode(msgspec.msgpack.encode(total.to_dict())), engine_idx=0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_count", {**labels, "stage": "kv_wait"}) == 2
+    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.0025"}) == 0
+    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.005"}) == 2
+    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_sum", {**labels, "stage": "resume"}) == pytest.approx(0.002)

@@ -105,6 +105,7 @@ class Engine:
         transport_options: dict[str, Any] | None = None,
         device: str | None = None,
         first_device_id: int = 0,
+        worker_options: dict[str, float] | None = None,
     ) -> None:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
@@ -133,6 +134,7 @@ class Engine:
             limits=RendezvousLimits(**limits),
             pull_lease_s=limits.get("registration_lease_s", 30.0),
             fence_s=fence_s,
+            **(worker_options or {}),
         )
         self.transfers = EngineTransfers(
             self.model, tp_size=tp, num_blocks=num_blocks, regions=regions, transport_factory=factory, config=config, on_result=self._wake
@@ -266,7 +268,14 @@ class Engine:
     def _collect(self) -> None:
         for rank, worker in enumerate(self.transfers.workers):
             for result in worker.results():
-                entry = {"rank": rank, "kind": result.kind.value, "outcome": result.outcome, "detail": result.detail, "nbytes": result.nbytes}
+                entry = {
+                    "rank": rank,
+                    "kind": result.kind.value,
+                    "outcome": result.outcome,
+                    "detail": result.detail,
+                    "nbytes": result.nbytes,
+                    "stages": result.stages,
+                }
                 self._results[result.transfer_id].append(entry)
 
     def _wake(self) -> None:

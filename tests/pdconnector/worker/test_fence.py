@@ -95,7 +95,12 @@ def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_a
         assert decode.stats()[0].get("fences_expired", 0) == 0
         prefill.prefill_finished(transfer_id="tx-fenced", blocks=request["src"], num_tokens=request["num_tokens"])
         freed = prefill.wait(transfer_id="tx-fenced", timeout_s=5)
-        assert [(r["kind"], r["outcome"]) for r in freed] == [("finished_sending", "cancelled")], freed
+        # Both the abort and the registration's lifetime (decode's time left + the grace) passed while the prefill was
+        # frozen; which of the two its transfer thread meets first after SIGCONT is thread order, and either ends the
+        # transfer unwritten.
+        assert [r["kind"] for r in freed] == ["finished_sending"], freed
+        assert freed[0]["outcome"] in ("cancelled", "expired"), freed
+        assert prefill.stats()[0].get("writes_posted", 0) == 0
         assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}  # nothing landed, before or after
     finally:
         decode.close()

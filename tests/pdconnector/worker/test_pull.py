@@ -31,8 +31,9 @@ def test_blocks_are_released_once_every_reading_decode_rank_is_done() -> None:
     table = holds(rank=1, tp=2)  # decode TP 4: prefill rank 1 is read by decode ranks 2 and 3
     assert table.notice_received(read_done_message("tx-1", 0, 2, 4), now=1.0) is None
     assert table.notice_received(read_done_message("tx-1", 0, 0, 4), now=1.0) is None  # not one of this rank's readers
-    released = table.notice_received(read_done_message("tx-1", 0, 3, 4), now=1.0)
+    released = table.notice_received(read_done_message("tx-1", 0, 3, 4), now=1.5)
     assert released is not None and released.outcome is Outcome.WRITTEN and released.blocks == BLOCKS
+    assert released.stages == {"hold": 1.5}  # held from the prefill's end to the last reader's notice
     assert "tx-1" not in table
 
 
@@ -58,7 +59,7 @@ def test_unknown_transfers_and_double_holds() -> None:
     table = holds()
     assert table.notice_received(read_done_message("tx-other", 0, 0, 1), now=1.0) is None
     assert len(table) == 1
-    assert table.cancel("tx-other", "x") is None
+    assert table.cancel("tx-other", "x", now=0.0) is None
     with pytest.raises(ValueError, match="reported finished twice"):
         table.hold(BLOCKS, now=1.0)
 
