@@ -13,6 +13,7 @@ pending are folded into it, so a flood of datagrams costs one turn per turn, not
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -81,12 +82,18 @@ class Doorbell:
 
 class Ringer:
     """Rings peers' doorbells from the transfer thread: one unconnected UDP socket per family, never blocking, and a
-    ring that cannot be sent is only logged (the peer then finds the notification at its next idle wake-up)."""
+    ring that cannot be sent is only logged (the peer then finds the notification at its next idle wake-up). Only
+    addresses are rung: a host name would mean a DNS lookup on the transfer thread, which may block for seconds, so
+    a peer known by name is left to its idle wake-up (the operator gives engines their pod IP)."""
 
     def __init__(self) -> None:
         self._sockets: dict[socket.AddressFamily, socket.socket] = {}
 
     def ring(self, host: str, port: int) -> bool:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return False
         family = _family(host)
         sock = self._sockets.get(family)
         if sock is None:

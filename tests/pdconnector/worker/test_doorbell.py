@@ -86,6 +86,15 @@ def test_close_returns_promptly_and_frees_the_port(rings: Rings) -> None:
         reuse.bind((LOOPBACK, port))
 
 
+def test_a_peer_known_by_host_name_is_not_rung_so_the_transfer_thread_never_waits_for_dns(doorbell: Doorbell, rings: Rings) -> None:
+    ringer = Ringer()
+    assert not ringer.ring("localhost", doorbell.port)
+    assert not ringer.ring("decode-0.decode.inference.svc", doorbell.port)
+    time.sleep(0.2)
+    assert rings.count == 0
+    ringer.close()
+
+
 def test_ringing_a_port_nobody_listens_on_does_not_raise() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.bind((LOOPBACK, 0))
