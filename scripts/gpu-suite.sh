@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU suite, on the GPU machine (Python 3.12 with torch, numpy and pytest; no network), from the repository root
 # with .whl/ carried along (scripts/fetch-gpu-wheels.sh fills it here): installs the wheels into a scratch directory,
-# records the machine, runs every `pytest -m gpu` test, then e2e/gpu/demo.py when it exists, and writes
-# REPORT_DIR/gpu-suite.json (counts, durations, exit codes, versions) next to the logs. Exits non-zero when anything
-# failed or no test passed.
+# records the machine, runs the transfer benchmark (pdconnector.bench.gpu_transfer_bench, REPORT_DIR/bench/), every
+# `pytest -m gpu` test, then e2e/gpu/demo.py when it exists, and writes REPORT_DIR/gpu-suite.json (counts, durations,
+# exit codes, versions) next to the logs. Exits non-zero when anything failed or no test passed.
+# PD_GPU_BENCH_ARGS: extra arguments for the benchmark (e.g. "--tokens 16384 --models qwen3-32b-tp8").
 #   usage: scripts/gpu-suite.sh REPORT_DIR
 #   PD_GPU_SUITE_DEVICE=cpu runs the suite on host memory instead (see tests/pdconnector/worker/vram.py).
 set -uo pipefail
@@ -16,8 +17,9 @@ cd "$root" || exit 2
 mkdir -p "$1" && report=$(cd "$1" && pwd) || exit 2
 python=${PYTHON:-python3}
 # Wall-clock limits (s) that keep the whole run inside a 10-minute machine call, leaving time for the report.
-suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-360}
-demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-180}
+bench_limit=${PD_GPU_BENCH_TIMEOUT_S:-180}
+suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-300}
+demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-90}
 scratch=$(mktemp -d /tmp/pd-gpu-suite.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 started=$(date +%s)
@@ -68,6 +70,14 @@ json.dump(versions, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(versions))
 EOF
 
+echo "== transfer benchmark"
+bench_rc=""
+if ((install_rc == 0)); then
+    # shellcheck disable=SC2086 # PD_GPU_BENCH_ARGS is a list of arguments
+    limited "$bench_limit" "$python" -m pdconnector.bench.gpu_transfer_bench "$report/bench" ${PD_GPU_BENCH_ARGS:-} 2>&1 | tee "$report/bench.log"
+    bench_rc=${PIPESTATUS[0]}
+fi
+
 echo "== gpu tests"
 # Only the files holding gpu tests: vLLM is not installed here, and modules importing it must not be collected.
 mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
@@ -98,13 +108,13 @@ if [[ -f e2e/gpu/demo.py ]]; then
 fi
 
 echo "== summary ($report/gpu-suite.json)"
-"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" <<'EOF'
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-device_rc = sys.argv[6]
+device_rc, bench_rc = sys.argv[6], sys.argv[7]
 
 
 def code(value):  # an exit code; empty: that step did not run
@@ -150,10 +160,18 @@ summary = {
     "pytest_exit_code": code(pytest_rc),
     "device_id_exit_code": code(device_rc),
     "demo_exit_code": code(demo_rc),  # null: e2e/gpu/demo.py does not exist
+    "bench_exit_code": code(bench_rc),
     "wall_s": wall_s,
     "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
 }
-summary["ok"] = install_rc == 0 and code(pytest_rc) == 0 and tests["passed"] > 0 and code(device_rc) == 0 and code(demo_rc) in (None, 0)
+summary["ok"] = (
+    install_rc == 0
+    and code(pytest_rc) == 0
+    and tests["passed"] > 0
+    and code(device_rc) == 0
+    and code(demo_rc) in (None, 0)
+    and code(bench_rc) == 0
+)
 (report / "gpu-suite.json").write_text(json.dumps(summary | {"cases": cases}, indent=2) + "\n")
 print(json.dumps(summary))
 sys.exit(0 if summary["ok"] else 1)

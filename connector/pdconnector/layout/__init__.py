@@ -33,12 +33,13 @@ from pdconnector.layout.plan import (
     targets_for,
     writers_for,
 )
-from pdconnector.layout.regions import KVGroup, PageSchema, RankLayout, Region, group_layers
+from pdconnector.layout.regions import BlockPlacement, KVGroup, PageSchema, RankLayout, Region, group_layers
 from pdconnector.layout.synthetic import allocate_pools, apply_plan, tagged_shard, write_tagged_blocks
 
 __all__ = [
     "AttentionLayout",
     "AttentionSpec",
+    "BlockPlacement",
     "ConvLayout",
     "ConvProjection",
     "DescriptorTable",

@@ -19,7 +19,7 @@ import numpy as np
 
 from pdconnector.layout.model import LayerKind
 from pdconnector.layout.plan import check_compatible, group_transfers, region_descriptors, shard_pieces
-from pdconnector.layout.regions import RankLayout
+from pdconnector.layout.regions import BlockPlacement, RankLayout
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DescriptorTable:
 
 def descriptor_tables(src: RankLayout, dst: RankLayout) -> tuple[DescriptorTable, DescriptorTable]:
     """The (source, destination) tables of the pair; entry ``i`` of one matches entry ``i`` of the other."""
-    check_compatible(src, dst)
+    _check_layer_outer(src, dst)
     attention = shard_pieces(src.attention_schema, src.tp_rank, dst.attention_schema, dst.tp_rank)
     ssm = shard_pieces(src.ssm_schema, src.tp_rank, dst.ssm_schema, dst.tp_rank)
     tables = []
@@ -66,6 +66,7 @@ def descriptor_ids(
     num_tokens: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids into :func:`descriptor_tables` for one request, in :func:`plan_transfer`'s unmerged order."""
+    _check_layer_outer(src, dst)
     bases = _attention_desc_counts(src, dst)
     src_ids, dst_ids = [], []
     for t in group_transfers(src, dst, src_blocks, dst_blocks, num_tokens=num_tokens):
@@ -73,9 +74,18 @@ def descriptor_ids(
         for side, units, layout in ((0, t.src_units, src), (1, t.dst_units, dst)):
             per_region = layout.num_blocks * (layout.model.physical_blocks_per_logical if t.kind is LayerKind.ATTENTION else 1)
             base = 0 if t.kind is LayerKind.ATTENTION else bases[side]
-            ids = base + (t.regions[:, None, None] * q + np.arange(q)[None, None, :]) * per_region + units[None, :, None]
+            ids = base + (t.slots[:, None, None] * q + np.arange(q)[None, None, :]) * per_region + units[None, :, None]
             (src_ids if side == 0 else dst_ids).append(ids.ravel())
     return _cat(src_ids), _cat(dst_ids)
+
+
+def _check_layer_outer(src: RankLayout, dst: RankLayout) -> None:
+    check_compatible(src, dst)
+    for side, layout in (("prefill", src), ("decode", dst)):
+        if layout.placement is not BlockPlacement.LAYER_OUTER:
+            raise ValueError(
+                f"{side}: prepared descriptor tables follow upstream's layer-outer ids, not {layout.placement} (plan_transfer moves every placement)"
+            )
 
 
 def _attention_desc_counts(src: RankLayout, dst: RankLayout) -> tuple[int, int]:

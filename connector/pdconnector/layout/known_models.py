@@ -21,3 +21,24 @@ NEMOTRON_NANO_9B_V2: dict[str, Any] = {
     "torch_dtype": "bfloat16",
     "mamba_ssm_cache_dtype": "float32",
 }
+
+# Qwen3-32B (its config.json): 64 layers, 8 KV heads of 128, bf16; 4 MiB of KV per 16-token block at TP 1.
+QWEN3_32B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+
+# Llama-3.3-70B-Instruct (its config.json): 80 layers, 8 KV heads of 128 (8192 / 64 heads), bf16.
+LLAMA_3_3_70B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "torch_dtype": "bfloat16",
+}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 DTYPE_BYTES: Mapping[str, int] = {
@@ -260,11 +261,11 @@ class ModelSpec:
         if self.num_ssm_layers and self.ssm is None:
             raise ValueError("ModelSpec.ssm is required: the model has SSM layers")
 
-    @property
+    @cached_property
     def num_attention_layers(self) -> int:
         return sum(kind is LayerKind.ATTENTION for kind in self.layers)
 
-    @property
+    @cached_property
     def num_ssm_layers(self) -> int:
         return sum(kind is LayerKind.SSM for kind in self.layers)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdconnector.layout.model import LayerKind, SsmFamily
-from pdconnector.layout.regions import PageSchema, RankLayout
+from pdconnector.layout.regions import BlockPlacement, PageSchema, RankLayout
 
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -149,16 +149,15 @@ def check_compatible(src: RankLayout, dst: RankLayout) -> None:
 class GroupTransfer:
     """One KV group of a request in one view: which units move and which runs of each unit.
 
-    A unit is a kernel block (attention view) or a logical block (SSM view) of one region;
-    ``pieces`` are (src offset, dst offset, length) inside a unit, ``strides`` the unit sizes.
+    A unit is a kernel block (attention view) or a logical block (SSM view) of one layer slot; ``pieces`` are
+    (src page offset, dst page offset, length) inside a unit, cut so that each stays one run on both sides.
     """
 
     group: int
     kind: LayerKind
-    regions: np.ndarray
+    slots: np.ndarray
     src_units: np.ndarray
     dst_units: np.ndarray
-    strides: tuple[int, int]
     pieces: tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -182,11 +181,13 @@ def group_transfers(
                 s_ids, d_ids = _physical(s_ids, ratio), _physical(d_ids, ratio)
                 if num_tokens is not None:
                     s_ids, d_ids = _trim_to_tokens(s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index)
-                schemas, strides = (src.attention_schema, dst.attention_schema), (src.physical_page_bytes, dst.physical_page_bytes)
+                schemas = (src.attention_schema, dst.attention_schema)
             else:
-                schemas, strides = (src.ssm_schema, dst.ssm_schema), (src.page_bytes, dst.page_bytes)
+                schemas = (src.ssm_schema, dst.ssm_schema)
             pieces = shard_pieces(schemas[0], src.tp_rank, schemas[1], dst.tp_rank)
-            out.append(GroupTransfer(group.index, kind, np.asarray(group.regions, dtype=np.int32), s_ids, d_ids, strides, pieces))
+            if BlockPlacement.HEAD_OUTER in (src.placement, dst.placement):
+                pieces = _per_head(pieces, src.head_bytes)
+            out.append(GroupTransfer(group.index, kind, np.asarray(group.slots, dtype=np.int32), s_ids, d_ids, pieces))
     return out
 
 
@@ -211,8 +212,8 @@ def plan_transfer(
     naive = 0
     if _writes_into(src, dst):
         naive_page = min(src.page_bytes, dst.page_bytes)
-        naive = sum(len(src_blocks[t.group]) * t.regions.size * naive_page for t in transfers)
-    plan = _concat(src.tp_rank, dst.tp_rank, [_broadcast(t) for t in transfers], naive)
+        naive = sum(len(src_blocks[t.group]) * t.slots.size * naive_page for t in transfers)
+    plan = _concat(src.tp_rank, dst.tp_rank, [_broadcast(t, src, dst) for t in transfers], naive)
     return plan.merged() if merge else plan
 
 
@@ -245,21 +246,43 @@ def _trim_to_tokens(s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kerne
     return s_ids[:needed], d_ids[:needed]
 
 
-def _broadcast(t: GroupTransfer) -> tuple[np.ndarray, ...]:
-    """Region-major, then block, then piece: the (R, B, Q) grid flattened."""
-    (src_stride, dst_stride), (piece_src, piece_dst, piece_len) = t.strides, t.pieces
-    s_ids, d_ids, regions = t.src_units, t.dst_units, t.regions
-    shape = (regions.size, s_ids.size, piece_len.size)
-    src_offset = s_ids[None, :, None] * src_stride + piece_src[None, None, :]
-    dst_offset = d_ids[None, :, None] * dst_stride + piece_dst[None, None, :]
-    region = np.broadcast_to(regions[:, None, None], shape).ravel()
-    return (
-        region,
-        np.broadcast_to(src_offset, shape).ravel(),
-        region,
-        np.broadcast_to(dst_offset, shape).ravel(),
-        np.broadcast_to(piece_len[None, None, :], shape).ravel(),
-    )
+def _per_head(pieces: tuple[np.ndarray, np.ndarray, np.ndarray], head_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces cut at KV head boundaries: a head-outer block keeps each head of a page in its own run. TP shards
+    attention by whole heads, so every piece starts at a head boundary on both sides."""
+    src, dst, length = pieces
+    heads = length // head_bytes
+    first = np.repeat(np.cumsum(heads) - heads, heads)
+    step = (np.arange(int(heads.sum()), dtype=np.int64) - first) * head_bytes
+    return np.repeat(src, heads) + step, np.repeat(dst, heads) + step, np.full(step.size, head_bytes, dtype=np.int64)
+
+
+# The (slot, unit, piece) axes in each placement's memory order: runs adjacent in this order can be contiguous on the
+# source, so flattening in it lets :meth:`TransferPlan.merged` fuse a block's layers (block-outer) or heads (head-outer).
+_MEMORY_ORDER = {BlockPlacement.LAYER_OUTER: (0, 1, 2), BlockPlacement.BLOCK_OUTER: (1, 0, 2), BlockPlacement.HEAD_OUTER: (1, 2, 0)}
+
+
+def _fused_slots(t: GroupTransfer, src: RankLayout, dst: RankLayout) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Slots and pieces with the slot axis folded into the pieces where both sides keep a unit's slots side by side:
+    block-outer pages moved whole (equal TP), and head-outer heads of every slot. A 16k-token request then plans
+    as one run per block instead of one per layer per block, which would cost milliseconds of numpy to merge back."""
+    slots, (piece_src, piece_dst, piece_len) = t.slots, t.pieces
+    if src.placement is not dst.placement or src.placement is BlockPlacement.LAYER_OUTER or slots.size < 2:
+        return slots, t.pieces
+    whole_pages = piece_len.size == 1 and int(piece_src[0]) == int(piece_dst[0]) == 0 and int(piece_len[0]) == src.page_bytes == dst.page_bytes
+    every_slot = slots.size == src.num_slots == dst.num_slots  # a head's run spans all slots of a head-outer block
+    if (src.placement is BlockPlacement.BLOCK_OUTER and whole_pages) or (src.placement is BlockPlacement.HEAD_OUTER and every_slot):
+        return slots[:1], (piece_src, piece_dst, piece_len * slots.size)
+    return slots, t.pieces
+
+
+def _broadcast(t: GroupTransfer, src: RankLayout, dst: RankLayout) -> tuple[np.ndarray, ...]:
+    """The (slot, unit, piece) grid of both sides, flattened in the source's memory order."""
+    slots, (piece_src, piece_dst, piece_len) = _fused_slots(t, src, dst)
+    src_region, src_offset = src.locate(t.kind, slots, t.src_units, piece_src)
+    dst_region, dst_offset = dst.locate(t.kind, slots, t.dst_units, piece_dst)
+    length = np.broadcast_to(piece_len[None, None, :], src_offset.shape)
+    order = _MEMORY_ORDER[src.placement]
+    return tuple(np.transpose(a, order).ravel() for a in (src_region, src_offset, dst_region, dst_offset, length))
 
 
 def _concat(src_rank: int, dst_rank: int, parts: list[tuple[np.ndarray, ...]], naive: int) -> TransferPlan:

@@ -7,47 +7,62 @@ buffer and lays every group out layer-outer from byte 0, so layer slot ``i`` of 
 aliases the same ``num_blocks * page`` bytes: one *region* per slot, holding pages of
 attention and SSM layers alike (a block id belongs to exactly one group at a time). All
 pages are the same size: the SSM page (conv + temporal state) is padded up to the
-attention page of one logical block. Block-outermost layouts (``BLHNC``) are not modelled.
+attention page of one logical block.
 
-Inside a region, block ``b`` occupies ``[b * page_bytes, (b + 1) * page_bytes)``. The
-attention view splits it into ``physical_blocks_per_logical`` kernel blocks; the SSM view
-reads the conv sub-projections and the temporal state at the page start, the rest is padding.
+Where a block's pages sit is the rank's :class:`BlockPlacement`. Layer-outer (vLLM's
+``LBHNC``/``LBNHC``): inside region ``i``, block ``b`` occupies ``[b * page_bytes, (b + 1) * page_bytes)``,
+so a request's blocks cost one descriptor per layer per block. Block-outer (``BLHNC``/``BLNHC``):
+one region, block ``b`` holds slot ``i``'s page at ``b * block_stride + i * page_bytes``, so a
+block's state for every layer is one run. Head-outer (``BHLNC``, attention only): one region, block
+``b`` holds KV head ``h`` of every slot as one run, so a heterogeneous-TP head slice stays one run.
+The attention view splits a page into ``physical_blocks_per_logical`` kernel blocks (layer-outer only:
+vLLM never splits a block that other layers' pages sit inside); the SSM view reads the conv
+sub-projections and the temporal state at the page start, the rest is padding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import cached_property
 
 import numpy as np
 
-from pdconnector.layout.model import LayerKind, ModelSpec, Segment
+from pdconnector.layout.model import AttentionLayout, LayerKind, ModelSpec, Segment
+
+
+class BlockPlacement(StrEnum):
+    """Where the pages of one block sit in a rank's registered memory (vLLM's ``KVCacheLayout`` outer axes)."""
+
+    LAYER_OUTER = "layer_outer"  # LBHNC, LBNHC: one region per layer slot
+    BLOCK_OUTER = "block_outer"  # BLHNC, BLNHC: one region, a block holds every slot's page
+    HEAD_OUTER = "head_outer"  # BHLNC: one region, a block holds each KV head of every slot as one run
 
 
 @dataclass(frozen=True)
 class Region:
-    """One registered tensor: ``num_blocks`` pages of ``page_bytes`` (the block stride)."""
+    """One registered tensor: ``num_blocks`` blocks of ``block_stride`` bytes."""
 
     index: int
     num_blocks: int
-    page_bytes: int
+    block_stride: int
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.page_bytes
+        return self.num_blocks * self.block_stride
 
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One HMA KV cache group: its layer kind, model layer indices and the regions they live in."""
+    """One HMA KV cache group: its layer kind, model layer indices and the layer slots they live in."""
 
     index: int
     kind: LayerKind
     layers: tuple[int, ...]
 
     @property
-    def regions(self) -> tuple[int, ...]:
-        """Layer ``i`` of the group lives in region ``i``."""
+    def slots(self) -> tuple[int, ...]:
+        """Layer ``i`` of the group lives in slot ``i``."""
         return tuple(range(len(self.layers)))
 
 
@@ -96,12 +111,14 @@ class RankLayout:
     tp_size: int
     tp_rank: int
     num_blocks: int
+    placement: BlockPlacement = BlockPlacement.LAYER_OUTER
 
     def __post_init__(self) -> None:
         if self.tp_size <= 0 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"RankLayout: tp_rank {self.tp_rank} must lie in [0, tp_size={self.tp_size})")
         if self.num_blocks <= 0:
             raise ValueError(f"RankLayout.num_blocks must be positive, got {self.num_blocks}")
+        self._check_placement()
         for name, units in self._shard_units().items():
             if units % self.tp_size:
                 raise ValueError(f"RankLayout: {name} ({units}) is not divisible by tp_size {self.tp_size}")
@@ -110,6 +127,19 @@ class RankLayout:
                 f"RankLayout: block_size {self.model.block_size} gives an attention page of {self.attention_page_bytes} B, "
                 f"smaller than the SSM state of {self.ssm_state_bytes} B; vLLM would raise the block size (see hybrid_block_size)"
             )
+
+    def _check_placement(self) -> None:
+        model = self.model
+        if self.placement is not BlockPlacement.LAYER_OUTER and model.physical_blocks_per_logical != 1:
+            raise ValueError(
+                f"RankLayout: {self.placement} blocks hold other layers' pages, so vLLM never splits them into kernel blocks; "
+                f"kernel_block_size {model.kernel_block_size} != block_size {model.block_size}"
+            )
+        if self.placement is BlockPlacement.HEAD_OUTER:
+            if model.num_ssm_layers:
+                raise ValueError("RankLayout: head_outer (BHLNC) places attention heads only; a model with SSM layers needs block_outer (BLHNC)")
+            if model.attention is not None and model.attention.layout is not AttentionLayout.PACKED_HND:
+                raise ValueError(f"RankLayout: head_outer (BHLNC) pages are head-major; attention layout {model.attention.layout} is not")
 
     def _shard_units(self) -> dict[str, int]:
         units: dict[str, int] = {}
@@ -139,12 +169,12 @@ class RankLayout:
             return PageSchema.of((), self.tp_size)
         return PageSchema.of(self.model.ssm.segments, self.tp_size)
 
-    @property
+    @cached_property
     def physical_page_bytes(self) -> int:
         """One kernel block of one attention layer."""
         return self.attention_schema.nbytes
 
-    @property
+    @cached_property
     def attention_page_bytes(self) -> int:
         """One logical block of one attention layer."""
         return self.physical_page_bytes * self.model.physical_blocks_per_logical
@@ -153,12 +183,12 @@ class RankLayout:
     def ssm_conv_bytes(self) -> int:
         return int(self.ssm_schema.sizes[:-1].sum()) if self.model.ssm else 0
 
-    @property
+    @cached_property
     def ssm_state_bytes(self) -> int:
         """Real SSM bytes per block: conv state + temporal state, no padding."""
         return self.ssm_schema.nbytes
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """The common page (block stride) of every region."""
         return self.attention_page_bytes if self.model.num_attention_layers else self.ssm_state_bytes
@@ -169,15 +199,68 @@ class RankLayout:
         return self.page_bytes - self.ssm_state_bytes if self.model.num_ssm_layers else 0
 
     @cached_property
-    def regions(self) -> tuple[Region, ...]:
-        num_regions = max(len(g.layers) for g in self.groups)
-        return tuple(Region(i, self.num_blocks, self.page_bytes) for i in range(num_regions))
+    def num_slots(self) -> int:
+        """Layer slots: the largest group's layer count (slot ``i`` holds layer ``i`` of every group)."""
+        return max(len(g.layers) for g in self.groups)
 
     @cached_property
-    def layer_regions(self) -> dict[int, int]:
-        """Region of each KV-holding layer (an index into ``ModelSpec.layers``): what the vLLM side
-        needs to map its per-layer cache tensors (those sharing one tensor share a region)."""
-        return {layer: region for g in self.groups for region, layer in enumerate(g.layers)}
+    def block_stride(self) -> int:
+        """Bytes from one block to the next inside a region."""
+        return self.page_bytes if self.placement is BlockPlacement.LAYER_OUTER else self.num_slots * self.page_bytes
+
+    @cached_property
+    def regions(self) -> tuple[Region, ...]:
+        num_regions = self.num_slots if self.placement is BlockPlacement.LAYER_OUTER else 1
+        return tuple(Region(i, self.num_blocks, self.block_stride) for i in range(num_regions))
+
+    @cached_property
+    def layer_slots(self) -> dict[int, int]:
+        """Slot of each KV-holding layer (an index into ``ModelSpec.layers``): layers of one slot alias the same bytes."""
+        return {layer: slot for g in self.groups for slot, layer in enumerate(g.layers)}
+
+    def slot_start(self, slot: int) -> tuple[int, int]:
+        """(region, byte offset of block 0) of a slot's pages: what each of vLLM's per-layer views must start at.
+        Head-outer slots have no page of their own; their first head starts at ``slot * head_bytes``."""
+        match self.placement:
+            case BlockPlacement.LAYER_OUTER:
+                return slot, 0
+            case BlockPlacement.BLOCK_OUTER:
+                return 0, slot * self.page_bytes
+            case BlockPlacement.HEAD_OUTER:
+                return 0, slot * self.head_bytes
+
+    @cached_property
+    def head_bytes(self) -> int:
+        """One KV head of one attention page of this rank (head-outer blocks are runs of these)."""
+        if self.model.attention is None:
+            return 0
+        return int(self.attention_schema.sizes[0]) // (self.model.attention.num_kv_heads // self.tp_size)
+
+    def locate(self, kind: LayerKind, slots: np.ndarray, units: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(region, byte offset) of page offset ``offsets[q]`` of unit ``units[u]`` (a kernel block for attention, a
+        logical block for SSM) of slot ``slots[r]``, broadcast to shape ``(R, U, Q)``. Under head-outer placement an
+        offset must be the start of a run that stays inside one head (see :meth:`page_runs`)."""
+        s, u, q = slots.astype(np.int64)[:, None, None], units.astype(np.int64)[None, :, None], offsets.astype(np.int64)[None, None, :]
+        shape = (s.shape[0], u.shape[1], q.shape[2])
+        match self.placement:
+            case BlockPlacement.LAYER_OUTER:
+                stride = self.physical_page_bytes if kind is LayerKind.ATTENTION else self.page_bytes
+                return np.broadcast_to(s, shape), np.broadcast_to(u * stride + q, shape)
+            case BlockPlacement.BLOCK_OUTER:
+                offset = u * self.block_stride + s * self.page_bytes + q
+            case BlockPlacement.HEAD_OUTER:
+                head, within = q // self.head_bytes, q % self.head_bytes
+                offset = u * self.block_stride + (head * self.num_slots + s) * self.head_bytes + within
+        return np.zeros(shape, dtype=np.int64), np.broadcast_to(offset, shape)
+
+    def page_runs(self, kind: LayerKind) -> tuple[np.ndarray, np.ndarray]:
+        """(page offset, length) of the runs of one unit's real bytes that stay contiguous in memory: the schema's
+        segments, or under head-outer placement one run per KV head."""
+        schema = self.attention_schema if kind is LayerKind.ATTENTION else self.ssm_schema
+        if self.placement is not BlockPlacement.HEAD_OUTER:
+            return schema.offsets, schema.sizes
+        starts = np.arange(0, schema.nbytes, self.head_bytes, dtype=np.int64)
+        return starts, np.full(starts.size, self.head_bytes, dtype=np.int64)
 
     @property
     def region_nbytes(self) -> tuple[int, ...]:

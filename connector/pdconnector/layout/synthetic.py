@@ -22,7 +22,7 @@ import numpy as np
 
 from pdconnector.layout.model import LayerKind
 from pdconnector.layout.plan import TransferPlan
-from pdconnector.layout.regions import PageSchema, RankLayout
+from pdconnector.layout.regions import BlockPlacement, PageSchema, RankLayout
 
 _MIX = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93)
 _WORD = (1 << 64) - 1
@@ -116,14 +116,35 @@ def write_tagged_blocks(
             if num_tokens is not None:
                 keep = -(-num_tokens // layout.model.kernel_block_size)
                 ids, unit_tags = ids[:keep], unit_tags[:keep]
-            schema, stride = layout.attention_schema, layout.physical_page_bytes
+            schema = layout.attention_schema
         else:
-            schema, stride = layout.ssm_schema, layout.page_bytes
+            schema = layout.ssm_schema
             # SSM content must differ from attention content that may sit in the same bytes.
             unit_tags = unit_tags + (1 << 40)
-        index, unit_tags = xp.ints(ids), xp.words(unit_tags)
-        for region in group.regions:
-            pools[region].reshape(-1, stride)[index, : schema.nbytes] = tagged_shard(schema, layout.tp_rank, region, unit_tags)
+        index = xp.ints(ids)
+        for slot in group.slots:
+            _unit_pages(layout, group.kind, pools, slot)[index] = _unit_shape(layout, tagged_shard(schema, layout.tp_rank, slot, xp.words(unit_tags)))
+
+
+def _unit_pages(layout: RankLayout, kind: LayerKind, pools: Sequence[Any], slot: int) -> Any:
+    """A writable view of one slot's real bytes, one row per unit (kernel block or logical block)."""
+    nbytes = (layout.attention_schema if kind is LayerKind.ATTENTION else layout.ssm_schema).nbytes
+    match layout.placement:
+        case BlockPlacement.LAYER_OUTER:
+            stride = layout.physical_page_bytes if kind is LayerKind.ATTENTION else layout.page_bytes
+            return pools[slot].reshape(-1, stride)[:, :nbytes]
+        case BlockPlacement.BLOCK_OUTER:
+            start = slot * layout.page_bytes
+            return pools[0].reshape(-1, layout.block_stride)[:, start : start + nbytes]
+        case BlockPlacement.HEAD_OUTER:
+            return pools[0].reshape(layout.num_blocks, nbytes // layout.head_bytes, layout.num_slots, layout.head_bytes)[:, :, slot, :]
+
+
+def _unit_shape(layout: RankLayout, content: Any) -> Any:
+    """Unit rows shaped as :func:`_unit_pages` views them (per head under head-outer placement)."""
+    if layout.placement is BlockPlacement.HEAD_OUTER:
+        return content.reshape(content.shape[0], -1, layout.head_bytes)
+    return content
 
 
 def apply_plan(plan: TransferPlan, src_pools: Sequence[np.ndarray], dst_pools: Sequence[np.ndarray]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -43,6 +43,8 @@ Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 DoorbellPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the rank has no doorbell (pdconnector.worker.doorbell)
+# Where a rank's block pages sit (pdconnector.layout.BlockPlacement's values; the protocol does not import the layout).
+Placement = Literal["layer_outer", "block_outer", "head_outer"]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -99,6 +101,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     ``lifetime_ms``: how long after prefill receives it the registration may still be written (0: prefill's default);
     decode keeps the blocks at least that long plus its fence, so a WRITE posted within the lifetime lands in them.
     ``doorbell_port``: the decode rank's doorbell on ``decode_host``, rung after every notification sent to it.
+    ``placement``: where the decode rank's block pages sit in its regions (``pdconnector.layout.BlockPlacement``).
     Fields at their default are left out of the frame: a registration without a
     prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
     a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
@@ -120,6 +123,7 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     device_id: DeviceId = 0
     lifetime_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_LIFETIME_MS)] = 0
     doorbell_port: DoorbellPort = 0
+    placement: Placement = "layer_outer"
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:

@@ -14,7 +14,11 @@ blocks for decode, default 30), ``fence_s`` (how long decode keeps a failed push
 prefill that never answers; default from the transfer timeout and the default liveness probe,
 :func:`pdconnector.protocol.liveness.fence_seconds`), ``heartbeat_dir`` (where the transfer threads
 stamp the heartbeat the liveness probe checks; none by default), ``log_timeline`` (true: one log
-line per transfer with its stages, :mod:`pdconnector.protocol.timeline`; default false).
+line per transfer with its stages, :mod:`pdconnector.protocol.timeline`; default false),
+``kv_cache_layout`` (the KV cache layout the connector asks vLLM for, default ``BLHNC``: a block's
+pages of every layer are one run, so a request costs one descriptor per block instead of one per
+layer per block; ``BHLNC`` keeps a heterogeneous-TP head slice of every layer in one run, for dense
+models; backends that accept neither get ``LBHNC``, and the engine logs why).
 """
 
 from __future__ import annotations
@@ -41,8 +45,12 @@ _KNOWN_KEYS: Final = frozenset(
         "fence_s",
         "heartbeat_dir",
         "log_timeline",
+        "kv_cache_layout",
     }
 )
+# vLLM's KVCacheLayout names the connector can move (pdconnector.vllm.kv_layout.SUPPORTED_LAYOUTS maps them).
+KV_CACHE_LAYOUTS: Final = ("BLHNC", "BHLNC", "BLNHC", "LBHNC", "LBNHC")
+DEFAULT_KV_CACHE_LAYOUT: Final = "BLHNC"
 
 
 class ConnectorConfigError(ValueError):
@@ -67,6 +75,7 @@ class ConnectorConfig:
     buffer_device: str
     recompute_on_failure: bool
     log_timeline: bool = False
+    kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT
 
     @property
     def uses_mock_transport(self) -> bool:
@@ -116,6 +125,7 @@ def parse_connector_config(
     log_timeline = extra.get("log_timeline", False)
     if not isinstance(log_timeline, bool):
         raise ConnectorConfigError("kv_connector_extra_config.log_timeline", f"expected true or false, got {log_timeline!r}")
+    kv_cache_layout = requested_kv_cache_layout(extra)
     timeout_s = _positive(extra, "transfer_timeout_s", 60.0)
     return ConnectorConfig(
         engine_id=engine_id,
@@ -130,7 +140,16 @@ def parse_connector_config(
         buffer_device=device,
         recompute_on_failure=policy == "recompute",
         log_timeline=log_timeline,
+        kv_cache_layout=kv_cache_layout,
     )
+
+
+def requested_kv_cache_layout(extra: Mapping[str, Any] | None) -> str:
+    """The ``kv_cache_layout`` key, checked: vLLM asks for it before the connector exists."""
+    layout = (extra or {}).get("kv_cache_layout", DEFAULT_KV_CACHE_LAYOUT)
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ConnectorConfigError("kv_connector_extra_config.kv_cache_layout", f"expected one of {list(KV_CACHE_LAYOUTS)}, got {layout!r}")
+    return layout
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:

@@ -26,8 +26,8 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.request import RequestStatus
 
-from pdconnector.layout import ConvLayout
-from pdconnector.vllm.config import ConnectorConfig, parse_connector_config
+from pdconnector.layout import BlockPlacement, ConvLayout
+from pdconnector.vllm.config import ConnectorConfig, parse_connector_config, requested_kv_cache_layout
 from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, kv_buffer_device, memory_regions, rank_layout
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
@@ -103,6 +103,14 @@ def _conv_layout(kv_cache_config: KVCacheConfig) -> ConvLayout:
     return layout
 
 
+# What a request's descriptors number under each placement (scattered blocks), for the log line when vLLM overrides ours.
+_DESCRIPTOR_COST = {
+    BlockPlacement.LAYER_OUTER: "one descriptor per layer per block",
+    BlockPlacement.BLOCK_OUTER: "one descriptor per block (per layer per block between engines of different TP)",
+    BlockPlacement.HEAD_OUTER: "one descriptor per block",
+}
+
+
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -125,12 +133,16 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBHNC"  # the layout model's PACKED_HND: a head slice of a block is one contiguous run
+        """Block-outermost by default (few descriptors per request); vLLM drops it, with a warning, for a backend that
+        refuses it, and :meth:`register_kv_caches` says what that costs."""
+        transfer = vllm_config.kv_transfer_config
+        return requested_kv_cache_layout(transfer.kv_connector_extra_config if transfer is not None else None)
 
     # --- worker side -----------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         device = kv_buffer_device(self.config.buffer_device, kv_caches)
+        resolved = self._vllm_config.cache_config.get_resolved_kv_cache_layout().name
         layout = rank_layout(
             _hf_config(self._vllm_config),
             self._kv_cache_config,
@@ -138,15 +150,22 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             tp_size=self._tp_size,
             tp_rank=get_tensor_model_parallel_rank(),
             conv_layout=_conv_layout(self._kv_cache_config),
-            resolved_layout=self._vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+            resolved_layout=resolved,
             speculative=self._vllm_config.speculative_config is not None,
         )
+        if resolved != self.config.kv_cache_layout and layout.tp_rank == 0:
+            log.warning(
+                "PDConnector asked vLLM for a %s KV cache; the attention backend or VLLM_KV_CACHE_LAYOUT chose %s, so a transfer costs %s",
+                self.config.kv_cache_layout,
+                resolved,
+                _DESCRIPTOR_COST[layout.placement],
+            )
         regions = memory_regions(layout, self._kv_cache_config, kv_caches, device)
         self._worker = WorkerSide(self.config, layout, regions)
         self._rank_info = self._worker.start()
         self._layout_summary = layout_summary(layout.model)
         log.info(
-            "PDConnector rank %d: %d regions of %d B registered on %s:%d (%s, kernel block %d of %d tokens, %s)",
+            "PDConnector rank %d: %d regions of %d B registered on %s:%d (%s, kernel block %d of %d tokens, %s, %s)",
             layout.tp_rank,
             len(regions),
             layout.regions[0].nbytes,
@@ -156,6 +175,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             layout.model.kernel_block_size,
             layout.model.block_size,
             layout.model.attention.layout if layout.model.attention else "no attention",
+            layout.placement,
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

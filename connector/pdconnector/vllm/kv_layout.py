@@ -17,7 +17,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
-from pdconnector.layout import AttentionLayout, ConvLayout, LayerKind, ModelSpec, RankLayout, model_from_hf_config
+from pdconnector.layout import AttentionLayout, BlockPlacement, ConvLayout, LayerKind, ModelSpec, RankLayout, model_from_hf_config
 from pdconnector.transport.base import Device, MemoryRegion
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -50,8 +50,14 @@ def cache_groups(kv_cache_config: KVCacheConfig) -> CacheGroups:
     return CacheGroups(len(kv_cache_config.kv_cache_groups), ssm, int(block_size))
 
 
-# vLLM's per-layer physical orders (``KVCacheLayout`` names) the layout model describes, and what it calls them.
-SUPPORTED_LAYOUTS: Mapping[str, AttentionLayout] = {"LBHNC": AttentionLayout.PACKED_HND, "LBNHC": AttentionLayout.PACKED_NHD}
+# vLLM's physical orders (``KVCacheLayout`` names) the layout model describes: a page's order and where pages sit.
+SUPPORTED_LAYOUTS: Mapping[str, tuple[AttentionLayout, BlockPlacement]] = {
+    "LBHNC": (AttentionLayout.PACKED_HND, BlockPlacement.LAYER_OUTER),
+    "LBNHC": (AttentionLayout.PACKED_NHD, BlockPlacement.LAYER_OUTER),
+    "BLHNC": (AttentionLayout.PACKED_HND, BlockPlacement.BLOCK_OUTER),
+    "BLNHC": (AttentionLayout.PACKED_NHD, BlockPlacement.BLOCK_OUTER),
+    "BHLNC": (AttentionLayout.PACKED_HND, BlockPlacement.HEAD_OUTER),
+}
 _SUPPORTED_MAMBA_TYPES = frozenset({"MAMBA2", "GDN_ATTN"})
 
 
@@ -119,24 +125,31 @@ def kernel_block_size(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, An
     return next(iter(found), None)
 
 
-def attention_layout(resolved: str, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> AttentionLayout:
-    """The layout model's name for vLLM's resolved KV cache layout, verified against every attention view's strides.
+def attention_layout(resolved: str, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> tuple[AttentionLayout, BlockPlacement]:
+    """The layout model's names for vLLM's resolved KV cache layout, verified against every attention view's strides.
 
     The name alone is not trusted: a backend may drop the connector's preference, and an LBNHC cache passes every size
     check while making head slices of heterogeneous TP land on the wrong bytes."""
     if resolved not in SUPPORTED_LAYOUTS:
         raise LayoutMismatch(
             f"KV cache layout {resolved} is not supported by PDConnector (it moves {sorted(SUPPORTED_LAYOUTS)} caches): unset "
-            "VLLM_KV_CACHE_LAYOUT or set it to LBHNC, or choose an attention backend that accepts LBHNC"
+            "VLLM_KV_CACHE_LAYOUT or set it to one of those, or choose an attention backend that accepts one"
         )
-    layout = SUPPORTED_LAYOUTS[resolved]
+    layout, placement = SUPPORTED_LAYOUTS[resolved]
     for name, _block_size, tensor in _attention_views(kv_cache_config, kv_caches):
-        if layout not in _orders_of(tensor):
+        if layout not in _orders_of(tensor, _head_spacing(placement, kv_cache_config, name)):
             raise LayoutMismatch(
                 f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view {tuple(tensor.shape)} has "
                 f"strides {tuple(tensor.stride())}, which is not {resolved}"
             )
-    return layout
+    return layout, placement
+
+
+def _head_spacing(placement: BlockPlacement, kv_cache_config: KVCacheConfig, name: str) -> int:
+    """Heads of a head-outer (BHLNC) page sit one head of every layer slot apart; elsewhere they are adjacent."""
+    if placement is not BlockPlacement.HEAD_OUTER:
+        return 1
+    return next(len(g.layer_names) for g in kv_cache_config.kv_cache_groups if name in g.layer_names)
 
 
 def _attention_views(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
@@ -148,12 +161,13 @@ def _attention_views(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any
                     yield name, int(group.kv_cache_spec.block_size), _tensors(kv_caches[name])[0]
 
 
-def _orders_of(view: torch.Tensor) -> set[AttentionLayout]:
-    """The in-block orders a ``[blocks, heads, tokens, K||V]`` view's strides fit (both when heads or tokens is 1)."""
+def _orders_of(view: torch.Tensor, head_spacing: int = 1) -> set[AttentionLayout]:
+    """The in-block orders a ``[blocks, heads, tokens, K||V]`` view's strides fit (both when heads or tokens is 1);
+    ``head_spacing``: head-major heads sit that many heads apart (the layer slots of a head-outer block)."""
     _, heads, tokens, channels = (int(d) for d in view.shape)
     _, head_stride, token_stride, channel_stride = view.stride()
     orders = set()
-    if channel_stride == 1 and (heads == 1 or head_stride == tokens * channels) and (tokens == 1 or token_stride == channels):
+    if channel_stride == 1 and (heads == 1 or head_stride == head_spacing * tokens * channels) and (tokens == 1 or token_stride == channels):
         orders.add(AttentionLayout.PACKED_HND)
     if channel_stride == 1 and (tokens == 1 or token_stride == heads * channels) and (heads == 1 or head_stride == channels):
         orders.add(AttentionLayout.PACKED_NHD)
@@ -199,14 +213,18 @@ def rank_layout(
     """This rank's layout as the tensors vLLM allocated show it, refused with a reason unless the connector can move it:
     supported specs, the resolved layout and the views' strides, kernel blocks, HMA groups and page sizes."""
     check_supported(kv_cache_config, speculative=speculative)
+    page_order, placement = attention_layout(resolved_layout, kv_cache_config, kv_caches)
     model = model_spec(
         hf_config,
         kv_cache_config,
         conv_layout=conv_layout,
         kernel_block_size=kernel_block_size(kv_cache_config, kv_caches),
-        attention_layout=attention_layout(resolved_layout, kv_cache_config, kv_caches),
+        attention_layout=page_order,
     )
-    layout = RankLayout(model, tp_size, tp_rank, kv_cache_config.num_blocks)
+    try:
+        layout = RankLayout(model, tp_size, tp_rank, kv_cache_config.num_blocks, placement)
+    except ValueError as error:
+        raise LayoutMismatch(f"KV cache layout {resolved_layout}: {error}") from None
     check_groups(layout, kv_cache_config)
     return layout
 
@@ -232,7 +250,7 @@ def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]
 
 
 def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any], device: Device) -> list[MemoryRegion]:
-    """One region per layer slot, at the address of the slot's pages in vLLM's buffer, checked against every layer using it."""
+    """The layout's regions at their addresses in vLLM's buffer, checked against where every layer's views start."""
     names = sorted((name for g in kv_cache_config.kv_cache_groups for name in g.layer_names), key=_layer_index)
     bases: dict[int, int] = {}
     for position, name in enumerate(names):
@@ -240,9 +258,13 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
             raise LayoutMismatch(f"vLLM registered no KV cache tensor for layer {name!r}")
         tensors = _tensors(kv_caches[name])
         base = min(t.data_ptr() for t in tensors)
-        region = layout.layer_regions[position]
-        if bases.setdefault(region, base) != base:
-            raise LayoutMismatch(f"layer {name!r} starts at {base:#x}, other layers of region {region} at {bases[region]:#x}")
+        slot = layout.layer_slots[position]
+        region, start = layout.slot_start(slot)
+        if bases.setdefault(region, base - start) != base - start:
+            raise LayoutMismatch(
+                f"layer {name!r} (slot {slot}) starts at {base:#x}; region {region} starts at {bases[region]:#x}, so the layout "
+                f"model expects {bases[region] + start:#x}"
+            )
         _check_layer_tensors(layout, name, layout.model.layers[position], tensors, base)
     device_id = _tensors(kv_caches[names[0]])[0].device.index or 0
     return [MemoryRegion(bases[r.index], r.nbytes, device, device_id) for r in layout.regions]
@@ -251,10 +273,12 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
 def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors: list[torch.Tensor], base: int) -> None:
     """Attention: kernel blocks of ``physical_page_bytes``. SSM: pages of ``page_bytes`` whose state tensors (conv then
     temporal, or one raw byte view of both) cover exactly the first ``ssm_state_bytes`` of each page."""
+    outer = layout.placement is not BlockPlacement.LAYER_OUTER
     if kind is LayerKind.ATTENTION:
-        stride, blocks, extent = layout.physical_page_bytes, layout.num_blocks * layout.model.physical_blocks_per_logical, layout.physical_page_bytes
+        stride = layout.block_stride if outer else layout.physical_page_bytes
+        blocks, extent = layout.num_blocks * layout.model.physical_blocks_per_logical, layout.physical_page_bytes
     else:
-        stride, blocks, extent = layout.page_bytes, layout.num_blocks, layout.ssm_state_bytes
+        stride, blocks, extent = layout.block_stride, layout.num_blocks, layout.ssm_state_bytes
     spans = sorted((t.data_ptr() - base, t[0].numel() * t.element_size()) for t in tensors)
     covered = 0
     for offset, size in spans:

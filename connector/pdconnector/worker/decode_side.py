@@ -358,6 +358,7 @@ class DecodeSide:
                 layout_fingerprint=self._context.layout_fingerprint,
                 cached_blocks=command.cached_blocks,
                 device_id=self._context.device_id,
+                placement=self.layout.placement.value,
                 lifetime_ms=int((deadline - now + REGISTRATION_GRACE_S) * 1000),
                 doorbell_port=own.doorbell_port,
             )

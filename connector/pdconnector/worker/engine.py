@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from pdconnector.layout import ModelSpec, RankLayout
+from pdconnector.layout import BlockPlacement, ModelSpec, RankLayout
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.worker.identity import EngineInfo, layout_summary
@@ -23,6 +23,7 @@ from pdconnector.worker.transfer_worker import TransferWorker, WorkerConfig
 class EngineTransfers:
     """Args:
     regions: per rank, the memory regions of that rank's pools (``RankLayout.regions`` order).
+    placement: where every rank's block pages sit in its regions.
     transport_factory: builds rank ``r``'s transport; called on that rank's worker thread.
     config: shared settings; ``engine_id``, ``host`` and ``side_channel_port`` (0 picks a free port) name this engine.
     """
@@ -38,6 +39,7 @@ class EngineTransfers:
         config: WorkerConfig,
         side_channel_timeout_s: float = 5.0,
         on_result: Callable[[], None] | None = None,
+        placement: BlockPlacement = BlockPlacement.LAYER_OUTER,
     ) -> None:
         if len(regions) != tp_size:
             raise ValueError(f"regions: expected one list per TP rank ({tp_size}), got {len(regions)}")
@@ -49,7 +51,7 @@ class EngineTransfers:
         self.client = SideChannelClient(announce=self.info, timeout_s=side_channel_timeout_s)
         self.workers = [
             TransferWorker(
-                RankLayout(model, tp_size, rank, num_blocks),
+                RankLayout(model, tp_size, rank, num_blocks, placement),
                 regions[rank],
                 lambda rank=rank: transport_factory(rank),
                 config=self.config,

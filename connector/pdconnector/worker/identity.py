@@ -17,7 +17,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from pdconnector.layout import ModelSpec, RankLayout, check_compatible
+from pdconnector.layout import BlockPlacement, ModelSpec, RankLayout, check_compatible
 from pdconnector.protocol.messages import MAX_AGENT_METADATA_BYTES, MAX_REGIONS, MAX_TP_SIZE, DeviceId, DoorbellPort, EngineId
 
 MAX_LAYOUT_FIELDS: Final = 64
@@ -26,7 +26,7 @@ MAX_LAYOUT_FIELDS: Final = 64
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One TP rank's transfer agent: how to reach it, where its regions start and on which device they live
     (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor must name),
-    and the UDP port of its doorbell on the engine's side-channel host (0: none)."""
+    the UDP port of its doorbell on the engine's side-channel host (0: none), and where its blocks' pages sit."""
 
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
     agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -35,6 +35,7 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]
     device_id: DeviceId = 0
     doorbell_port: DoorbellPort = 0
+    placement: BlockPlacement = BlockPlacement.LAYER_OUTER
 
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -55,7 +56,8 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def rank_layout(self, model: ModelSpec, tp_rank: int) -> RankLayout:
         """The layout of one of this engine's ranks, as planned by a peer running ``model``."""
-        return RankLayout(model, self.tp_size, tp_rank, self.ranks[tp_rank].num_blocks)
+        rank = self.ranks[tp_rank]
+        return RankLayout(model, self.tp_size, tp_rank, rank.num_blocks, rank.placement)
 
 
 def layout_summary(model: ModelSpec) -> dict[str, str]:
@@ -99,11 +101,12 @@ def check_peer(local_layout: RankLayout, peer: EngineInfo, *, peer_is_prefill: b
             check_compatible(local_layout, remote)
     except ValueError as error:
         raise IncompatiblePeer(f"engine {peer.engine_id}: {error}") from None
-    expected_regions = len(remote.regions)
     for rank in peer.ranks:
+        expected_regions = len(peer.rank_layout(local_layout.model, rank.tp_rank).regions)
         if len(rank.region_base_addresses) != expected_regions:
             count = len(rank.region_base_addresses)
-            raise IncompatiblePeer(f"engine {peer.engine_id} rank {rank.tp_rank}: {count} regions, the layout has {expected_regions}")
+            detail = f"{count} regions, its {rank.placement} layout has {expected_regions}"
+            raise IncompatiblePeer(f"engine {peer.engine_id} rank {rank.tp_rank}: {detail}")
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:

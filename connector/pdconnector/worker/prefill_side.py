@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from pdconnector.layout import LayerKind, RankLayout, plan_transfer
+from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, plan_transfer
 from pdconnector.protocol.messages import AbortMessage, CompletionMessage, ReadDoneMessage, RegistrationMessage, encode
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
@@ -175,7 +175,13 @@ class PrefillSide:
             # from an old registration: bytes meant for its previous life must not reach the new one).
             if registration.agent_name not in self._peers:
                 raise TransportError(f"decode agent {registration.agent_name!r} is not loaded (restarted since it registered, or never announced)")
-            destination = RankLayout(self.layout.model, registration.decode_tp_size, registration.decode_tp_rank, registration.num_blocks)
+            destination = RankLayout(
+                self.layout.model,
+                registration.decode_tp_size,
+                registration.decode_tp_rank,
+                registration.num_blocks,
+                BlockPlacement(registration.placement),
+            )
             if len(registration.region_base_addresses) != len(destination.regions):
                 count = len(registration.region_base_addresses)
                 raise ValueError(f"registration has {count} region addresses, the layout has {len(destination.regions)}")

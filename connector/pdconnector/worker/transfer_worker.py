@@ -290,6 +290,7 @@ class TransferWorker:
                 num_blocks=self.layout.num_blocks,
                 device_id=self._context.device_id,
                 doorbell_port=doorbell.port,
+                placement=self.layout.placement,
             )
             self._context.bind(transport, own)
         except BaseException as error:

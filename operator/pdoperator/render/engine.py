@@ -98,8 +98,19 @@ def kv_transfer_config(spec: PDServiceSpec, role: Role, pod_engine_id: str) -> d
             # Decode's fence outlasts the liveness probe below killing a frozen prefill (pdconnector.protocol.liveness).
             "fence_s": fence_seconds(engine.transfer_timeout_seconds, TRANSFER_LIVENESS),
             "heartbeat_dir": HEARTBEAT_DIR,
+            "kv_cache_layout": kv_cache_layout(spec),
         },
     }
+
+
+def kv_cache_layout(spec: PDServiceSpec) -> str:
+    """The KV cache layout both roles ask vLLM for (``pdconnector.vllm.config``): block-outermost, so a request's
+    scattered blocks cost one descriptor each instead of one per layer each. Between dense engines of different TP,
+    BHLNC keeps the head slice one engine's rank takes of every layer in one run; hybrid models' mixed attention and
+    SSM pages fit only BLHNC, which is also what equal TP needs."""
+    if spec.model.architecture is Architecture.DENSE and spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
+        return "BHLNC"
+    return "BLHNC"
 
 
 def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str) -> list[str]:
@@ -185,6 +196,7 @@ def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tupl
 
 
 CPU_THREAD_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+CUDA_IPC_GET_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -215,6 +227,10 @@ def _engine_env(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> li
             # vLLM's CPU backend binds each engine's threads from core 0 regardless of its share of the node, so engines
             # on one node and their transfer threads pile onto the same cores; the scheduler spreads them better.
             env.append({"name": CPU_THREAD_BINDING_ENV, "value": "nobind"})
+        if engine_gpus(spec, role) > 0 and spec.engine.transport.backend is TransportBackend.UCX and CUDA_IPC_GET_ENV not in user_names:
+            # UCX turns CUDA-IPC READs off where it sees no NVLink, and pull-mode READs between GPUs of one node then go
+            # over TCP: a 128 MiB READ took 283 ms instead of 0.66 ms on an H200 (docs/benchmarks.md). WRITEs are unaffected.
+            env.append({"name": CUDA_IPC_GET_ENV, "value": "y"})
     if spec.network.efa.enabled:
         env += [
             {"name": "FI_PROVIDER", "value": "efa"},

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pdconnector.layout import (
     AttentionLayout,
     AttentionSpec,
+    BlockPlacement,
     ConvLayout,
     LayerKind,
     ModelSpec,
@@ -103,17 +104,19 @@ class Case:
     src: tuple[tuple[int, ...], ...]
     dst: tuple[tuple[int, ...], ...]
     num_tokens: int | None
+    p_placement: BlockPlacement = BlockPlacement.LAYER_OUTER
+    d_placement: BlockPlacement = BlockPlacement.LAYER_OUTER
 
-    def layouts(self, tp: int, num_blocks: int) -> list[RankLayout]:
-        return [RankLayout(self.model, tp, r, num_blocks) for r in range(tp)]
+    def layouts(self, tp: int, num_blocks: int, placement: BlockPlacement) -> list[RankLayout]:
+        return [RankLayout(self.model, tp, r, num_blocks, placement) for r in range(tp)]
 
     @property
     def prefill(self) -> list[RankLayout]:
-        return self.layouts(self.p_tp, self.p_blocks)
+        return self.layouts(self.p_tp, self.p_blocks, self.p_placement)
 
     @property
     def decode(self) -> list[RankLayout]:
-        return self.layouts(self.d_tp, self.d_blocks)
+        return self.layouts(self.d_tp, self.d_blocks, self.d_placement)
 
     def plan(self, p: RankLayout, d: RankLayout, *, merge: bool = True) -> TransferPlan:
         return plan_transfer(p, d, self.src, self.dst, num_tokens=self.num_tokens, merge=merge)
@@ -143,29 +146,61 @@ def cases(draw: st.DrawFn, family: str | None = None) -> Case:
     num_tokens = None
     if model.num_attention_layers and draw(st.booleans()):
         num_tokens = draw(st.integers((attention_blocks - 1) * model.block_size + 1, attention_blocks * model.block_size))
-    return Case(model, p_tp, d_tp, p_blocks, d_blocks, _block_ids(draw, p_blocks, counts), _block_ids(draw, d_blocks, counts), num_tokens)
+    placements = st.sampled_from(placements_for(model))
+    src, dst = _block_ids(draw, p_blocks, counts), _block_ids(draw, d_blocks, counts)
+    return Case(model, p_tp, d_tp, p_blocks, d_blocks, src, dst, num_tokens, draw(placements), draw(placements))
+
+
+def placements_for(model: ModelSpec) -> list[BlockPlacement]:
+    """What vLLM can build for the model: block-outer caches are never split into kernel blocks, head-outer ones
+    hold head-major attention only."""
+    if model.physical_blocks_per_logical != 1:
+        return [BlockPlacement.LAYER_OUTER]
+    head_major = model.attention is not None and model.attention.layout is AttentionLayout.PACKED_HND
+    return list(BlockPlacement) if head_major and not model.num_ssm_layers else [BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER]
 
 
 # ---------------------------------------------------------------------------------------------
 # Byte-level views of plans
 
 
+def page_positions(layout: RankLayout, kind: LayerKind, slot: int, unit: int) -> tuple[int, np.ndarray]:
+    """(region, byte offsets) of the real bytes of one unit's page, in page order, from the placements' definitions
+    (vLLM's [L, B, ...], [B, L, H, ...] and [B, H, L, ...] orders)."""
+    nbytes = (layout.attention_schema if kind is LayerKind.ATTENTION else layout.ssm_schema).nbytes
+    page = layout.page_bytes
+    if layout.placement is BlockPlacement.LAYER_OUTER:
+        stride = layout.physical_page_bytes if kind is LayerKind.ATTENTION else page
+        return slot, unit * stride + np.arange(nbytes)
+    block = unit * layout.num_slots * page
+    if layout.placement is BlockPlacement.BLOCK_OUTER:
+        return 0, block + slot * page + np.arange(nbytes)
+    head = nbytes // (layout.model.attention.num_kv_heads // layout.tp_size)
+    heads = np.arange(nbytes // head)[:, None]
+    return 0, (block + (heads * layout.num_slots + slot) * head + np.arange(head)[None, :]).ravel()
+
+
+def requested_units(layout: RankLayout, group_kind: LayerKind, blocks: tuple[int, ...], num_tokens: int | None) -> list[int]:
+    """The units (kernel blocks for attention, logical blocks for SSM) of a group's blocks that hold state."""
+    if group_kind is LayerKind.SSM:
+        return list(blocks)
+    model, ratio = layout.model, layout.model.physical_blocks_per_logical
+    return [
+        block * ratio + k
+        for position, block in enumerate(blocks)
+        for k in range(ratio)
+        if num_tokens is None or (position * ratio + k) * model.kernel_block_size < num_tokens
+    ]
+
+
 def requested_bytes(layout: RankLayout, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None) -> list[np.ndarray]:
     """Per region, the bytes holding state of the requested blocks (padding and empty kernel blocks excluded)."""
     masks = [np.zeros(r.nbytes, dtype=bool) for r in layout.regions]
-    model = layout.model
     for group in layout.groups:
-        for region in group.regions:
-            for position, block in enumerate(blocks[group.index]):
-                if group.kind is LayerKind.ATTENTION:
-                    for k in range(model.physical_blocks_per_logical):
-                        kernel_index = position * model.physical_blocks_per_logical + k
-                        if num_tokens is None or kernel_index * model.kernel_block_size < num_tokens:
-                            start = block * layout.page_bytes + k * layout.physical_page_bytes
-                            masks[region][start : start + layout.physical_page_bytes] = True
-                else:
-                    start = block * layout.page_bytes
-                    masks[region][start : start + layout.ssm_state_bytes] = True
+        for slot in group.slots:
+            for unit in requested_units(layout, group.kind, blocks[group.index], num_tokens):
+                region, positions = page_positions(layout, group.kind, slot, unit)
+                masks[region][positions] = True
     return masks
 
 
@@ -301,21 +336,21 @@ def fill_reference(layout: RankLayout, pools: list[np.ndarray], blocks: tuple[tu
     model = layout.model
     ratio = model.physical_blocks_per_logical
     for group in layout.groups:
-        for region in group.regions:
+        for slot in group.slots:
             for position, (block, tag) in enumerate(zip(blocks[group.index], tags[group.index], strict=True)):
                 if group.kind is LayerKind.ATTENTION:
                     for k in range(ratio):
                         if num_tokens is not None and (position * ratio + k) * model.kernel_block_size >= num_tokens:
                             continue
                         assert model.attention is not None
-                        page = reference_attention_page(model.attention, model.kernel_block_size, layout.tp_size, layout.tp_rank, (0, region, tag, k))
-                        start = block * layout.page_bytes + k * layout.physical_page_bytes
-                        pools[region][start : start + len(page)] = np.frombuffer(page, dtype=np.uint8)
+                        page = reference_attention_page(model.attention, model.kernel_block_size, layout.tp_size, layout.tp_rank, (0, slot, tag, k))
+                        region, positions = page_positions(layout, group.kind, slot, block * ratio + k)
+                        pools[region][positions] = np.frombuffer(page, dtype=np.uint8)
                 else:
                     assert model.ssm is not None
-                    page = reference_ssm_page(model.ssm, layout.tp_size, layout.tp_rank, (1, region, tag))
-                    start = block * layout.page_bytes
-                    pools[region][start : start + len(page)] = np.frombuffer(page, dtype=np.uint8)
+                    page = reference_ssm_page(model.ssm, layout.tp_size, layout.tp_rank, (1, slot, tag))
+                    region, positions = page_positions(layout, group.kind, slot, block)
+                    pools[region][positions] = np.frombuffer(page, dtype=np.uint8)
 
 
 def run_simulation(case: Case) -> None:
@@ -391,7 +426,7 @@ def test_the_simulation_fails_when_a_decode_rank_receives_another_ranks_shard() 
     original_plan = Case.plan
 
     def swapped(self: Case, p: RankLayout, d: RankLayout, *, merge: bool = True) -> TransferPlan:
-        return original_plan(self, p, RankLayout(d.model, d.tp_size, 1 - d.tp_rank, d.num_blocks), merge=merge)
+        return original_plan(self, p, RankLayout(d.model, d.tp_size, 1 - d.tp_rank, d.num_blocks, d.placement), merge=merge)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Case, "plan", swapped)
@@ -475,6 +510,79 @@ def test_kernel_blocks_subdivide_logical_blocks_for_attention_only() -> None:
     assert plan.dst_offset[41] == 3 * p.page_bytes
     merged = plan.merged()
     assert merged.length[:2].tolist() == [p.attention_page_bytes + 4 * p.physical_page_bytes] * 2
+
+
+def _qwen_like(layers: int = 4, heads: int = 8) -> ModelSpec:
+    return ModelSpec((LayerKind.ATTENTION,) * layers, 16, AttentionSpec(num_kv_heads=heads, head_dim=128, dtype_bytes=2))
+
+
+SCATTERED = [[9, 2, 7, 4]]
+
+
+@pytest.mark.parametrize(
+    ("placement", "descriptors"),
+    [(BlockPlacement.LAYER_OUTER, 4 * 4), (BlockPlacement.BLOCK_OUTER, 4), (BlockPlacement.HEAD_OUTER, 4)],
+)
+def test_block_outer_placements_move_a_scattered_block_of_every_layer_as_one_descriptor(placement: BlockPlacement, descriptors: int) -> None:
+    model = _qwen_like()
+    p, d = RankLayout(model, 2, 1, 12, placement), RankLayout(model, 2, 1, 12, placement)
+    plan = plan_transfer(p, d, SCATTERED, [[3, 11, 0, 5]])
+    assert len(plan) == descriptors
+    assert plan.nbytes == 4 * 4 * p.attention_page_bytes
+    if placement is not BlockPlacement.LAYER_OUTER:
+        assert plan.length.tolist() == [p.block_stride] * 4
+        assert plan.dst_offset.tolist() == [b * d.block_stride for b in (3, 11, 0, 5)]
+
+
+@pytest.mark.parametrize(
+    ("placement", "descriptors"),
+    [(BlockPlacement.LAYER_OUTER, 4 * 4), (BlockPlacement.BLOCK_OUTER, 4 * 4), (BlockPlacement.HEAD_OUTER, 4)],
+)
+def test_head_outer_keeps_a_heterogeneous_tp_head_slice_of_every_layer_in_one_run(placement: BlockPlacement, descriptors: int) -> None:
+    """Decode TP 4 takes 2 of the 8 heads from a TP-1 prefill: per block, those heads of every layer sit together only
+    when heads are outside layers (BHLNC); in BLHNC they are one run per layer."""
+    model = _qwen_like()
+    p, d = RankLayout(model, 1, 0, 12, placement), RankLayout(model, 4, 3, 12, placement)
+    plan = plan_transfer(p, d, SCATTERED, [[3, 11, 0, 5]])
+    assert len(plan) == descriptors
+    assert plan.nbytes == 4 * 4 * d.attention_page_bytes
+    if placement is BlockPlacement.HEAD_OUTER:
+        # heads 6 and 7 of every layer: the last quarter of each prefill block
+        assert plan.src_offset.tolist() == [b * p.block_stride + 3 * p.block_stride // 4 for b in SCATTERED[0]]
+
+
+def test_prefill_and_decode_may_place_blocks_differently() -> None:
+    """A BLHNC prefill writing into an LBHNC decode: one run per layer per block, each at its own side's address."""
+    model = _qwen_like(layers=2)
+    p, d = RankLayout(model, 1, 0, 8, BlockPlacement.BLOCK_OUTER), RankLayout(model, 1, 0, 8)
+    plan = plan_transfer(p, d, [[5]], [[2]])
+    page = p.attention_page_bytes
+    assert sorted(zip(plan.src_offset.tolist(), plan.dst_region.tolist(), plan.dst_offset.tolist(), strict=True)) == [
+        (5 * 2 * page, 0, 2 * page),
+        (5 * 2 * page + page, 1, 2 * page),
+    ]
+
+
+def test_hybrid_block_outer_fuses_attention_layers_and_sends_each_ssm_slot_without_its_padding() -> None:
+    model = _nemotron_like()
+    p, d = RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER), RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER)
+    assert len(p.regions) == 1 and p.block_stride == 2 * p.page_bytes
+    # groups: ssm (layers 0, 2), attention (1, 3); both alias slots 0 and 1 of every block
+    plan = plan_transfer(p, d, [[5], [1, 2]], [[0], [3, 4]])
+    attention, ssm = plan.length[:1].tolist(), plan.length[1:].tolist()
+    assert attention == [2 * p.block_stride]  # blocks 1, 2 -> 3, 4: both layers of both blocks in one run
+    assert ssm == [p.ssm_state_bytes] * 2
+    assert plan.nbytes == plan.naive_nbytes - 2 * p.ssm_padding_bytes
+
+
+def test_placements_vllm_cannot_build_are_refused() -> None:
+    with pytest.raises(ValueError, match="never splits them into kernel blocks"):
+        RankLayout(_nemotron_like(ratio=41), 1, 0, 4, BlockPlacement.BLOCK_OUTER)
+    with pytest.raises(ValueError, match="needs block_outer"):
+        RankLayout(_nemotron_like(), 1, 0, 4, BlockPlacement.HEAD_OUTER)
+    nhd = ModelSpec((LayerKind.ATTENTION,), 16, AttentionSpec(2, 8, 2, AttentionLayout.PACKED_NHD))
+    with pytest.raises(ValueError, match="head-major"):
+        RankLayout(nhd, 1, 0, 4, BlockPlacement.HEAD_OUTER)
 
 
 def test_to_descriptors_adds_region_base_addresses() -> None:

@@ -78,8 +78,8 @@ def test_hma_groups_cut_layers_by_the_smallest_kind_and_share_one_region_per_slo
     rank = RankLayout(model, 1, 0, 10)
     assert len(rank.regions) == 4
     # every KV layer has a region; a region holds one layer of each group (one Mamba slot stays empty)
-    assert sorted(rank.layer_regions) == list(range(31))
-    per_region = [sorted(layer for layer, r in rank.layer_regions.items() if r == region) for region in range(4)]
+    assert sorted(rank.layer_slots) == list(range(31))
+    per_region = [sorted(layer for layer, r in rank.layer_slots.items() if r == region) for region in range(4)]
     assert [len(layers) for layers in per_region] == [8, 8, 8, 7]
     assert per_region[0] == sorted(g.layers[0] for g in groups)
     assert all(r.nbytes == 10 * rank.page_bytes for r in rank.regions)

@@ -243,7 +243,7 @@ class CompletionError(RuntimeError):
     """An engine answered a completion with an error status, or not within the deadline."""
 
     def __init__(self, url: str, status: int | None, body: str) -> None:
-        super().__init__(f"{url}: HTTP {status}: {body[:2000]}")
+        super().__init__(f"{url}: HTTP {status}: {body[:4000]}")
         self.status = status
         self.body = body
 

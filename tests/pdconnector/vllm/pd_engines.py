@@ -127,7 +127,17 @@ class PDPair:
         return DisaggregatedResult(prefill, decode, time.monotonic() - started)
 
     def run(self, mode: TransferMode, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0) -> DisaggregatedResult:
-        return self.push(prompt, max_tokens, timeout_s=timeout_s) if mode is TransferMode.PUSH else self.pull(prompt, max_tokens, timeout_s=timeout_s)
+        move = self.push if mode is TransferMode.PUSH else self.pull
+        try:
+            return move(prompt, max_tokens, timeout_s=timeout_s)
+        except CompletionError as error:
+            # What the engines logged says why (a CI log shows only the test's output).
+            logged = "\n".join(f"{server.name}: {line}" for server in (self.prefill, self.decode) for line in _errors_logged(server))
+            raise CompletionError(error.url, error.status, f"{error.body}\nengine errors:\n{logged or '(none)'}") from error
+
+
+def _errors_logged(server: VllmServer, limit: int = 6) -> list[str]:
+    return [line for line in server.log_tail(40_000).splitlines() if " ERROR " in line][-limit:]
 
 
 @contextlib.contextmanager
@@ -166,7 +176,20 @@ def pd_pair(
         extra_args=(*decode_args, *(("--enable-prefix-caching",) if decode_prefix_caching else ())),  # the last of the two flags wins
     )
     with running_servers(prefill, decode):
+        warm_up(prefill, decode)
         yield PDPair(prefill, decode, prefill_id, prefill_sc)
+
+
+WARM_UP_LENGTHS = (1, 600)  # the shortest and longest prompts the tests send
+
+
+def warm_up(*servers: VllmServer, lengths: Sequence[int] = WARM_UP_LENGTHS) -> None:
+    """One co-located completion per prompt length on each engine. Eager engines skip vLLM's warm-up, so the first
+    prompt of a length pays for its kernels: seconds on a loaded CI machine, which a transfer test would then count
+    against decode's deadline (a first push on a fresh TP-2 hybrid engine missed its 30 s that way)."""
+    for server in servers:
+        for length in lengths:
+            complete(server.url, prompt_of(length, seed=99), max_tokens=2)
 
 
 def kv_cache_usage(server: VllmServer) -> float:

@@ -43,6 +43,7 @@ from tests.pdconnector.vllm.pd_engines import (
     prompt_of,
     reserve_ports,
     wait_for_free_blocks,
+    warm_up,
 )
 
 pytestmark = pytest.mark.slow
@@ -91,10 +92,8 @@ def _pair(name: str, model: Path, log_dir: Path, *, backend: str, prefill_env: d
         extra_args=("--num-gpu-blocks-override", str(DECODE_BLOCKS)),
     )
     with running_servers(prefill, decode):
-        # Each engine's first prompt of a length pays for its kernels (eager engines skip vLLM's warm-up); the scenarios
-        # time prefill against decode's 3 s deadline, so that first time is spent here.
-        for server in (prefill, decode):
-            complete(server.url, prompt_of(PROMPT_TOKENS, seed=99), max_tokens=1)
+        # The scenarios time prefill against decode's 3 s deadline: first-prompt kernel costs are paid here.
+        warm_up(prefill, decode, lengths=(PROMPT_TOKENS,))
         yield PDPair(prefill, decode, prefill_id, prefill_sc)
 
 

@@ -26,6 +26,7 @@ from tests.pdconnector.vllm.pd_engines import (
     connector_config,
     reserve_ports,
     wait_for_free_blocks,
+    warm_up,
 )
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,7 @@ def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[M
         extra_args=("--tensor-parallel-size", "2"),
     )
     with running_servers(tp1, tp2):
+        warm_up(tp1, tp2)
         yield MixedTp(one_to_two=PDPair(tp1, tp2, "tp1", sc_1, 1), two_to_one=PDPair(tp2, tp1, "tp2", sc_2, 2))
 
 

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from pdconnector.layout import ConvLayout, RankLayout, plan_transfer, writers_for
+from pdconnector.layout import BlockPlacement, ConvLayout, RankLayout, plan_transfer, writers_for
 from pdconnector.transport.base import Device, TransportError
 from pdconnector.transport.descriptors import RegionTable
+from pdconnector.vllm.config import DEFAULT_KV_CACHE_LAYOUT
 from pdconnector.vllm.kv_layout import LayoutMismatch, kv_buffer_device, memory_regions, model_spec, rank_layout
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -81,11 +82,11 @@ def _engine_env() -> Iterator[None]:
 
 @pytest.fixture
 def kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> SelectLayout:
-    """Select the layout vLLM resolves: LBHNC is what our connector requires (no override), others come from
+    """Select the layout vLLM resolves: BLHNC is what our connector asks for (no override), others come from
     ``VLLM_KV_CACHE_LAYOUT`` as a user would set it."""
 
     def select(name: str) -> None:
-        if name == "LBHNC":
+        if name == DEFAULT_KV_CACHE_LAYOUT:
             monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
         else:
             monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", name)
@@ -131,7 +132,7 @@ def written_outside(decode: RankCache, request: Request) -> int:
 
 
 @pytest.mark.parametrize("pair", [SAME_TP_ONE_HEAD, SAME_TP_FOUR_HEADS, TP2_TO_TP8, TP8_TO_TP2], ids=str)
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC"])
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
 def test_dense_request_lands_on_every_layer_head_and_token_and_nowhere_else(
     kv_cache_layout: SelectLayout, backend: str, layout: str, pair: Pair
@@ -144,7 +145,7 @@ def test_dense_request_lands_on_every_layer_head_and_token_and_nowhere_else(
 
 
 @pytest.mark.parametrize("pair", [SAME_TP_FOUR_HEADS, TP2_TO_TP8, TP8_TO_TP2], ids=str)
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
 def test_hybrid_request_lands_with_its_conv_and_temporal_state_and_no_padding_is_sent(
     kv_cache_layout: SelectLayout, backend: str, layout: str, pair: Pair
@@ -157,10 +158,11 @@ def test_hybrid_request_lands_with_its_conv_and_temporal_state_and_no_padding_is
     assert written_outside(decode, request) == 0
 
 
-def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_layout_reads_them_off_the_views() -> None:
-    """vLLM raises the hybrid block to 1040 tokens so an attention page holds the Mamba state; FlashInfer (16/32/64
-    before SM100) then runs 16-token kernel blocks and the connector receives [num_blocks * 65, H, 16, C] views.
+def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_layout_reads_them_off_the_views(kv_cache_layout: SelectLayout) -> None:
+    """vLLM raises the hybrid block to 1040 tokens so an attention page holds the Mamba state; in a layer-outer cache
+    FlashInfer (16/32/64 before SM100) then runs 16-token kernel blocks and the connector receives [num_blocks * 65, H, 16, C] views.
     FlashAttention's kernel block is any multiple of 16, so vLLM runs it on the 1040-token block unsplit."""
+    kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
     flashinfer = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     flash_attn = build_rank_cache(NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     attention = "model.layers.5.mixer.attn"
@@ -171,8 +173,9 @@ def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_la
     assert flash_attn.rank_layout().model.kernel_block_size == 1040
 
 
-def test_prefill_and_decode_with_different_kernel_blocks_are_refused_by_the_planner() -> None:
+def test_prefill_and_decode_with_different_kernel_blocks_are_refused_by_the_planner(kv_cache_layout: SelectLayout) -> None:
     """FlashInfer's 16-token kernel blocks and FlashAttention's 1040-token block order the same tokens differently."""
+    kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
     flashinfer = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     flash_attn = build_rank_cache(NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     request = scattered_request(flashinfer, HYBRID_TOKENS, seed=1)
@@ -180,28 +183,61 @@ def test_prefill_and_decode_with_different_kernel_blocks_are_refused_by_the_plan
         plan_transfer(flashinfer.rank_layout(), flash_attn.rank_layout(), request.blocks, request.blocks, num_tokens=HYBRID_TOKENS)
 
 
-def test_regions_are_refused_for_a_layout_that_ignores_the_kernel_block() -> None:
+def test_regions_are_refused_for_a_layout_that_ignores_the_kernel_block(kv_cache_layout: SelectLayout) -> None:
     """Pages of a whole 1040-token block do not fit views of 16-token kernel blocks: registering them would be wrong."""
+    kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
     cache = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     unsplit = model_spec(NEMOTRON_H, cache.kv_cache_config, conv_layout=ConvLayout.DS)
     with pytest.raises(LayoutMismatch, match="block stride"):
         memory_regions(RankLayout(unsplit, 2, 1, NUM_BLOCKS), cache.kv_cache_config, cache.kv_caches, Device.DRAM)
 
 
-@pytest.mark.parametrize(
-    ("hf_config", "layout"),
-    [(QWEN3_32B, "BLHNC"), (QWEN3_32B, "BLNHC"), (QWEN3_32B, "BHLNC"), (QWEN3_32B, "LHBNC"), (NEMOTRON_H, "BLHNC")],
-    ids=["dense-BLHNC", "dense-BLNHC", "dense-BHLNC", "dense-LHBNC", "hybrid-BLHNC"],
-)
-def test_block_outermost_and_head_outermost_layouts_are_refused_by_name(
-    kv_cache_layout: SelectLayout, hf_config: Mapping[str, Any], layout: str
-) -> None:
-    """vLLM builds these (a hybrid model's mixed page shapes allow only the block-compact ones); the connector refuses them."""
-    kv_cache_layout(layout)
-    cache = build_rank_cache(hf_config, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
-    assert cache.layout.name == layout
-    with pytest.raises(LayoutMismatch, match=f"KV cache layout {layout} is not supported"):
+def test_a_head_outermost_layer_order_is_refused_by_name(kv_cache_layout: SelectLayout) -> None:
+    """vLLM builds LHBNC (a layer's heads outside its blocks); the connector does not model it."""
+    kv_cache_layout("LHBNC")
+    cache = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
+    assert cache.layout.name == "LHBNC"
+    with pytest.raises(LayoutMismatch, match="KV cache layout LHBNC is not supported"):
         cache.rank_layout()
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "backend"), [(QWEN3_32B, "FLASH_ATTN"), (QWEN3_32B, "TRITON_ATTN"), (QWEN3_32B, "FLASHINFER"), (NEMOTRON_H, "FLASHINFER")]
+)
+def test_vllm_gives_the_connector_the_block_outermost_cache_it_asks_for(hf_config: Mapping[str, Any], backend: str) -> None:
+    cache = build_rank_cache(hf_config, BACKENDS[backend], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
+    layout = cache.rank_layout()
+    assert cache.layout.name == DEFAULT_KV_CACHE_LAYOUT
+    assert (layout.placement, len(layout.regions)) == (BlockPlacement.BLOCK_OUTER, 1)
+    assert layout.model.physical_blocks_per_logical == 1  # vLLM does not split a block other layers' pages sit in
+
+
+QWEN3_LAYERS = 64
+
+
+@pytest.mark.parametrize(
+    ("layout", "pair", "per_block"),
+    [
+        ("LBHNC", SAME_TP_FOUR_HEADS, QWEN3_LAYERS),
+        ("BLHNC", SAME_TP_FOUR_HEADS, 1),
+        ("BHLNC", SAME_TP_FOUR_HEADS, 1),
+        ("LBHNC", TP2_TO_TP8, QWEN3_LAYERS),
+        ("BLHNC", TP2_TO_TP8, QWEN3_LAYERS),
+        ("BHLNC", TP2_TO_TP8, 1),
+    ],
+    ids=str,
+)
+def test_block_outermost_caches_move_a_scattered_request_in_one_descriptor_per_block(
+    kv_cache_layout: SelectLayout, layout: str, pair: Pair, per_block: int
+) -> None:
+    """Qwen3-32B's 64 layers: layer-outer caches cost a descriptor per layer per block; BLHNC one per block between
+    equal TP; BHLNC keeps a heterogeneous-TP head slice of every layer in one run as well."""
+    kv_cache_layout(layout)
+    prefill = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.prefill_tp, tp_rank=0, num_blocks=NUM_BLOCKS)
+    decode = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.decode_tp, tp_rank=0, num_blocks=NUM_BLOCKS)
+    # three full 16-token blocks, no two of them adjacent on either side
+    plan = plan_transfer(prefill.rank_layout(), decode.rank_layout(), [[5, 1, 3]], [[2, 6, 0]], num_tokens=3 * 16)
+    assert len(plan) == 3 * per_block
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from pdconnector.protocol.params import (
     push_decode_leg_params,
 )
 from pdconnector.vllm.config import ConnectorConfigError, parse_connector_config
+from pdconnector.vllm.connector import PDConnector
 from pdconnector.vllm.metadata import FailRequest
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
@@ -349,6 +351,7 @@ def test_engine_description_is_shipped_once_and_announced_peers_each_time() -> N
         ({"sidechannel_port": 1}, "sidechannel_port"),
         ({"backends": ["mock", "UCX"]}, "backends"),
         ({"log_timeline": "yes"}, "log_timeline"),
+        ({"kv_cache_layout": "LHBNC"}, "kv_cache_layout"),
     ],
 )
 def test_bad_connector_configuration_names_the_field(extra: dict[str, Any], key: str) -> None:
@@ -362,6 +365,18 @@ def test_configuration_defaults_and_side_channel_host_from_the_operator_env() ->
     )
     assert (parsed.mode, parsed.backends, parsed.side_channel_host, parsed.side_channel_port) == (TransferMode.PUSH, ("UCX",), "10.1.2.3", 5600)
     assert parsed.recompute_on_failure is False
+    assert parsed.kv_cache_layout == "BLHNC"  # block-outermost: a request's scattered blocks cost one descriptor each
+
+
+def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout() -> None:
+    def asked(extra: dict[str, Any] | None) -> str | None:
+        transfer = SimpleNamespace(kv_connector_extra_config=extra)
+        return PDConnector.get_required_kvcache_layout(SimpleNamespace(kv_transfer_config=transfer))  # type: ignore[arg-type]
+
+    assert asked(None) == "BLHNC"
+    assert asked({"kv_cache_layout": "BHLNC"}) == "BHLNC"
+    with pytest.raises(ConnectorConfigError, match="kv_cache_layout"):
+        asked({"kv_cache_layout": "HND"})
 
 
 def test_the_scheduler_times_a_decode_legs_admission_and_its_resume_after_the_kv_arrived() -> None:

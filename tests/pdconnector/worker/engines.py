@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
+from pdconnector.layout import AttentionSpec, BlockPlacement, LayerKind, ModelSpec, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Transport
@@ -90,7 +90,8 @@ class Engine:
 
     ``model``: a name in :data:`MODELS` or an HF ``config.json`` (dict); ``device``: None for numpy host pools, else the
     torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers its host pools as device
-    ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU is."""
+    ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU is; ``placement``: where every
+    rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement` value, as vLLM's KV cache layout decides)."""
 
     def __init__(
         self,
@@ -106,11 +107,12 @@ class Engine:
         device: str | None = None,
         first_device_id: int = 0,
         worker_options: dict[str, float] | None = None,
+        placement: str = BlockPlacement.LAYER_OUTER.value,
     ) -> None:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
         self.memory = PoolMemory(device)
-        self.layouts = [RankLayout(self.model, tp, rank, num_blocks) for rank in range(tp)]
+        self.layouts = [RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in range(tp)]
         self.buffers = [[self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions] for lay in self.layouts]
         self.pools = [[buf[GUARD_BYTES:-GUARD_BYTES] for buf in bufs] for bufs in self.buffers]
         self.reset()
@@ -137,7 +139,14 @@ class Engine:
             **(worker_options or {}),
         )
         self.transfers = EngineTransfers(
-            self.model, tp_size=tp, num_blocks=num_blocks, regions=regions, transport_factory=factory, config=config, on_result=self._wake
+            self.model,
+            tp_size=tp,
+            num_blocks=num_blocks,
+            regions=regions,
+            transport_factory=factory,
+            config=config,
+            on_result=self._wake,
+            placement=BlockPlacement(placement),
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
@@ -148,6 +157,10 @@ class Engine:
 
     def close(self) -> None:
         self.transfers.close()
+        # An engine host process outlives its engines: give their pools back to the device, not to torch's cache, where
+        # the next engine's differently sized pools could not use them.
+        self.pools, self.buffers = [], []
+        self.memory.release()
 
     # --- pools ----------------------------------------------------------------------------------------------------
 
@@ -164,7 +177,7 @@ class Engine:
         wrong = guards = 0
         for layout, pools, buffers in zip(self.layouts, self.pools, self.buffers, strict=True):
             expected = self._expected(layout, received)
-            wrong += sum(int((a != b).sum()) for a, b in zip(expected, pools, strict=True))
+            wrong += sum(self.memory.count_different(a, b) for a, b in zip(expected, pools, strict=True))
             guards += sum(int((buf[:GUARD_BYTES] != GUARD_FILL).sum()) + int((buf[-GUARD_BYTES:] != GUARD_FILL).sum()) for buf in buffers)
         return {"wrong_bytes": wrong, "guard_bytes": guards}
 
@@ -174,7 +187,7 @@ class Engine:
         found = []
         for rank, (layout, pools) in enumerate(zip(self.layouts, self.pools, strict=True)):
             for region, (want, got) in enumerate(zip(self._expected(layout, received), pools, strict=True)):
-                per_block = (want != got).reshape(-1, layout.page_bytes).sum(1).tolist()
+                per_block = self.memory.count_different(want, got, layout.block_stride)
                 found += [{"rank": rank, "region": region, "block": b, "bytes": int(n)} for b, n in enumerate(per_block) if n]
                 if len(found) >= limit:
                     return found[:limit]

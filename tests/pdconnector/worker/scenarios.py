@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdconnector.layout import LayerKind, RankLayout, plan_transfer, writers_for
+from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, plan_transfer, writers_for
 
 from tests.pdconnector.worker.engines import MODELS, request_blocks
 
@@ -22,6 +22,7 @@ class Pair:
     model: str
     tps: tuple[int, int]
     blocks: tuple[int, int]  # pool sizes
+    placement: BlockPlacement = BlockPlacement.LAYER_OUTER  # both engines'
 
 
 def push_both_orders(pair: Pair) -> None:

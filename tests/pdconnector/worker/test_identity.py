@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from pdconnector.layout import RankLayout
+from pdconnector.layout import BlockPlacement, RankLayout
 from pdconnector.worker import EngineInfo, IncompatiblePeer, RankInfo, check_peer, layout_differences, layout_summary
 
 from tests.pdconnector.worker.engines import MODELS
 
 
-def engine(model: str, tp: int, *, regions: int | None = None) -> EngineInfo:
-    layout = RankLayout(MODELS[model], tp, 0, 8)
+def engine(model: str, tp: int, *, regions: int | None = None, placement: BlockPlacement = BlockPlacement.LAYER_OUTER) -> EngineInfo:
+    layout = RankLayout(MODELS[model], tp, 0, 8, placement)
     count = len(layout.regions) if regions is None else regions
-    ranks = tuple(RankInfo(tp_rank=r, agent_name=f"a{r}", agent_metadata=b"", region_base_addresses=(4096,) * count, num_blocks=8) for r in range(tp))
+    ranks = tuple(
+        RankInfo(tp_rank=r, agent_name=f"a{r}", agent_metadata=b"", region_base_addresses=(4096,) * count, num_blocks=8, placement=placement)
+        for r in range(tp)
+    )
     return EngineInfo(engine_id="peer", tp_size=tp, layout=layout_summary(MODELS[model]), ranks=ranks)
 
 
@@ -46,8 +49,17 @@ def test_a_tp_size_the_model_cannot_be_sharded_by_is_refused() -> None:
 
 
 def test_a_peer_advertising_the_wrong_number_of_regions_is_refused() -> None:
-    with pytest.raises(IncompatiblePeer, match="2 regions, the layout has 3"):
+    with pytest.raises(IncompatiblePeer, match="2 regions, its layer_outer layout has 3"):
         check_peer(RankLayout(MODELS["dense"], 1, 0, 8), engine("dense", 1, regions=2), peer_is_prefill=True)
+    with pytest.raises(IncompatiblePeer, match="3 regions, its block_outer layout has 1"):
+        check_peer(RankLayout(MODELS["dense"], 1, 0, 8), engine("dense", 1, regions=3, placement=BlockPlacement.BLOCK_OUTER), peer_is_prefill=True)
+
+
+def test_a_peer_placing_its_blocks_differently_is_compatible_and_planned_with_its_own_placement() -> None:
+    peer = engine("dense", 2, placement=BlockPlacement.BLOCK_OUTER)
+    check_peer(RankLayout(MODELS["dense"], 1, 0, 8), peer, peer_is_prefill=True)
+    remote = peer.rank_layout(MODELS["dense"], 1)
+    assert (remote.placement, len(remote.regions)) == (BlockPlacement.BLOCK_OUTER, 1)
 
 
 def test_engine_info_requires_every_rank_in_order() -> None:

@@ -1,6 +1,7 @@
 """Byte-exact transfers between two engines in this process over MockTransport (real TCP, real copies):
-the whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull, and push into a decode
-that already holds a prefix of the prompt."""
+the whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull, engines that place their
+blocks differently (layer-, block- and head-outer caches), and push into a decode that already holds a prefix of the
+prompt."""
 
 from __future__ import annotations
 
@@ -21,11 +22,24 @@ IDS = [f"{m}-P{p}-D{d}" for m, p, d in MATRIX]
 BLOCKS = (24, 40)  # prefill and decode pools differ in size
 
 
+# (model, prefill TP, decode TP, prefill placement, decode placement): every placement on each side, with and without TP
+# changing between them (head-outer holds attention only; the hybrid's block-outer pages interleave SSM and attention).
+PLACED = [
+    ("dense", 1, 2, "block_outer", "head_outer"),
+    ("dense", 4, 2, "head_outer", "layer_outer"),
+    ("dense", 2, 2, "layer_outer", "block_outer"),
+    ("gdn", 2, 1, "block_outer", "block_outer"),
+    ("gdn", 1, 2, "layer_outer", "block_outer"),
+]
+PLACED_IDS = [f"{m}-P{p}-{pp}-D{d}-{dp}" for m, p, d, pp, dp in PLACED]
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    model, p_tp, d_tp = request.param
-    prefill = Engine("prefill-0", model, tp=p_tp, num_blocks=BLOCKS[0], transport="mock")
-    decode = Engine("decode-0", model, tp=d_tp, num_blocks=BLOCKS[1], transport="mock")
+    model, p_tp, d_tp, *placements = request.param
+    p_placement, d_placement = placements or ("layer_outer", "layer_outer")
+    prefill = Engine("prefill-0", model, tp=p_tp, num_blocks=BLOCKS[0], transport="mock", placement=p_placement)
+    decode = Engine("decode-0", model, tp=d_tp, num_blocks=BLOCKS[1], transport="mock", placement=d_placement)
     try:
         coords = prefill.start()
         decode.start()
@@ -38,6 +52,11 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 @pytest.mark.parametrize("pair", MATRIX, indirect=True, ids=IDS)
 def test_push_moves_every_byte_in_either_arrival_order(pair: Pair) -> None:
     push_both_orders(pair)
+
+
+@pytest.mark.parametrize("pair", PLACED, indirect=True, ids=PLACED_IDS)
+def test_engines_placing_blocks_differently_exchange_every_byte_by_push_and_pull(pair: Pair) -> None:
+    push_then_pull(pair)
 
 
 @pytest.mark.parametrize("pair", MATRIX, indirect=True, ids=IDS)

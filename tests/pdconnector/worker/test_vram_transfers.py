@@ -3,9 +3,11 @@ it runs in an engine, minus vLLM and the network.
 
 Each process hosts the project's transfer plumbing (``EngineTransfers``: a ``TransferWorker`` per TP rank and the side
 channel; the ranks of a TP-2 engine share the GPU) over pools laid out like vLLM's CUDA caches: one tensor per layer
-slot, each between guard bytes that are never registered. Models: a dense Qwen3-32B and the hybrid Nemotron-H
-(NVIDIA-Nemotron-Nano-9B-v2: Mamba2 and attention layers, SSM pages padded to the attention page by vLLM's hybrid
-allocator). Requests of 1k and 16k tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1.
+slot (vLLM's layer-outer LBHNC) or one tensor whose blocks hold every layer (block-outer BLHNC, the connector's default;
+head-outer BHLNC for the dense model), each between guard bytes that are never registered. Models: a dense Qwen3-32B
+and the hybrid Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2: Mamba2 and attention layers, SSM pages padded to the attention
+page by vLLM's hybrid allocator). Requests of 1k and 16k tokens on randomly permuted blocks, pushed and pulled, at TP
+1->1, 1->2 and 2->1.
 
 Checked on the device, never by copying pools to the host: every byte of every decode region equals the expectation
 (the prefill's tagged content at the request's blocks, the sentinel the pool was filled with everywhere else, SSM
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from pdconnector.layout import RankLayout, plan_transfer, tagged_shard, writers_for
+from pdconnector.layout import BlockPlacement, RankLayout, plan_transfer, tagged_shard, writers_for
 from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
 from tests.pdconnector.worker.engines import EngineHost, RemoteEngine, request_blocks, warm_hosts
@@ -36,8 +38,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SUITE.skip_reason is not None,
 
 TIMEOUT_S = 60.0  # any single wait; a scattered 16k-token dense request posts 65,536 descriptors (~0.5 s on the H200)
 TPS = ((1, 1), (1, 2), (2, 1))
-PAIRS = [(model, p_tp, d_tp) for model in SUITE.models for p_tp, d_tp in TPS]
-PAIR_IDS = [f"{model.name}-P{p_tp}-D{d_tp}" for model, p_tp, d_tp in PAIRS]
+LAYER, BLOCK, HEAD = BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER, BlockPlacement.HEAD_OUTER
+PAIRS = [
+    (model, p_tp, d_tp, placement)
+    for model in SUITE.models
+    for p_tp, d_tp in TPS
+    for placement in (LAYER, BLOCK, *((HEAD,) if model.spec.num_ssm_layers == 0 and p_tp != d_tp else ()))
+]
+PAIR_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-{placement.value}" for model, p_tp, d_tp, placement in PAIRS]
 TOKEN_IDS = [f"{tokens // 1024}k" for tokens in SUITE.tokens]
 
 
@@ -54,15 +62,16 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineHost
 @pytest.fixture(scope="module")
 def pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -> Iterator[Pair]:
     """A started prefill and decode engine of one model and TP pair, serving every request of the tests using it."""
-    model, p_tp, d_tp = request.param
-    tag = f"{model.name}-p{p_tp}d{d_tp}"
+    model, p_tp, d_tp, placement = request.param
+    tag = f"{model.name}-p{p_tp}d{d_tp}-{placement.value}"
     config, (p_blocks, d_blocks) = dict(model.config), model.num_blocks
-    prefill = hosts[0].create(f"prefill-{tag}", config, tp=p_tp, num_blocks=p_blocks, transport="nixl", device=SUITE.device)
-    decode = hosts[1].create(f"decode-{tag}", config, tp=d_tp, num_blocks=d_blocks, transport="nixl", device=SUITE.device)
+    options = {"transport": "nixl", "device": SUITE.device, "placement": placement.value}
+    prefill = hosts[0].create(f"prefill-{tag}", config, tp=p_tp, num_blocks=p_blocks, **options)
+    decode = hosts[1].create(f"decode-{tag}", config, tp=d_tp, num_blocks=d_blocks, **options)
     try:
         coords = prefill.start()
         decode.start()
-        yield Pair(prefill, decode, coords, model.name, (p_tp, d_tp), model.num_blocks)
+        yield Pair(prefill, decode, coords, model.name, (p_tp, d_tp), model.num_blocks, placement)
     finally:
         decode.close()
         prefill.close()
@@ -79,7 +88,7 @@ def _move(pair: Pair, mode: str, tokens: int, record_property: Callable[[str, ob
     spec, (p_blocks, d_blocks) = SUITE.model(pair.model).spec, pair.blocks
     seed = 2 * tokens + (0 if mode == "push" else 8)  # even seeds: block ids in permuted order, not sorted
     src, dst = request_blocks(spec, p_blocks, tokens, seed=seed), request_blocks(spec, d_blocks, tokens, seed=seed + 2)
-    transfer_id = f"tx-{mode}-{pair.model}-P{p_tp}D{d_tp}-{tokens}"
+    transfer_id = f"tx-{mode}-{pair.model}-P{p_tp}D{d_tp}-{pair.placement.value}-{tokens}"
     prefill.fill(blocks=src, num_tokens=tokens)
     decode.reset()
     sent_before, received_before = _counts(prefill, "finished_sending"), _counts(decode, "finished_recving")
@@ -102,7 +111,9 @@ def _move(pair: Pair, mode: str, tokens: int, record_property: Callable[[str, ob
     received = [{"dst": dst, "src": src, "num_tokens": tokens}]
     assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}, decode.differences(received=received)
     plans = [
-        plan_transfer(RankLayout(spec, p_tp, p, p_blocks), RankLayout(spec, d_tp, d, d_blocks), src, dst, num_tokens=tokens)
+        plan_transfer(
+            RankLayout(spec, p_tp, p, p_blocks, pair.placement), RankLayout(spec, d_tp, d, d_blocks, pair.placement), src, dst, num_tokens=tokens
+        )
         for d in range(d_tp)
         for p in writers_for(d, p_tp, d_tp)
     ]

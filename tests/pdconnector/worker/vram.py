@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from pdconnector.layout import ModelSpec, model_from_hf_config
-from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2
+from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2, QWEN3_32B
 from pdconnector.transport.base import Device, MemoryRegion
 
 DEVICE_ENV = "PD_GPU_SUITE_DEVICE"
@@ -52,6 +52,17 @@ class PoolMemory:
             return np.full(nbytes, fill, dtype=np.uint8)
         return self._torch.full((nbytes,), fill, dtype=self._torch.uint8, device=self.device)
 
+    def count_different(self, a: Any, b: Any, row_bytes: int | None = None) -> Any:
+        """Bytes where two equal-sized buffers differ, in all (an int) or per row of ``row_bytes`` (a list)."""
+        if row_bytes is not None:
+            differ = (a != b).reshape(-1, row_bytes)
+            return (np.count_nonzero(differ, axis=1) if self.device is None else self._torch.count_nonzero(differ, dim=1)).tolist()
+        if self.device is None:
+            return int(np.count_nonzero(a != b))
+        # In 256 MiB slices: torch counts through an int64 copy of the mask.
+        step = 1 << 28
+        return sum(int(self._torch.count_nonzero(a[i : i + step] != b[i : i + step])) for i in range(0, a.numel(), step))
+
     def region(self, pool: Any) -> MemoryRegion:
         """What the transport registers for ``pool``: VRAM of the tensor's CUDA device, or DRAM."""
         if self.device is None:
@@ -59,6 +70,11 @@ class PoolMemory:
         if self.is_vram:
             return MemoryRegion(pool.data_ptr(), pool.numel(), Device.VRAM, pool.device.index)
         return MemoryRegion(pool.data_ptr(), pool.numel())
+
+    def release(self) -> None:
+        """Return the cached memory of freed pools to the device."""
+        if self.is_vram:
+            self._torch.cuda.empty_cache()
 
     def synchronize(self) -> None:
         """Wait for the kernels that wrote the pools: NIXL reads and writes them outside torch's streams."""
@@ -75,18 +91,6 @@ class PoolMemory:
         if driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_SUCCESS or not context.value:
             return None
         return device.value if driver.cuCtxGetDevice(ctypes.byref(device)) == _CUDA_SUCCESS else None
-
-
-# Qwen3-32B (its config.json, the fields the layout reads): 64 layers, 8 KV heads of 128, bf16; 4 MiB per block at TP 1.
-QWEN3_32B: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 5120,
-    "num_hidden_layers": 64,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "torch_dtype": "bfloat16",
-}
 
 
 @dataclass(frozen=True)

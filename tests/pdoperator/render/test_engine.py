@@ -8,7 +8,7 @@ from typing import Any
 from pdoperator.api.model import PDService
 from pdoperator.api.validation import EFA_RESERVED_ENV, MANAGED_FLAGS, RESERVED_ENV
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
-from pdoperator.render.engine import CPU_THREAD_BINDING_ENV
+from pdoperator.render.engine import CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV
 
 EFA_ON = {
     "engine": {"transport": {"backend": "LIBFABRIC"}},
@@ -154,8 +154,29 @@ def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_
                 "transfer_timeout_s": 30,
                 "fence_s": 96.0,  # 1 s registration grace + 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
                 "heartbeat_dir": "/tmp/pdconnector-heartbeat",
+                "kv_cache_layout": "BLHNC",
             },
         }
+
+
+def test_engines_ask_for_a_block_outermost_cache_and_head_outermost_across_dense_tp_sizes(make_pds):
+    def layout(overrides: dict, role: str) -> str:
+        return kv_config(make_pds(overrides), role)["kv_connector_extra_config"]["kv_cache_layout"]
+
+    mixed_tp = {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}
+    for role in ("prefill", "decode"):
+        assert layout({}, role) == "BLHNC"
+        assert layout(mixed_tp, role) == "BHLNC"
+
+
+def test_gpu_engines_on_ucx_read_over_cuda_ipc_unless_the_user_says_otherwise(make_pds):
+    def env(overrides: dict, role: str = "decode") -> dict[str, str]:
+        return {var["name"]: var.get("value") for var in container(make_pds(overrides), role)["env"]}
+
+    assert env({})["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in env({"engine": {"transport": {"backend": "LIBFABRIC"}}})
+    user = {"decode": {"env": [{"name": "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "value": "n"}]}}
+    assert env(user)["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
 
 
 def test_builtin_connector_carries_the_mode(make_pds):
@@ -389,7 +410,7 @@ def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(var
             flags = {arg for arg in own_args if arg.startswith("--")}
             assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(MANAGED_FLAGS[pds.spec.engine.runtime])
             user_env = {var.name for var in getattr(pds.spec, role).env}
-            own_env = {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV}
+            own_env = {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV}
             assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
 
 

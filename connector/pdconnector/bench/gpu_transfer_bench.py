@@ -1,0 +1,437 @@
+"""KV transfers of real model layouts between two processes on one GPU over NIXL, against torch's device copy.
+
+Run (on a GPU): ``python -m pdconnector.bench.gpu_transfer_bench REPORT_DIR [--tokens 1024,4096,16384] [--repeat 5]``;
+writes ``REPORT_DIR/gpu-transfer-bench.json`` and prints one line per case.
+
+Each case is one request of one TP rank of a model (Qwen3-32B and Llama-3.3-70B at TP 8, NVIDIA-Nemotron-Nano-9B-v2
+at TP 1), its blocks contiguous or scattered over the pools as in a long-running engine, in vLLM's layer-outer cache
+(LBHNC, one descriptor per layer per block) and the connector's block-outer one (BLHNC, one per block). The descriptors
+are the planner's (``plan_transfer``), posted through the project's ``NixlTransport`` from this process into a target
+process's VRAM pool (push: WRITE) or read from it (pull: READ). Figures, all medians over ``--repeat`` runs:
+
+- ``post_to_done_ms``: from the post to the initiator seeing DONE; for WRITE also ``post_to_notified_ms``, until the
+  target's transfer thread holds the notification (one monotonic clock for both processes).
+- ``copy_ms``: ``torch`` copying the same number of bytes device to device, in the same run; ``vs_copy`` is the copy's
+  time over the transfer's (1.0 = the transfer moves bytes as fast as a device copy).
+- ``cpu_ms``: the initiating thread's CPU time to plan the request, build its descriptors and post them.
+- ``staged``: the scattered request gathered on the GPU into a registered staging buffer, moved in WRITEs of each
+  ``--chunk-mib`` size (two chunks in flight) and scattered by the target after each notification: what a fragmented
+  transfer costs when descriptors, not bytes, are the bottleneck. Its ``post_to_scattered_ms`` runs to the target's
+  last scatter; a chunk's half of the staging buffer is reused once the target said it scattered it (over a pipe here,
+  a notification in a connector).
+- ``efa_model_ms``: the same descriptors and bytes on EFA, modelled as ``descriptors * --efa-descriptor-us + bytes /
+  --efa-gbps`` (defaults: 2.44 us per descriptor, from a published 18,880-descriptor post taking 46 ms, and 50 GB/s,
+  one H200's share of a p5en's 3,200 Gb/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdconnector.layout import BlockPlacement, LayerKind, ModelSpec, RankLayout, model_from_hf_config, plan_transfer
+from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
+from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
+
+POOL_SLACK = 2  # pools hold twice the largest request, so scattered blocks have free blocks between them
+WARMUP = 2
+MODELS: dict[str, tuple[dict[str, Any], int]] = {  # name: (HF config, TP size of the rank moved)
+    "qwen3-32b-tp8": (QWEN3_32B, 8),
+    "llama-3.3-70b-tp8": (LLAMA_3_3_70B, 8),
+    "nemotron-nano-9b-v2-tp1": (NEMOTRON_NANO_9B_V2, 1),
+}
+PLACEMENTS = (BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER)
+
+
+@dataclass(frozen=True)
+class Pools:
+    """One process's pool for one (model, placement): every region carved from one registered VRAM buffer."""
+
+    layout: RankLayout
+    base: int  # address of region 0; region i follows region i - 1
+
+    @property
+    def region_addrs(self) -> list[int]:
+        starts = np.cumsum([0, *self.layout.region_nbytes[:-1]])
+        return [self.base + int(s) for s in starts]
+
+
+def pool_blocks(model: ModelSpec, tp_size: int, max_tokens: int) -> int:
+    return POOL_SLACK * (-(-max_tokens // model.block_size) + len(RankLayout(model, tp_size, 0, 1).groups))
+
+
+def request_blocks(layout: RankLayout, num_tokens: int, *, scattered: bool, seed: int) -> list[list[int]]:
+    """Block ids per KV group: consecutive from 0, or a random draw from the whole pool (no id shared by two groups)."""
+    counts = [-(-num_tokens // layout.model.block_size) if g.kind is LayerKind.ATTENTION else 1 for g in layout.groups]
+    pool = np.random.default_rng(seed).permutation(layout.num_blocks) if scattered else np.arange(layout.num_blocks)
+    bounds = np.cumsum([0, *counts])
+    return [pool[a:b].tolist() for a, b in itertools.pairwise(bounds.tolist())]
+
+
+# --------------------------------------------------------------------------------------------------- target process
+
+
+class Memory:
+    """Where both processes keep their pools: VRAM of ``cuda:0``, or host memory (``cpu``: the same code, to try it
+    where no GPU is)."""
+
+    def __init__(self, device: str) -> None:
+        import torch  # noqa: PLC0415 (the bench's processes need it; importing the module does not)
+
+        self.torch, self.device = torch, device
+        if device == "cuda":
+            torch.cuda.set_device(0)
+
+    def zeros(self, nbytes: int) -> Any:
+        return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
+
+    def region(self, tensor: Any) -> MemoryRegion:
+        kind = Device.VRAM if self.device == "cuda" else Device.DRAM
+        return MemoryRegion(tensor.data_ptr(), tensor.numel(), kind, 0)
+
+    def synchronize(self) -> None:
+        """NIXL reads and writes the buffers outside torch's streams: kernels must have finished first."""
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+
+def rows_of(buffer: Any, row_bytes: int) -> Any:
+    """``buffer`` as rows of ``row_bytes`` (its tail shorter than a row left out)."""
+    return buffer[: buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)
+
+
+def fingerprint(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
+    """A position-weighted sum of the given rows, in order: equal on both sides only if every byte went to its place."""
+    picked = rows_of(buffer, row_bytes).index_select(0, rows).to(torch.int64).sum(1)
+    return int((picked * torch.arange(1, picked.numel() + 1, device=picked.device)).sum())
+
+
+def plan_rows(plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Sequence[int], dst_base: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The plan as equal rows (the largest size every run's offsets and length are multiples of): source and
+    destination row indices into each side's buffer, in plan order, and the row size."""
+    src_offset = plan.src_offset + np.asarray(src_addrs, dtype=np.int64)[plan.src_region] - src_base
+    dst_offset = plan.dst_offset + np.asarray(dst_addrs, dtype=np.int64)[plan.dst_region] - dst_base
+    row = math.gcd(*np.unique(np.concatenate([src_offset, dst_offset, plan.length])).tolist())
+    runs = plan.length // row
+    step = np.arange(int(runs.sum()), dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)
+    return np.repeat(src_offset // row, runs) + step, np.repeat(dst_offset // row, runs) + step, row
+
+
+def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) -> None:
+    """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; staged chunks
+    scattered into the pool after each one arrives."""
+    memory = Memory(device)
+    torch = memory.torch
+    pool, staging = memory.zeros(pool_bytes), memory.zeros(staging_bytes)
+    agent = create_transport("nixl", f"bench-target-{time.monotonic_ns()}")
+    agent.register([memory.region(pool), memory.region(staging)])
+    conn.send((agent.metadata(), pool.data_ptr(), staging.data_ptr()))
+    scatter: list[tuple[Any, int]] = []  # per chunk: destination row index, row bytes
+    chunk_bytes = staging_bytes // 2
+    while True:
+        if conn.poll():
+            command, payload = conn.recv()
+            if command == "stop":
+                break
+            if command == "scatter":  # the rows each staged chunk lands in, before any chunk is timed
+                chunk_bytes, chunks = payload
+                scatter = [(torch.as_tensor(rows, device=device), row_bytes) for rows, row_bytes in chunks]
+                conn.send("ready")
+            elif command == "zero":
+                pool.zero_()
+                memory.synchronize()
+                conn.send("ready")
+            elif command == "fingerprint":
+                rows, row_bytes = payload
+                conn.send(fingerprint(torch, pool, torch.as_tensor(rows, device=device), row_bytes))
+            continue
+        for _peer, message in agent.take_notifications():
+            arrived = time.monotonic()
+            if message.startswith(b"chunk-"):
+                chunk = int(message.split(b"-")[1])
+                rows, row_bytes = scatter[chunk]
+                half = (chunk % 2) * chunk_bytes
+                rows_of(pool, row_bytes).index_copy_(0, rows, staging[half : half + rows.numel() * row_bytes].view(-1, row_bytes))
+                memory.synchronize()
+                conn.send((message.decode(), time.monotonic()))
+            else:
+                conn.send((message.decode(), arrived))
+    agent.close()
+
+
+# --------------------------------------------------------------------------------------------------- measurements
+
+
+@dataclass
+class Case:
+    model: str
+    placement: str
+    tokens: int
+    blocks: str  # contiguous | scattered
+    operation: str  # write | read
+    descriptors: int
+    nbytes: int
+    post_to_done_ms: float
+    post_to_notified_ms: float | None
+    copy_ms: float
+    vs_copy: float
+    cpu_ms: float
+    efa_model_ms: float
+    verified: bool | None  # WRITE: the target's pool holds the planned bytes at the planned places
+    staged: list[dict[str, Any]] | None = None  # per --chunk-mib
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.memory, self.args = Memory(args.device), args
+        self.torch = torch = self.memory.torch
+        self.max_tokens = max(args.tokens)
+        self.pool_bytes = max(
+            sum(RankLayout(spec, tp, 0, pool_blocks(spec, tp, self.max_tokens), p).region_nbytes)
+            for spec, tp in self.models().values()
+            for p in PLACEMENTS
+        )
+        self.staging_bytes = 2 * max(args.chunk_mib) * 2**20
+        self.local = torch.randint(0, 256, (self.pool_bytes,), dtype=torch.uint8, device=args.device)
+        self.local_staging = self.memory.zeros(self.staging_bytes)
+        self.copy_dst = self.memory.zeros(self.pool_bytes)
+        self.agent: Transport = create_transport("nixl", f"bench-initiator-{time.monotonic_ns()}")
+        self.agent.register([self.memory.region(self.local), self.memory.region(self.local_staging)])
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_end = context.Pipe()
+        self.child = context.Process(target=_target, args=(child_end, args.device, self.pool_bytes, self.staging_bytes), daemon=True)
+        self.child.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("target process did not start within 120 s")
+        metadata, self.remote_base, self.remote_staging = self.conn.recv()
+        self.peer = self.agent.add_peer(metadata)
+        self._arrivals: dict[str, float] = {}
+
+    def models(self) -> dict[str, tuple[ModelSpec, int]]:
+        return {name: (model_from_hf_config(config), tp) for name, (config, tp) in MODELS.items() if name in self.args.models}
+
+    def close(self) -> None:
+        self.conn.send(("stop", None))
+        self.child.join(20)
+        if self.child.is_alive():
+            self.child.kill()
+        self.agent.close()
+
+    # -- one posted transfer ------------------------------------------------------------------------------------
+
+    def _wait(self, handle: Any) -> None:
+        while (status := self.agent.state(handle)).state is TransferState.IN_PROGRESS:
+            pass
+        self.agent.release(handle)
+        if status.state is not TransferState.DONE:
+            raise RuntimeError(f"transfer failed: {status.error}")
+
+    def _notified(self, expected: str) -> float:
+        """When the target held notification ``expected`` (chunks in flight together may arrive in either order)."""
+        deadline = time.monotonic() + 60
+        while expected not in self._arrivals:
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"target never saw notification {expected!r}")
+            message, at = self.conn.recv()
+            self._arrivals[message] = at
+        return self._arrivals.pop(expected)
+
+    def direct(self, operation: str, plan_of: Callable[[], Any], src: Pools, dst: Pools) -> tuple[float, float | None, float, int, int]:
+        done, notified, cpu = [], [], []
+        for i in range(WARMUP + self.args.repeat):
+            tag = f"{operation}-{i}-{time.monotonic_ns()}"
+            cpu_start, start = time.thread_time(), time.monotonic()
+            plan = plan_of()
+            local, remote = plan.to_descriptors(src.region_addrs, dst.region_addrs)
+            post = self.agent.write if operation == "write" else self.agent.read
+            handle = post(self.peer, local, remote, tag.encode() if operation == "write" else b"")
+            cpu_s = time.thread_time() - cpu_start
+            self._wait(handle)
+            finished = time.monotonic()
+            arrived = self._notified(tag) if operation == "write" else None
+            if i >= WARMUP:
+                done.append(finished - start)
+                cpu.append(cpu_s)
+                if arrived is not None:
+                    notified.append(arrived - start)
+        median_notified = statistics.median(notified) * 1e3 if notified else None
+        return statistics.median(done) * 1e3, median_notified, statistics.median(cpu) * 1e3, len(plan), plan.nbytes
+
+    def staged(self, plan: Any, src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
+        """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
+        torch = self.torch
+        src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
+        self._command("zero")
+        per_chunk = max(1, chunk_bytes // row)
+        chunks = [(src_rows[i : i + per_chunk], dst_rows[i : i + per_chunk]) for i in range(0, src_rows.size, per_chunk)]
+        if self._command("scatter", (chunk_bytes, [(d, row) for _s, d in chunks])) != "ready":
+            raise RuntimeError("target did not take the scatter index")
+        gathers = [torch.as_tensor(s, device=self.args.device) for s, _d in chunks]
+        pool, half = rows_of(self.local, row), chunk_bytes
+        times, cpu = [], []
+        for i in range(WARMUP + self.args.repeat):
+            in_flight: list[Any] = [None, None]
+            scattered: list[float] = []
+            start, cpu_start = time.monotonic(), time.thread_time()
+            for k, rows in enumerate(gathers):
+                slot = k % 2
+                if in_flight[slot] is not None:
+                    # The half is free again once its WRITE is done here and the target has scattered it there.
+                    self._wait(in_flight[slot])
+                    scattered.append(self._notified(f"chunk-{k - 2}"))
+                staging = self.local_staging[slot * half : slot * half + rows.numel() * row].view(-1, row)
+                torch.index_select(pool, 0, rows, out=staging)
+                self.memory.synchronize()
+                nbytes = rows.numel() * row
+                local = np.array([[self.local_staging.data_ptr() + slot * half, nbytes, 0]], dtype=np.int64)
+                remote = np.array([[self.remote_staging + slot * half, nbytes, 0]], dtype=np.int64)
+                in_flight[slot] = self.agent.write(self.peer, local, remote, f"chunk-{k}".encode())
+            for handle in in_flight:
+                if handle is not None:
+                    self._wait(handle)
+            cpu_s = time.thread_time() - cpu_start
+            scattered += [self._notified(f"chunk-{k}") for k in range(max(0, len(gathers) - 2), len(gathers))]
+            last = max(scattered)
+            if i >= WARMUP:
+                times.append(last - start)
+                cpu.append(cpu_s)
+        return {
+            "post_to_scattered_ms": round(statistics.median(times) * 1e3, 3),
+            "verified": self.verified(plan, src, dst),
+            "chunks": len(chunks),
+            "chunk_bytes": half,
+            "row_bytes": row,
+            "cpu_ms": round(statistics.median(cpu) * 1e3, 3),
+            "staging_bytes_per_side": 2 * chunk_bytes,
+        }
+
+    def _command(self, command: str, payload: Any = None) -> Any:
+        self.conn.send((command, payload))
+        if not self.conn.poll(120):
+            raise RuntimeError(f"target did not answer {command!r}")
+        return self.conn.recv()
+
+    def verified(self, plan: Any, src: Pools, dst: Pools) -> bool:
+        """Whether the target's pool holds, at the plan's destination, the bytes of its source here."""
+        src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
+        mine = fingerprint(self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row)
+        return mine == self._command("fingerprint", (dst_rows, row))
+
+    def copy_ms(self, nbytes: int) -> float:
+        times = []
+        src, dst = self.local[:nbytes], self.copy_dst[:nbytes]
+        for i in range(WARMUP + self.args.repeat):
+            self.memory.synchronize()
+            start = time.monotonic()
+            dst.copy_(src)
+            self.memory.synchronize()
+            if i >= WARMUP:
+                times.append(time.monotonic() - start)
+        return statistics.median(times) * 1e3
+
+    # -- the sweep ------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[Case]:
+        cases = []
+        for name, (spec, tp) in self.models().items():
+            for placement in PLACEMENTS:
+                blocks = pool_blocks(spec, tp, self.max_tokens)
+                src = Pools(RankLayout(spec, tp, 0, blocks, placement), self.local.data_ptr())
+                dst = Pools(RankLayout(spec, tp, 0, blocks, placement), self.remote_base)
+                for tokens in self.args.tokens:
+                    for scattered in (False, True):
+                        s_blocks = request_blocks(src.layout, tokens, scattered=scattered, seed=tokens)
+                        d_blocks = request_blocks(dst.layout, tokens, scattered=scattered, seed=tokens + 1)
+
+                        def plan_of(s: Pools = src, d: Pools = dst, sb: Any = s_blocks, db: Any = d_blocks, n: int = tokens) -> Any:
+                            return plan_transfer(s.layout, d.layout, sb, db, num_tokens=n)
+
+                        for operation in ("write", "read"):
+                            if operation == "write":
+                                self._command("zero")
+                            done, notified, cpu, descriptors, nbytes = self.direct(operation, plan_of, src, dst)
+                            verified = self.verified(plan_of(), src, dst) if operation == "write" else None
+                            copy = self.copy_ms(nbytes)
+                            staged = None
+                            if scattered and operation == "write" and self.args.staged:
+                                staged = [self.staged(plan_of(), src, dst, mib * 2**20) for mib in self.args.chunk_mib]
+                            efa = descriptors * self.args.efa_descriptor_us / 1e3 + nbytes / (self.args.efa_gbps * 1e9) * 1e3
+                            case = Case(
+                                name,
+                                placement.value,
+                                tokens,
+                                "scattered" if scattered else "contiguous",
+                                operation,
+                                descriptors,
+                                nbytes,
+                                round(done, 3),
+                                None if notified is None else round(notified, 3),
+                                round(copy, 3),
+                                round(copy / (notified or done), 3),
+                                round(cpu, 3),
+                                round(efa, 3),
+                                verified,
+                                staged,
+                            )
+                            print(_line(case), flush=True)
+                            cases.append(case)
+        return cases
+
+
+HEADER = (
+    f"{'model':<24}{'cache':<12}{'tokens':>7}  {'blocks':<11}{'op':<6}{'descs':>7}{'MiB':>8}{'ms':>9}{'notif ms':>9}{'copy ms':>8}"
+    f"{'vs copy':>8}{'cpu ms':>7}{'staged':>10}{'EFA ms':>8}"
+)
+
+
+def _line(c: Case) -> str:
+    notified = f"{c.post_to_notified_ms:>9.3f}" if c.post_to_notified_ms is not None else f"{'-':>9}"
+    staged = f"{min(s['post_to_scattered_ms'] for s in c.staged):>10.3f}" if c.staged else f"{'-':>10}"
+    return (
+        f"{c.model:<24}{c.placement:<12}{c.tokens:>7}  {c.blocks:<11}{c.operation:<6}{c.descriptors:>7}{c.nbytes / 2**20:>8.1f}"
+        f"{c.post_to_done_ms:>9.3f}{notified}{c.copy_ms:>8.3f}{c.vs_copy:>8.3f}{c.cpu_ms:>7.2f}{staged}{c.efa_model_ms:>8.2f}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("report_dir", type=Path)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: host memory, to try the bench without a GPU")
+    parser.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1024, 4096, 16384])
+    parser.add_argument("--models", type=lambda v: v.split(","), default=list(MODELS))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--chunk-mib", type=lambda v: [int(m) for m in v.split(",")], default=[64, 256], help="MiB per staged WRITE (each a run); staging holds two"
+    )
+    parser.add_argument("--no-staged", dest="staged", action="store_false")
+    parser.add_argument("--efa-descriptor-us", type=float, default=2.44)
+    parser.add_argument("--efa-gbps", type=float, default=50.0, help="GB/s of EFA per GPU")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown} (known: {sorted(MODELS)})")
+    bench = Bench(args)
+    try:
+        print(HEADER, flush=True)
+        cases = bench.run()
+    finally:
+        bench.close()
+    args.report_dir.mkdir(parents=True, exist_ok=True)
+    report = {"args": {k: v for k, v in vars(args).items() if k != "report_dir"}, "cases": [asdict(c) for c in cases]}
+    (args.report_dir / "gpu-transfer-bench.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
