@@ -35,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ import numpy as np
 
 from pdconnector.layout import BlockPlacement, LayerKind, ModelSpec, RankLayout, model_from_hf_config, plan_transfer
 from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
+from pdconnector.layout.plan import split_runs
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
 
 POOL_SLACK = 2  # pools hold twice the largest request, so scattered blocks have free blocks between them
@@ -62,7 +64,7 @@ class Pools:
     layout: RankLayout
     base: int  # address of region 0; region i follows region i - 1
 
-    @property
+    @cached_property
     def region_addrs(self) -> list[int]:
         starts = np.cumsum([0, *self.layout.region_nbytes[:-1]])
         return [self.base + int(s) for s in starts]
@@ -124,9 +126,8 @@ def plan_rows(plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Seq
     src_offset = plan.src_offset + np.asarray(src_addrs, dtype=np.int64)[plan.src_region] - src_base
     dst_offset = plan.dst_offset + np.asarray(dst_addrs, dtype=np.int64)[plan.dst_region] - dst_base
     row = math.gcd(*np.unique(np.concatenate([src_offset, dst_offset, plan.length])).tolist())
-    runs = plan.length // row
-    step = np.arange(int(runs.sum()), dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)
-    return np.repeat(src_offset // row, runs) + step, np.repeat(dst_offset // row, runs) + step, row
+    src_starts, dst_starts = split_runs(plan.length, row, src_offset, dst_offset)
+    return src_starts // row, dst_starts // row, row
 
 
 def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) -> None:

@@ -246,14 +246,20 @@ def _trim_to_tokens(s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kerne
     return s_ids[:needed], d_ids[:needed]
 
 
+def split_runs(length: np.ndarray, unit: int, *starts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs of ``length`` bytes (each a multiple of ``unit``) cut into ``unit``-byte pieces: the start of every piece,
+    for each array of run starts given."""
+    pieces = length // unit
+    step = (np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * unit
+    return tuple(np.repeat(start, pieces) + step for start in starts)
+
+
 def _per_head(pieces: tuple[np.ndarray, np.ndarray, np.ndarray], head_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pieces cut at KV head boundaries: a head-outer block keeps each head of a page in its own run. TP shards
     attention by whole heads, so every piece starts at a head boundary on both sides."""
     src, dst, length = pieces
-    heads = length // head_bytes
-    first = np.repeat(np.cumsum(heads) - heads, heads)
-    step = (np.arange(int(heads.sum()), dtype=np.int64) - first) * head_bytes
-    return np.repeat(src, heads) + step, np.repeat(dst, heads) + step, np.full(step.size, head_bytes, dtype=np.int64)
+    src, dst = split_runs(length, head_bytes, src, dst)
+    return src, dst, np.full(src.size, head_bytes, dtype=np.int64)
 
 
 # The (slot, unit, piece) axes in each placement's memory order: runs adjacent in this order can be contiguous on the

@@ -218,17 +218,6 @@ class RankLayout:
         """Slot of each KV-holding layer (an index into ``ModelSpec.layers``): layers of one slot alias the same bytes."""
         return {layer: slot for g in self.groups for slot, layer in enumerate(g.layers)}
 
-    def slot_start(self, slot: int) -> tuple[int, int]:
-        """(region, byte offset of block 0) of a slot's pages: what each of vLLM's per-layer views must start at.
-        Head-outer slots have no page of their own; their first head starts at ``slot * head_bytes``."""
-        match self.placement:
-            case BlockPlacement.LAYER_OUTER:
-                return slot, 0
-            case BlockPlacement.BLOCK_OUTER:
-                return 0, slot * self.page_bytes
-            case BlockPlacement.HEAD_OUTER:
-                return 0, slot * self.head_bytes
-
     @cached_property
     def head_bytes(self) -> int:
         """One KV head of one attention page of this rank (head-outer blocks are runs of these)."""
@@ -239,7 +228,7 @@ class RankLayout:
     def locate(self, kind: LayerKind, slots: np.ndarray, units: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(region, byte offset) of page offset ``offsets[q]`` of unit ``units[u]`` (a kernel block for attention, a
         logical block for SSM) of slot ``slots[r]``, broadcast to shape ``(R, U, Q)``. Under head-outer placement an
-        offset must be the start of a run that stays inside one head (see :meth:`page_runs`)."""
+        offset must be the start of a run that stays inside one head."""
         s, u, q = slots.astype(np.int64)[:, None, None], units.astype(np.int64)[None, :, None], offsets.astype(np.int64)[None, None, :]
         shape = (s.shape[0], u.shape[1], q.shape[2])
         match self.placement:
@@ -252,15 +241,6 @@ class RankLayout:
                 head, within = q // self.head_bytes, q % self.head_bytes
                 offset = u * self.block_stride + (head * self.num_slots + s) * self.head_bytes + within
         return np.zeros(shape, dtype=np.int64), np.broadcast_to(offset, shape)
-
-    def page_runs(self, kind: LayerKind) -> tuple[np.ndarray, np.ndarray]:
-        """(page offset, length) of the runs of one unit's real bytes that stay contiguous in memory: the schema's
-        segments, or under head-outer placement one run per KV head."""
-        schema = self.attention_schema if kind is LayerKind.ATTENTION else self.ssm_schema
-        if self.placement is not BlockPlacement.HEAD_OUTER:
-            return schema.offsets, schema.sizes
-        starts = np.arange(0, schema.nbytes, self.head_bytes, dtype=np.int64)
-        return starts, np.full(starts.size, self.head_bytes, dtype=np.int64)
 
     @property
     def region_nbytes(self) -> tuple[int, ...]:

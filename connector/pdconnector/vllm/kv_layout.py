@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
@@ -258,14 +259,16 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
             raise LayoutMismatch(f"vLLM registered no KV cache tensor for layer {name!r}")
         tensors = _tensors(kv_caches[name])
         base = min(t.data_ptr() for t in tensors)
-        slot = layout.layer_slots[position]
-        region, start = layout.slot_start(slot)
+        slot, kind = layout.layer_slots[position], layout.model.layers[position]
+        first = np.zeros(1, dtype=np.int64)
+        regions, starts = layout.locate(kind, np.array([slot]), first, first)  # where block 0 of the slot's page starts
+        region, start = int(regions.flat[0]), int(starts.flat[0])
         if bases.setdefault(region, base - start) != base - start:
             raise LayoutMismatch(
                 f"layer {name!r} (slot {slot}) starts at {base:#x}; region {region} starts at {bases[region]:#x}, so the layout "
                 f"model expects {bases[region] + start:#x}"
             )
-        _check_layer_tensors(layout, name, layout.model.layers[position], tensors, base)
+        _check_layer_tensors(layout, name, kind, tensors, base)
     device_id = _tensors(kv_caches[names[0]])[0].device.index or 0
     return [MemoryRegion(bases[r.index], r.nbytes, device, device_id) for r in layout.regions]
 
