@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP) $(TOOLS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -98,9 +98,9 @@ def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDSer
 def colocated(plan):  # noqa: ANN001, ANN201 - LocalPlan, imported lazily
     """The reference: the plan's decode engine alone, without a KV connector, serving clients directly."""
     from pdoperator.local import LocalPlan  # noqa: PLC0415
-    from pdoperator.render import Role  # noqa: PLC0415
+    from pdoperator.render import ComponentRole  # noqa: PLC0415
 
-    decode = next(process for process in plan.processes if process.role is Role.DECODE)
+    decode = next(process for process in plan.processes if process.role is ComponentRole.DECODE)
     argv = list(decode.argv)
     flag = argv.index("--kv-transfer-config")
     del argv[flag : flag + 2]  # the flag and its JSON value

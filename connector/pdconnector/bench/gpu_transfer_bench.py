@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pdconnector.layout import BlockPlacement, LayerKind, ModelSpec, RankLayout, model_from_hf_config, plan_transfer
+from pdconnector.layout import BlockPlacement, KVModel, LayerKind, RankLayout, model_from_hf_config, plan_transfer
 from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
 from pdconnector.layout.plan import split_runs
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
@@ -70,7 +70,7 @@ class Pools:
         return [self.base + int(s) for s in starts]
 
 
-def pool_blocks(model: ModelSpec, tp_size: int, max_tokens: int) -> int:
+def pool_blocks(model: KVModel, tp_size: int, max_tokens: int) -> int:
     return POOL_SLACK * (-(-max_tokens // model.block_size) + len(RankLayout(model, tp_size, 0, 1).groups))
 
 
@@ -220,7 +220,7 @@ class Bench:
         self.peer = self.agent.add_peer(metadata)
         self._arrivals: dict[str, float] = {}
 
-    def models(self) -> dict[str, tuple[ModelSpec, int]]:
+    def models(self) -> dict[str, tuple[KVModel, int]]:
         return {name: (model_from_hf_config(config), tp) for name, (config, tp) in MODELS.items() if name in self.args.models}
 
     def close(self) -> None:

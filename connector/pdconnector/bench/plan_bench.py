@@ -23,8 +23,8 @@ import numpy as np
 
 from pdconnector.layout import (
     AttentionSpec,
+    KVModel,
     LayerKind,
-    ModelSpec,
     RankLayout,
     SsmSpec,
     descriptor_ids,
@@ -41,20 +41,20 @@ ATTENTION = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
 MAMBA2 = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
 
 
-def dense(block_size: int) -> ModelSpec:
-    return ModelSpec((LayerKind.ATTENTION,) * 64, block_size, ATTENTION)
+def dense(block_size: int) -> KVModel:
+    return KVModel((LayerKind.ATTENTION,) * 64, block_size, ATTENTION)
 
 
-def hybrid(kernel_block_size: int) -> ModelSpec:
+def hybrid(kernel_block_size: int) -> KVModel:
     # vLLM aligns the hybrid's logical block to the kernel alignment (128 here, so 16/64/128 kernels all divide it).
     block = hybrid_block_size(ATTENTION, MAMBA2, kernel_alignment=128)
-    return ModelSpec((LayerKind.SSM, LayerKind.ATTENTION) * 64, block, ATTENTION, MAMBA2, kernel_block_size)
+    return KVModel((LayerKind.SSM, LayerKind.ATTENTION) * 64, block, ATTENTION, MAMBA2, kernel_block_size)
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    model: ModelSpec
+    model: KVModel
     tokens: int
     p_tp: int = 1
     d_tp: int = 1

@@ -20,12 +20,12 @@ import threading
 import time
 import uuid
 
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, allocate_pools
+from pdconnector.layout import AttentionSpec, KVModel, LayerKind, RankLayout, allocate_pools
 from pdconnector.transport.base import MemoryRegion
 from pdconnector.transport.factory import TransportKind, create_transport
 from pdconnector.worker import EngineTransfers, ResultKind, WorkerConfig
 
-MODEL = ModelSpec((LayerKind.ATTENTION,) * 16, block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2))
+MODEL = KVModel((LayerKind.ATTENTION,) * 16, block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2))
 
 
 class _Engine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdconnector.layout.model import ModelSpec
+from pdconnector.layout.model import KVModel
 from pdconnector.layout.regions import RankLayout
 
 DEFAULT_LENGTHS: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
@@ -44,7 +44,7 @@ class TransferVolume:
         return self.saved / self.naive if self.naive else 0.0
 
 
-def transfer_volume(model: ModelSpec, num_tokens: int, *, tp_size: int = 1) -> TransferVolume:
+def transfer_volume(model: KVModel, num_tokens: int, *, tp_size: int = 1) -> TransferVolume:
     """Engine-wide bytes for a ``num_tokens`` prompt (all TP ranks of the receiving engine)."""
     if num_tokens <= 0:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
@@ -61,7 +61,7 @@ def transfer_volume(model: ModelSpec, num_tokens: int, *, tp_size: int = 1) -> T
     )
 
 
-def transfer_volume_table(model: ModelSpec, lengths: Sequence[int] = DEFAULT_LENGTHS, *, tp_size: int = 1) -> list[TransferVolume]:
+def transfer_volume_table(model: KVModel, lengths: Sequence[int] = DEFAULT_LENGTHS, *, tp_size: int = 1) -> list[TransferVolume]:
     """The seed's analysis: transfer volume against prompt length, naive vs optimal."""
     return [transfer_volume(model, n, tp_size=tp_size) for n in lengths]
 

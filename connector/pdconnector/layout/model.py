@@ -234,7 +234,7 @@ class SsmSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class KVModel:
     """The KV-holding layers of a model in order, their specs and vLLM's block sizes.
 
     ``block_size`` is vLLM's (logical) ``cache_config.block_size`` in tokens: the unit the block
@@ -250,16 +250,16 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if not self.layers:
-            raise ValueError("ModelSpec.layers must name at least one KV-holding layer")
+            raise ValueError("KVModel.layers must name at least one KV-holding layer")
         if self.kernel_block_size == 0:
             object.__setattr__(self, "kernel_block_size", self.block_size)
         _require_positive(self, "block_size", "kernel_block_size")
         if self.block_size % self.kernel_block_size:
-            raise ValueError(f"ModelSpec.kernel_block_size {self.kernel_block_size} must divide block_size {self.block_size}")
+            raise ValueError(f"KVModel.kernel_block_size {self.kernel_block_size} must divide block_size {self.block_size}")
         if self.num_attention_layers and self.attention is None:
-            raise ValueError("ModelSpec.attention is required: the model has attention layers")
+            raise ValueError("KVModel.attention is required: the model has attention layers")
         if self.num_ssm_layers and self.ssm is None:
-            raise ValueError("ModelSpec.ssm is required: the model has SSM layers")
+            raise ValueError("KVModel.ssm is required: the model has SSM layers")
 
     @cached_property
     def num_attention_layers(self) -> int:
@@ -300,8 +300,8 @@ def model_from_hf_config(
     kernel_alignment: int = 16,
     attention_layout: AttentionLayout = AttentionLayout.PACKED_HND,
     conv_layout: ConvLayout = ConvLayout.DS,
-) -> ModelSpec:
-    """Build a :class:`ModelSpec` from an HF ``config.json`` dict.
+) -> KVModel:
+    """Build a :class:`KVModel` from an HF ``config.json`` dict.
 
     Understands NemotronH (``hybrid_override_pattern``: ``M`` Mamba2, ``*`` attention),
     Qwen3-Next style GDN hybrids (``layer_types`` with ``linear_attention``) and dense
@@ -320,7 +320,7 @@ def model_from_hf_config(
         attention = AttentionSpec(int(config.get("num_key_value_heads") or heads), int(head_dim), kv_bytes, attention_layout)
     if block_size is None:
         block_size = hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment) if attention and ssm else max(16, kernel_alignment)
-    return ModelSpec(layers, block_size, attention, ssm, kernel_block_size or block_size)
+    return KVModel(layers, block_size, attention, ssm, kernel_block_size or block_size)
 
 
 def _ssm_layers(

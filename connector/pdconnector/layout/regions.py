@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from pdconnector.layout.model import AttentionLayout, LayerKind, ModelSpec, Segment
+from pdconnector.layout.model import AttentionLayout, KVModel, LayerKind, Segment
 
 
 class BlockPlacement(StrEnum):
@@ -107,7 +107,7 @@ def group_layers(layers: tuple[LayerKind, ...]) -> tuple[KVGroup, ...]:
 class RankLayout:
     """Registered regions and page geometry of TP rank ``tp_rank`` of a TP-``tp_size`` engine."""
 
-    model: ModelSpec
+    model: KVModel
     tp_size: int
     tp_rank: int
     num_blocks: int
@@ -215,7 +215,7 @@ class RankLayout:
 
     @cached_property
     def layer_slots(self) -> dict[int, int]:
-        """Slot of each KV-holding layer (an index into ``ModelSpec.layers``): layers of one slot alias the same bytes."""
+        """Slot of each KV-holding layer (an index into ``KVModel.layers``): layers of one slot alias the same bytes."""
         return {layer: slot for g in self.groups for slot, layer in enumerate(g.layers)}
 
     @cached_property

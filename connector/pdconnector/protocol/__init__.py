@@ -3,8 +3,8 @@
 ``params`` (router <-> engine request parameters), ``messages`` (wire format of the
 notifications), ``rendezvous`` (prefill side: pairing, attempts, leases), ``completion`` (decode
 side: counting completions, the fence), ``liveness`` (how long the fence lasts, from the probe that
-kills a frozen engine), ``timeline`` (a transfer's milestones and the stages between them). No I/O, no
-clocks: callers pass ``now``.
+kills a frozen engine), ``timeline`` (a transfer's milestones and the stages between them), ``pull``
+(prefill's holds of blocks exposed for a remote READ). No I/O, no clocks: callers pass ``now``.
 
 The one rule every state machine here keeps: **a block registered for a remote WRITE, or exposed for a
 remote READ, goes back to the engine only when the peer can no longer touch it.**

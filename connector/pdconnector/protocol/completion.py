@@ -28,14 +28,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdconnector.protocol.deadlines import DeadlineQueue
-from pdconnector.protocol.messages import CompletionMessage, FailureMessage, FailureReason, Message, Side
+from pdconnector.protocol.messages import CompletionMessage, FailureMessage, FailureReason, Message
+from pdconnector.protocol.params import EngineRole
 
 
 @dataclass(frozen=True)
 class TransferFailure:
     transfer_id: str
     attempt: int
-    side: Side  # who gave up: the prefill side (notified) or decode itself (deadline, cancel)
+    side: EngineRole  # who gave up: the prefill side (notified) or decode itself (deadline, cancel)
     reason: FailureReason
     detail: str
     unconfirmed: tuple[int, ...] = ()  # writers released by the fence, without their answer
@@ -178,7 +179,7 @@ class CompletionTracker:
         expectation = self._pending.get(transfer_id)
         if expectation is None or expectation.failure is not None:
             return False
-        self._fence(transfer_id, expectation, TransferFailure(transfer_id, expectation.attempt, Side.DECODE, reason, detail), now)
+        self._fence(transfer_id, expectation, TransferFailure(transfer_id, expectation.attempt, EngineRole.DECODE, reason, detail), now)
         return True
 
     def writers_gone(self, transfer_id: str, now: float, *, grace_s: float) -> bool:
@@ -201,7 +202,7 @@ class CompletionTracker:
             if expectation.failure is None:
                 missing = sorted(expectation.writers - expectation.arrived)
                 detail = f"no completion from prefill ranks {missing} by the deadline"
-                failure = TransferFailure(transfer_id, expectation.attempt, Side.DECODE, FailureReason.TIMEOUT, detail)
+                failure = TransferFailure(transfer_id, expectation.attempt, EngineRole.DECODE, FailureReason.TIMEOUT, detail)
                 self._fence(transfer_id, expectation, failure, now)
             else:
                 self._release(transfer_id, expectation, unconfirmed=tuple(sorted(expectation.writers - expectation.quiet)))

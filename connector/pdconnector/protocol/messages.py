@@ -20,7 +20,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TRANSFER_ID_PATTERN
+from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TRANSFER_ID_PATTERN, EngineRole
 
 MAGIC: Final = b"PDKV"
 PROTOCOL_VERSION: Final = 1
@@ -62,11 +62,6 @@ class ProtocolError(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
-
-
-class Side(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class FailureReason(StrEnum):
@@ -162,7 +157,7 @@ class FailureMessage(_Message, tag="fail"):
     From prefill it also says this rank has no WRITE in flight for the attempt and will post none, so decode
     may free the blocks it registered (it is sent only once the rank's writes drained, and answers every abort)."""
 
-    side: Side
+    side: EngineRole
     rank: TpRank
     reason: FailureReason
     detail: Detail = ""
@@ -266,7 +261,7 @@ def rejection_notice(data: bytes, error: ProtocolError, *, rank: int) -> Failure
     return FailureMessage(
         transfer_id=identity.transfer_id,
         attempt=identity.attempt,
-        side=Side.PREFILL,
+        side=EngineRole.PREFILL,
         rank=rank,
         reason=FailureReason.INVALID_REGISTRATION,
         detail=str(error)[:MAX_DETAIL_CHARS],

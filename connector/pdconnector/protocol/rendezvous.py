@@ -52,7 +52,8 @@ from enum import StrEnum
 
 from pdconnector.layout.plan import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
-from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage, Side
+from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage
+from pdconnector.protocol.params import EngineRole
 from pdconnector.protocol.timeline import Milestone, Timeline
 
 
@@ -123,11 +124,16 @@ class WriteKey:
 
 
 class Outcome(StrEnum):
+    """How a transfer ended on one rank: prefill's ends, and decode's success (decode's failures are
+    :class:`~pdconnector.protocol.messages.FailureReason` values)."""
+
     WRITTEN = "written"
     FAILED = "failed"
     EXPIRED = "expired"
     CANCELLED = "cancelled"
     REJECTED = "rejected"
+    RECEIVED = "received"  # decode: every writer's bytes arrived
+    REFUSED = "refused"  # decode: the scheduler side failed the request before any transfer
 
 
 @dataclass(frozen=True)
@@ -479,7 +485,7 @@ class RendezvousTable:
 
     def _failure(self, transfer_id: str, attempt: int, reason: FailureReason, detail: str) -> FailureMessage:
         return FailureMessage(
-            transfer_id=transfer_id, attempt=attempt, side=Side.PREFILL, rank=self.prefill_rank, reason=reason, detail=detail[:MAX_DETAIL_CHARS]
+            transfer_id=transfer_id, attempt=attempt, side=EngineRole.PREFILL, rank=self.prefill_rank, reason=reason, detail=detail[:MAX_DETAIL_CHARS]
         )
 
     @staticmethod

@@ -17,8 +17,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from pdconnector.protocol.params import EngineRole
 from pdconnector.router import errors
-from pdconnector.router.backends import BackendPool, Role
+from pdconnector.router.backends import BackendPool
 from pdconnector.router.config import RouterConfig
 from pdconnector.router.discovery import AddressBook, ConfigWatcher, backend_specs
 from pdconnector.router.health import HealthSettings, probe_all
@@ -81,8 +82,8 @@ class Router:
         if self.dispatcher is not None:
             self.dispatcher.settings = dispatch_settings(config, self.options)
             policy = _POLICIES[config.policy]
-            if self.dispatcher.selectors[Role.PREFILL].policy is not policy:
-                self.dispatcher.selectors = {role: Selector(policy) for role in Role}
+            if self.dispatcher.selectors[EngineRole.PREFILL].policy is not policy:
+                self.dispatcher.selectors = {role: Selector(policy) for role in EngineRole}
         log.info("router config applied", extra={"prefill": len(config.prefill.backends), "decode": len(config.decode.backends), "mode": config.mode})
 
     async def refresh(self, watcher: ConfigWatcher | None) -> None:
@@ -150,7 +151,7 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
         policy = _POLICIES[config.policy]
         router.dispatcher = Dispatcher(
             pool=router.pool,
-            selectors={role: Selector(policy) for role in Role},
+            selectors={role: Selector(policy) for role in EngineRole},
             session=router.session,
             settings=dispatch_settings(config, options),
             metrics=router.metrics,

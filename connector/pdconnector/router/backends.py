@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 
-from pdconnector.protocol.params import PrefillCoordinates
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+from pdconnector.protocol.params import EngineRole, PrefillCoordinates
 
 
 @dataclass(frozen=True)
@@ -19,7 +13,7 @@ class BackendSpec:
     """One engine instance as configured or discovered: stable name plus where to reach it."""
 
     name: str
-    role: Role
+    role: EngineRole
     host: str
     http_port: int
     engine_id: str
@@ -33,7 +27,7 @@ class BackendSpec:
         return f"http://{host}:{self.http_port}"
 
     def prefill_coordinates(self) -> PrefillCoordinates:
-        if self.role is not Role.PREFILL or self.side_channel_port is None:
+        if self.role is not EngineRole.PREFILL or self.side_channel_port is None:
             raise ValueError(f"backend {self.name} is not a prefill engine with a side-channel port")
         return PrefillCoordinates(engine_id=self.engine_id, host=self.host, side_channel_port=self.side_channel_port, tp_size=self.tp_size)
 
@@ -104,11 +98,11 @@ class BackendPool:
     def all(self) -> list[Backend]:
         return list(self._backends.values())
 
-    def by_role(self, role: Role) -> list[Backend]:
+    def by_role(self, role: EngineRole) -> list[Backend]:
         return [b for b in self._backends.values() if b.spec.role is role]
 
-    def healthy(self, role: Role) -> list[Backend]:
+    def healthy(self, role: EngineRole) -> list[Backend]:
         return [b for b in self.by_role(role) if b.healthy]
 
     def is_ready(self) -> bool:
-        return bool(self.healthy(Role.PREFILL)) and bool(self.healthy(Role.DECODE))
+        return bool(self.healthy(EngineRole.PREFILL)) and bool(self.healthy(EngineRole.DECODE))

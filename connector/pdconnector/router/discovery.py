@@ -13,7 +13,8 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from pdconnector.router.backends import BackendSpec, Role
+from pdconnector.protocol.params import EngineRole
+from pdconnector.router.backends import BackendSpec
 from pdconnector.router.config import RoleBackends, RouterConfig, load_router_config
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ async def resolve_address(host: str) -> str | None:
     return str(infos[0][4][0]) if infos else None
 
 
-def _role_specs(role: Role, backends: RoleBackends, compat_hash: str, addresses: dict[str, str]) -> list[BackendSpec]:
+def _role_specs(role: EngineRole, backends: RoleBackends, compat_hash: str, addresses: dict[str, str]) -> list[BackendSpec]:
     return [
         BackendSpec(
             name=entry.name,
@@ -38,7 +39,7 @@ def _role_specs(role: Role, backends: RoleBackends, compat_hash: str, addresses:
             http_port=backends.http_port,
             engine_id=entry.engine_id,
             compat_hash=compat_hash,
-            side_channel_port=backends.side_channel_port if role is Role.PREFILL else None,
+            side_channel_port=backends.side_channel_port if role is EngineRole.PREFILL else None,
             tp_size=backends.tp_size,
         )
         for entry in backends.backends
@@ -47,8 +48,8 @@ def _role_specs(role: Role, backends: RoleBackends, compat_hash: str, addresses:
 
 def backend_specs(config: RouterConfig, addresses: dict[str, str]) -> list[BackendSpec]:
     """All backends of a config, with each pod DNS name replaced by its resolved address when known."""
-    return _role_specs(Role.PREFILL, config.prefill, config.compat_hash, addresses) + _role_specs(
-        Role.DECODE, config.decode, config.compat_hash, addresses
+    return _role_specs(EngineRole.PREFILL, config.prefill, config.compat_hash, addresses) + _role_specs(
+        EngineRole.DECODE, config.decode, config.compat_hash, addresses
     )
 
 

@@ -71,9 +71,3 @@ async def probe(session: aiohttp.ClientSession, backend: Backend, settings: Heal
 
 async def probe_all(session: aiohttp.ClientSession, pool: BackendPool, settings: HealthSettings) -> None:
     await asyncio.gather(*(probe(session, backend, settings) for backend in pool.all()))
-
-
-async def run_health_checks(session: aiohttp.ClientSession, pool: BackendPool, settings: HealthSettings) -> None:
-    while True:
-        await probe_all(session, pool, settings)
-        await asyncio.sleep(settings.interval_s)

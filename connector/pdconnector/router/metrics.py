@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RequestOutcome(StrEnum):
+    """How a client request ended: the ``outcome`` label of ``pd_router_requests`` and the request log."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"  # the client left first
+    CLIENT_ERROR = "client_error"  # a 4xx: the request was bad
+    UPSTREAM_ERROR = "upstream_error"  # an engine or the KV transfer failed
+    UNAVAILABLE = "unavailable"  # a 503: no healthy backend
 
 
 class RouterMetrics:

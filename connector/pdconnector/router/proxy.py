@@ -24,6 +24,7 @@ from pdconnector.protocol.params import (
     ERROR_KEY,
     RECEIVED_KEY,
     TRANSFER_FAILED_CODES,
+    EngineRole,
     TransferMode,
     mint_transfer_id,
     prefill_leg_params,
@@ -31,11 +32,11 @@ from pdconnector.protocol.params import (
     push_decode_leg_params,
 )
 from pdconnector.router import errors
-from pdconnector.router.backends import Backend, BackendPool, Role
+from pdconnector.router.backends import Backend, BackendPool
 from pdconnector.router.health import eject_now
 from pdconnector.router.legs import EventStream, FailureKind, LegError, SseEvent, call_json, cancel_and_wait, open_stream
-from pdconnector.router.metrics import RouterMetrics
-from pdconnector.router.selection import Selector
+from pdconnector.router.metrics import RequestOutcome, RouterMetrics
+from pdconnector.router.selection import NoBackend, Selector, pick_backend
 from pdconnector.router.status import Evidence, TransferLedger
 from pdconnector.router.validation import ClientRequest, Endpoint
 
@@ -155,7 +156,7 @@ class Dispatcher:
         self,
         *,
         pool: BackendPool,
-        selectors: dict[Role, Selector],
+        selectors: dict[EngineRole, Selector],
         session: aiohttp.ClientSession,
         settings: DispatchSettings,
         metrics: RouterMetrics,
@@ -169,38 +170,11 @@ class Dispatcher:
         self.ledger = ledger
 
     # --- selection -------------------------------------------------------------------------------------------
-    def _candidates(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> list[Backend]:
-        found = [b for b in self.pool.healthy(role) if b.name not in exchange.failed]
-        return [b for b in found if partner is None or b.compatible_with(partner)]
-
-    def _pick(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> Backend:
-        candidates = self._candidates(role, exchange, partner)
-        if partner is None and candidates:
-            # Only engines that have a compatible partner can serve a whole request.
-            other = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-            candidates = [b for b in candidates if self._candidates(other, exchange, b)]
-            if not candidates:
-                raise self._unavailable(other, exchange)
-        chosen = self.selectors[role].pick(candidates)
-        if chosen is None:
-            raise self._unavailable(role, exchange, partner)
-        return chosen
-
-    def _unavailable(self, role: Role, exchange: Exchange, partner: Backend | None = None) -> errors.RouterError:
-        """A 503 saying why each backend of ``role`` cannot take this request."""
-        partner_role = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-        reasons = []
-        for backend in sorted(self.pool.by_role(role), key=lambda b: b.name):
-            if not backend.healthy:
-                why = f"ejected ({backend.consecutive_failures} failure(s) in a row, last: {backend.last_error})"
-            elif backend.name in exchange.failed:
-                why = "refused this request's connection"
-            elif partner is not None and not backend.compatible_with(partner):
-                why = f"engine generation {backend.compat_hash} cannot pair with {partner.name}'s {partner.compat_hash}"
-            else:
-                why = f"no healthy {partner_role.value} backend it can pair with"
-            reasons.append(f"{backend.name}: {why}")
-        return errors.no_backend(role.value, reasons, self.settings.retry_after_s)
+    def _pick(self, role: EngineRole, exchange: Exchange, partner: Backend | None = None) -> Backend:
+        try:
+            return pick_backend(self.pool, self.selectors, role, exchange.failed, partner)
+        except NoBackend as none:
+            raise errors.no_backend(none.role.value, none.reasons, self.settings.retry_after_s) from None
 
     def _enter(self, backend: Backend) -> None:
         backend.outstanding += 1
@@ -232,10 +206,10 @@ class Dispatcher:
             # In push mode decode would otherwise wait out its transfer deadline for KV that will never be written.
             raise LegError(backend, FailureKind.REPORTED, f"it kept no KV for decode: {reported}")
         backend.served += 1
-        self._leg_answered(Role.PREFILL, exchange, sent)
+        self._leg_answered(EngineRole.PREFILL, exchange, sent)
         return answer
 
-    def _leg_answered(self, role: Role, exchange: Exchange, sent: float) -> None:
+    def _leg_answered(self, role: EngineRole, exchange: Exchange, sent: float) -> None:
         seconds = asyncio.get_running_loop().time() - sent
         exchange.legs[role.value] = seconds
         self.metrics.legs.labels(self.settings.dispatch.value, role.value).observe(seconds)
@@ -254,7 +228,7 @@ class Dispatcher:
                         answer, raw = await call_json(self.session, backend, request.endpoint.value, body, headers)
             except TimeoutError as exc:
                 raise LegError(backend, FailureKind.TIMEOUT, "decode gave no answer in time") from exc
-            self._leg_answered(Role.DECODE, exchange, sent)
+            self._leg_answered(EngineRole.DECODE, exchange, sent)
             return DecodeStarted(backend=backend, body=answer, raw=raw)
         first_byte_deadline = min(deadline, loop.time() + self.settings.decode_first_byte_timeout_s)
         stream: EventStream | None = None
@@ -273,7 +247,7 @@ class Dispatcher:
             if isinstance(exc, TimeoutError):
                 raise LegError(backend, FailureKind.TIMEOUT, "decode sent no first token in time") from exc
             raise
-        self._leg_answered(Role.DECODE, exchange, sent)
+        self._leg_answered(EngineRole.DECODE, exchange, sent)
         return DecodeStarted(backend=backend, stream=stream, events=events, first_event=first)
 
     def _finish_stream(self, started: DecodeStarted) -> None:
@@ -289,7 +263,7 @@ class Dispatcher:
             self._finish_stream(task.result())
 
     # --- orchestration -----------------------------------------------------------------------------------------
-    def _note_failure(self, error: LegError, role: Role) -> None:
+    def _note_failure(self, error: LegError, role: EngineRole) -> None:
         self.metrics.leg_errors.labels(role.value, error.kind.value).inc()
         if error.kind is FailureKind.CONNECT:
             eject_now(error.backend, error.detail)
@@ -305,7 +279,7 @@ class Dispatcher:
         log.warning("retrying on another backend", extra={"request_id": exchange.request_id, "backend": error.backend.name, "role": role.value})
         return True
 
-    async def _with_retries(self, role: Role, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]) -> Any:
+    async def _with_retries(self, role: EngineRole, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]) -> Any:
         for _ in range(self.settings.max_attempts):
             try:
                 return await attempt()
@@ -326,13 +300,13 @@ class Dispatcher:
 
         async def run_prefill() -> dict[str, Any]:
             if push:
-                exchange.decode = self._pick(Role.DECODE, exchange)
-                exchange.prefill = self._pick(Role.PREFILL, exchange, partner=exchange.decode)
+                exchange.decode = self._pick(EngineRole.DECODE, exchange)
+                exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
             else:
-                exchange.prefill = self._pick(Role.PREFILL, exchange)
+                exchange.prefill = self._pick(EngineRole.PREFILL, exchange)
             return await self._prefill_leg(exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange)
 
-        answer = await self._with_retries(Role.PREFILL, exchange, run_prefill)
+        answer = await self._with_retries(EngineRole.PREFILL, exchange, run_prefill)
         assert exchange.prefill is not None
         if push:
             decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
@@ -347,15 +321,15 @@ class Dispatcher:
 
         async def run_decode() -> DecodeStarted:
             if exchange.decode is None or exchange.decode.name in exchange.failed:
-                exchange.decode = self._pick(Role.DECODE, exchange, partner=exchange.prefill)
+                exchange.decode = self._pick(EngineRole.DECODE, exchange, partner=exchange.prefill)
             return await self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
 
-        return await self._with_retries(Role.DECODE, exchange, run_decode)
+        return await self._with_retries(EngineRole.DECODE, exchange, run_decode)
 
     async def _concurrent(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
         for _ in range(self.settings.max_attempts):
-            exchange.decode = self._pick(Role.DECODE, exchange)
-            exchange.prefill = self._pick(Role.PREFILL, exchange, partner=exchange.decode)
+            exchange.decode = self._pick(EngineRole.DECODE, exchange)
+            exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
             exchange.transfer_id = mint_transfer_id()
             decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
             if self.settings.connector == "vllm":
@@ -392,7 +366,7 @@ class Dispatcher:
         exchange = Exchange(request_id=request_id, started_at=loop.time())
         deadline = exchange.started_at + self.settings.total_timeout_s
         dispatch = self.settings.dispatch.value
-        outcome = "cancelled"
+        outcome = RequestOutcome.CANCELLED
         started: DecodeStarted | None = None
         try:
             try:
@@ -402,10 +376,10 @@ class Dispatcher:
                     started = await self._sequential(request, exchange, deadline)
             except LegError as error:
                 router_error = self._classify(error, exchange)
-                outcome = "client_error" if router_error.status < 500 else "upstream_error"
+                outcome = RequestOutcome.CLIENT_ERROR if router_error.status < 500 else RequestOutcome.UPSTREAM_ERROR
                 return self._error_response(router_error, exchange)
             except errors.RouterError as router_error:
-                outcome = "unavailable" if router_error.status == 503 else "upstream_error"
+                outcome = RequestOutcome.UNAVAILABLE if router_error.status == 503 else RequestOutcome.UPSTREAM_ERROR
                 return self._error_response(router_error, exchange)
             if started.stream is None:
                 response, outcome = self._reply_whole(started, exchange)
@@ -443,7 +417,7 @@ class Dispatcher:
         if error.kind is not FailureKind.CONNECT:  # connect failures were counted when they were retried
             self._note_failure(error, role)
         if error.kind is FailureKind.TIMEOUT:
-            phase = "the prefill leg" if role is Role.PREFILL else "decode's answer"
+            phase = "the prefill leg" if role is EngineRole.PREFILL else "decode's answer"
             return errors.RouterError(
                 504,
                 f"Timed out waiting for {phase} on {engine} for transfer {exchange.transfer_id}: {error.detail}",
@@ -467,14 +441,14 @@ class Dispatcher:
         self.ledger.record(evidence)
         self.metrics.transfers.labels(evidence.value).inc()
 
-    def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, str]:
+    def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, RequestOutcome]:
         self._record_transfer(_transfer_report(started.body))
         response = web.Response(body=started.raw, content_type="application/json", headers=exchange.headers())
-        return response, "ok"
+        return response, RequestOutcome.OK
 
     async def _relay_stream(
         self, http_request: web.Request, started: DecodeStarted, exchange: Exchange, deadline: float
-    ) -> tuple[web.StreamResponse, str]:
+    ) -> tuple[web.StreamResponse, RequestOutcome]:
         assert started.first_event is not None and started.events is not None
         loop = asyncio.get_running_loop()
         response = web.StreamResponse(status=200, headers={**exchange.headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -510,5 +484,5 @@ class Dispatcher:
             await response.write(_sse(failure.body()))
         await response.write_eof()
         if failure is not None or error_seen:
-            return response, "upstream_error"
-        return response, "ok"
+            return response, RequestOutcome.UPSTREAM_ERROR
+        return response, RequestOutcome.OK

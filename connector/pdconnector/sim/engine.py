@@ -14,7 +14,6 @@ import asyncio
 import functools
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from pdconnector.protocol.params import (
@@ -34,10 +33,8 @@ from pdconnector.sim.pool import KVPool
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
+# ``--role`` of a mock engine that serves whole requests itself (``EngineSettings.role`` None).
+COLOCATED = "both"
 
 
 class RoleMismatch(ValueError):
@@ -60,7 +57,7 @@ class LatencyModel:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    role: Role
+    role: EngineRole | None  # None: co-located, no KV transfer
     engine_id: str
     latency: LatencyModel = LatencyModel()
     transfer_timeout_s: float = 30.0
@@ -88,7 +85,7 @@ class Generation:
 
 class MockEngine:
     def __init__(self, settings: EngineSettings, pool: KVPool, mover: KVMover | None, metrics: EngineMetrics) -> None:
-        if settings.role is not Role.BOTH and mover is None:
+        if settings.role is not None and mover is None:
             raise ValueError(f"a {settings.role.value} engine needs a KV mover")
         self.settings = settings
         self.pool = pool
@@ -98,9 +95,10 @@ class MockEngine:
     def _check_role(self, transfer: TransferRequest | None) -> None:
         if transfer is None:
             return
-        wanted = Role.PREFILL if transfer.role is EngineRole.PREFILL else Role.DECODE
-        if self.settings.role is not wanted:
-            raise RoleMismatch(f"this engine runs as {self.settings.role.value} and cannot serve a {wanted.value} leg (kv_transfer_params)")
+        if self.settings.role is not transfer.role:
+            raise RoleMismatch(
+                f"this engine runs as {self.settings.role or COLOCATED} and cannot serve a {transfer.role.value} leg (kv_transfer_params)"
+            )
 
     async def run(self, prompt: list[int], max_tokens: int, transfer: TransferRequest | None) -> Generation:
         """Start a request; the returned generation yields tokens lazily (close it when done, or to abort)."""

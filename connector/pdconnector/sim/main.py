@@ -9,10 +9,11 @@ import sys
 from aiohttp import web
 
 from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
+from pdconnector.protocol.params import EngineRole
 from pdconnector.router.logs import configure_logging
-from pdconnector.sim.engine import DEFAULT_MAX_MODEL_LEN, EngineSettings, LatencyModel, MockEngine, Role
+from pdconnector.sim.engine import COLOCATED, DEFAULT_MAX_MODEL_LEN, EngineSettings, LatencyModel, MockEngine
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.mover import create_mover, mover_unavailable_reason
+from pdconnector.sim.movers import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVDevice, KVPool, kv_device_unavailable_reason
 from pdconnector.sim.server import create_engine_app
 
@@ -21,7 +22,7 @@ log = logging.getLogger("pdconnector.sim")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-mock-engine", description=__doc__)
-    parser.add_argument("--role", choices=[r.value for r in Role], required=True)
+    parser.add_argument("--role", choices=[*(r.value for r in EngineRole), COLOCATED], required=True)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", required=True, help="served model name")
@@ -74,11 +75,11 @@ def _context_problem(max_model_len: int, num_blocks: int, block_size: int) -> st
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format)
-    role = Role(args.role)
+    role = None if args.role == COLOCATED else EngineRole(args.role)
     kv_device = KVDevice(args.kv_device)
     # Checked before any memory is allocated, so a bad combination fails the same way on every machine.
     problem = _context_problem(args.max_model_len, args.num_blocks, args.block_size)
-    if problem is None and role is not Role.BOTH:
+    if problem is None and role is not None:
         problem = mover_unavailable_reason(args.transport, kv_device)
     if problem is None and (reason := kv_device_unavailable_reason(kv_device)) is not None:
         problem = f"--kv-device {kv_device.value}: {reason}"
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pool = KVPool(args.num_blocks, args.block_size, args.tp_size, kv_device)
     mover = None
-    if role is not Role.BOTH:
+    if role is not None:
         mover = create_mover(
             args.transport,
             pool=pool,
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool, mover))
     log.info(
         "pd-mock-engine starting",
-        extra={"role": role.value, "port": args.port, "engine_id": args.engine_id, "transport": args.transport, "kv_device": kv_device.value},
+        extra={"role": args.role, "port": args.port, "engine_id": args.engine_id, "transport": args.transport, "kv_device": kv_device.value},
     )
     web.run_app(
         create_engine_app(engine, args.model, args.compat_hash),

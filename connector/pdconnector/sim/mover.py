@@ -13,7 +13,6 @@ from enum import StrEnum
 from typing import Protocol
 
 from pdconnector.protocol.params import TRANSFER_FAILED_CODE, TRANSFER_TIMEOUT_CODE, PrefillCoordinates, TransferMode
-from pdconnector.sim.pool import KVDevice, KVPool
 
 
 class TransferFailed(Exception):
@@ -89,37 +88,3 @@ class KVMover(Protocol):
         """Pull decode: READ ``remote_block_ids`` of ``remote`` into ``block_ids``; raises ``TransferFailed``; ``free``
         as for :meth:`import_pushed`."""
         ...
-
-
-class MoverUnavailable(RuntimeError):
-    pass
-
-
-def create_mover(
-    transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float, fence_s: float = 60.0
-) -> KVMover:
-    """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``: NIXL)."""
-    reason = mover_unavailable_reason(transport, pool.device)
-    if reason is not None:
-        raise MoverUnavailable(reason)
-    from pdconnector.sim.worker_mover import WorkerMover  # noqa: PLC0415 - keeps NIXL out of co-located engines
-
-    return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s, fence_s=fence_s)
-
-
-def mover_unavailable_reason(transport: str, kv_device: KVDevice = KVDevice.CPU) -> str | None:
-    """Why a mover over ``transport`` for pools on ``kv_device`` cannot be built here, or None when it can."""
-    if kv_device is KVDevice.CUDA and transport != "nixl":
-        # The mock transport copies registered memory through sockets with the CPU: it cannot read GPU memory.
-        return f"--kv-device cuda needs --transport nixl (the {transport} transport moves host memory only)"
-    try:
-        import pdconnector.sim.worker_mover  # noqa: F401, PLC0415 - the connector core's worker and transports
-    except ImportError as error:
-        return f"the connector core's transfer worker or transports cannot be imported: {error}"
-    if transport == "mock":
-        return None
-    if transport == "nixl":
-        from pdconnector.transport import nixl_unavailable_reason  # noqa: PLC0415
-
-        return nixl_unavailable_reason()
-    return f"unknown transport {transport!r}; expected 'mock' or 'nixl'"

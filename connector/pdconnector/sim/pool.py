@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout
+from pdconnector.layout import AttentionSpec, KVModel, LayerKind, RankLayout
 
 if TYPE_CHECKING:
     import torch
@@ -29,9 +29,9 @@ MOCK_HEAD_DIM = 8
 MOCK_DTYPE_BYTES = 2
 
 
-def mock_model(block_size: int) -> ModelSpec:
+def mock_model(block_size: int) -> KVModel:
     attention = AttentionSpec(num_kv_heads=MOCK_KV_HEADS, head_dim=MOCK_HEAD_DIM, dtype_bytes=MOCK_DTYPE_BYTES)
-    return ModelSpec((LayerKind.ATTENTION,) * MOCK_LAYERS, block_size=block_size, attention=attention)
+    return KVModel((LayerKind.ATTENTION,) * MOCK_LAYERS, block_size=block_size, attention=attention)
 
 
 class OutOfBlocks(Exception):

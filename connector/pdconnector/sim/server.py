@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from pdconnector.protocol.params import TransferParamsError, TransferRequest, parse_transfer_params
-from pdconnector.sim.engine import Generation, MockEngine, RoleMismatch
+from pdconnector.sim.engine import COLOCATED, Generation, MockEngine, RoleMismatch
 from pdconnector.sim.model import chat_prompt, detokenize, tokenize
 from pdconnector.sim.mover import TransferFailed
 from pdconnector.sim.pool import OutOfBlocks
@@ -251,7 +251,7 @@ def create_engine_app(engine: MockEngine, model: str, compat_hash: str | None = 
             {
                 "status": "ok",
                 "engine_id": engine.settings.engine_id,
-                "role": engine.settings.role.value,
+                "role": engine.settings.role or COLOCATED,
                 "compat_hash": compat_hash,
                 "kv_device": engine.pool.device.value,
             }

@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdconnector.protocol.messages import FailureReason
 from pdconnector.protocol.params import PrefillCoordinates, TransferMode
-from pdconnector.protocol.rendezvous import RendezvousLimits
+from pdconnector.protocol.rendezvous import Outcome, RendezvousLimits
 from pdconnector.sim.mover import ExportOutcome, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool, PageBuffer
 from pdconnector.transport.base import Device, MemoryRegion
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # How long past an import's deadline the worker may take to report it (its fence) before we stop waiting for it.
 REPORT_GRACE_S = 300.0
+# Decode failures that mean "it did not arrive in time": the request fails with the timeout code (HTTP 504).
+_TIMED_OUT = frozenset({FailureReason.TIMEOUT, FailureReason.LEASE_EXPIRED, FailureReason.WRITE_TIMEOUT})
 
 
 def memory_regions(pool: KVPool) -> list[list[MemoryRegion]]:
@@ -152,7 +155,13 @@ class WorkerMover:
 
         def finished(results: list[TransferResult]) -> None:
             outcomes = {r.outcome for r in results}
-            release(ExportOutcome.SENT if outcomes == {"written"} else ExportOutcome.EXPIRED if "expired" in outcomes else ExportOutcome.FAILED)
+            release(
+                ExportOutcome.SENT
+                if outcomes == {Outcome.WRITTEN}
+                else ExportOutcome.EXPIRED
+                if Outcome.EXPIRED in outcomes
+                else ExportOutcome.FAILED
+            )
 
         self._expect(transfer_id, on_done=finished)
         for worker in self.transfers.workers:
@@ -175,7 +184,7 @@ class WorkerMover:
             raise
         failures = [r for r in results if r.kind is not ResultKind.FINISHED_RECVING]
         if failures:
-            timed_out = all(r.outcome in ("timeout", "lease_expired", "write_timeout") for r in failures)
+            timed_out = all(r.outcome in _TIMED_OUT for r in failures)
             detail = "; ".join(sorted({f"{r.outcome}: {r.detail}" for r in failures}))
             raise TransferFailed(f"transfer {transfer_id} failed: {detail}", timed_out=timed_out)
         return Receipt(transfer_id=transfer_id, bytes=sum(r.nbytes for r in results), blocks=len(block_ids))

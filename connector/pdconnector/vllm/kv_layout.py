@@ -18,7 +18,7 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
-from pdconnector.layout import AttentionLayout, BlockPlacement, ConvLayout, LayerKind, ModelSpec, RankLayout, model_from_hf_config
+from pdconnector.layout import AttentionLayout, BlockPlacement, ConvLayout, KVModel, LayerKind, RankLayout, model_from_hf_config
 from pdconnector.transport.base import Device, MemoryRegion
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -182,7 +182,7 @@ def model_spec(
     conv_layout: ConvLayout,
     kernel_block_size: int | None = None,
     attention_layout: AttentionLayout = AttentionLayout.PACKED_HND,
-) -> ModelSpec:
+) -> KVModel:
     """The layout model of the served model, with dtypes and block size taken from vLLM's own cache specs
     (attention from the attention spec, conv and temporal state from the Mamba spec: an fp8 KV cache keeps them wide)."""
     attention = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, VllmAttentionSpec)]

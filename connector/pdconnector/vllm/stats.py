@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from pdconnector.protocol.messages import FailureReason
+from pdconnector.protocol.rendezvous import Outcome
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -54,7 +57,7 @@ class PDTransferStats(KVConnectorStats):
 
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record(self, direction: Direction, outcome: str, *, wait_s: float | None, nbytes: int = 0) -> None:
+    def record(self, direction: Direction, outcome: Outcome | FailureReason, *, wait_s: float | None, nbytes: int = 0) -> None:
         """One transfer's end on one rank; ``wait_s`` is None on ranks that do not count transfers."""
         self.data["bytes_received"] += nbytes
         if wait_s is None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdconnector.layout import RankLayout
-from pdconnector.protocol.rendezvous import RendezvousLimits
+from pdconnector.protocol.rendezvous import Outcome, RendezvousLimits
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.transport.mock_faults import MockFaults
@@ -135,7 +135,7 @@ class WorkerSide:
                     self._worker.abandon(command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout))
                 case FailRequest():
                     log.error("%s", command.detail)
-                    self._stats.record(Direction.RECV, "refused", wait_s=self._counted(0.0))
+                    self._stats.record(Direction.RECV, Outcome.REFUSED, wait_s=self._counted(0.0))
                     self._immediate.finished_recving.add(command.request_id)
                     self._immediate.failed_recving.add(command.request_id)
 

@@ -23,7 +23,8 @@ from enum import StrEnum
 import numpy as np
 
 from pdconnector.layout import RankLayout
-from pdconnector.protocol.messages import AbortMessage, FailureMessage, encode
+from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, encode
+from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
 from pdconnector.worker.doorbell import Ringer
 from pdconnector.worker.identity import RankInfo, fingerprint, layout_summary
@@ -41,14 +42,14 @@ class ResultKind(StrEnum):
 class TransferResult:
     """One transfer's end on this rank, reported exactly once.
 
-    ``outcome``: for sending, a :class:`~pdconnector.protocol.rendezvous.Outcome` value (written/failed/expired/cancelled/rejected);
-    for receiving, ``received`` or a :class:`~pdconnector.protocol.messages.FailureReason` value. ``nbytes``: bytes received.
+    ``outcome``: for sending, an :class:`~pdconnector.protocol.rendezvous.Outcome` (written/failed/expired/cancelled/rejected);
+    for receiving, ``Outcome.RECEIVED`` or a :class:`~pdconnector.protocol.messages.FailureReason`. ``nbytes``: bytes received.
     ``stages``: seconds per :class:`~pdconnector.protocol.timeline.Stage` the transfer passed through on this rank.
     """
 
     transfer_id: str
     kind: ResultKind
-    outcome: str
+    outcome: Outcome | FailureReason
     detail: str
     nbytes: int = 0
     stages: dict[str, float] = field(default_factory=dict)

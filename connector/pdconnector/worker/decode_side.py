@@ -38,6 +38,7 @@ from pdconnector.protocol.messages import (
     encode,
 )
 from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle, TransferState, TransportError
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
@@ -312,7 +313,7 @@ class DecodeSide:
         for received in polled.finished:
             stages = self._received(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
-            result = TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, "received", detail, received.bytes_written, stages)
+            result = TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, received.bytes_written, stages)
             self._context.report(result)
         for failure in polled.failed:
             self._pushes.pop(failure.transfer_id, None)
@@ -443,7 +444,7 @@ class DecodeSide:
         if reason is None:
             del self._reads[transfer_id]
             stages = self._received(reading, now)
-            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, "received", detail, reading.nbytes, stages))
+            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, reading.nbytes, stages))
             return
         reading.ending = (reason, detail)
         self._failed_reads += 1
@@ -478,7 +479,7 @@ class DecodeSide:
 
     def _report_failure(self, failure: TransferFailure) -> None:
         detail = f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"
-        self._context.report(TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason.value, detail))
+        self._context.report(TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, detail))
 
     def _fail(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
-        self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason.value, detail))
+        self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason, detail))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from pdconnector.layout import BlockPlacement, ModelSpec, RankLayout
+from pdconnector.layout import BlockPlacement, KVModel, RankLayout
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.worker.identity import EngineInfo, layout_summary
@@ -30,7 +30,7 @@ class EngineTransfers:
 
     def __init__(
         self,
-        model: ModelSpec,
+        model: KVModel,
         *,
         tp_size: int,
         num_blocks: int,

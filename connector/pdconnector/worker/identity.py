@@ -17,7 +17,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from pdconnector.layout import BlockPlacement, ModelSpec, RankLayout, check_compatible
+from pdconnector.layout import BlockPlacement, KVModel, RankLayout, check_compatible
 from pdconnector.protocol.messages import MAX_AGENT_METADATA_BYTES, MAX_REGIONS, MAX_TP_SIZE, DeviceId, DoorbellPort, EngineId
 
 MAX_LAYOUT_FIELDS: Final = 64
@@ -54,13 +54,13 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def layout_fingerprint(self) -> str:
         return fingerprint(self.layout)
 
-    def rank_layout(self, model: ModelSpec, tp_rank: int) -> RankLayout:
+    def rank_layout(self, model: KVModel, tp_rank: int) -> RankLayout:
         """The layout of one of this engine's ranks, as planned by a peer running ``model``."""
         rank = self.ranks[tp_rank]
         return RankLayout(model, self.tp_size, tp_rank, rank.num_blocks, rank.placement)
 
 
-def layout_summary(model: ModelSpec) -> dict[str, str]:
+def layout_summary(model: KVModel) -> dict[str, str]:
     """The model's KV layout as named fields (what must be equal on both sides of a transfer)."""
     fields = {
         "layers": "".join("A" if kind.value == "attention" else "S" for kind in model.layers),

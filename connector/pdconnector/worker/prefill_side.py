@@ -15,6 +15,7 @@ import logging
 
 from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, plan_transfer
 from pdconnector.protocol.messages import AbortMessage, CompletionMessage, ReadDoneMessage, RegistrationMessage, encode
+from pdconnector.protocol.pull import PullHolds, Released
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
     Closed,
@@ -30,7 +31,6 @@ from pdconnector.transport.base import TransferHandle, TransferState, TransportE
 from pdconnector.worker.commands import PrefillDone
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
 from pdconnector.worker.peers import PeerRegistry
-from pdconnector.worker.pull import PullHolds, Released
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class PrefillSide:
                     self._context.send(agent, message)
                 case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks, stages=stages):
                     if blocks is not None:
-                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome.value, detail, stages=stages))
+                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=stages))
 
     def _cancel_write(self, key: WriteKey, now: float) -> list[Event]:
         """A WRITE past its deadline: gone once the transport confirms the cancel; otherwise it stays pinned and polled."""
@@ -209,5 +209,5 @@ class PrefillSide:
 
     def _report_released(self, released: Released | None) -> None:
         if released is not None:
-            outcome, detail = released.outcome.value, released.detail
+            outcome, detail = released.outcome, released.detail
             self._context.report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=released.stages))

@@ -12,6 +12,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
+# The data plane defines what travels between the planes; the API names the same types.
+from pdconnector.layout.model import ConvLayout, SsmFamily
+from pdconnector.protocol.params import TransferMode
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -43,26 +46,10 @@ class ApiModel(BaseModel):
 # ---------------------------------------------------------------- enums
 
 
-class Mode(StrEnum):
-    PUSH = "push"
-    PULL = "pull"
-
-
 class Architecture(StrEnum):
     DENSE = "dense"
     HYBRID_SSM = "hybrid-ssm"
     MLA = "mla"
-
-
-class SSMFamily(StrEnum):
-    MAMBA2 = "mamba2"
-    MAMBA1 = "mamba1"
-    GDN = "gdn"
-
-
-class ConvStateLayout(StrEnum):
-    DS = "DS"
-    SD = "SD"
 
 
 class DType(StrEnum):
@@ -215,7 +202,7 @@ class SSMSpec(ApiModel):
     """State-space layers of a hybrid model and how their state crosses the wire."""
 
     family: Annotated[
-        SSMFamily,
+        SsmFamily,
         Field(
             description=(
                 "Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state; the builtin connector "
@@ -224,20 +211,18 @@ class SSMSpec(ApiModel):
         ),
     ]
     conv_state_layout: Annotated[
-        ConvStateLayout,
+        ConvLayout,
         Field(
             description=(
                 "Memory layout of the convolution state (VLLM_SSM_CONV_STATE_LAYOUT). DS keeps each TP shard of x, B and C "
                 "contiguous so it moves as three descriptors; required when prefill and decode TP differ."
             )
         ),
-    ] = ConvStateLayout.DS
+    ] = ConvLayout.DS
 
 
 class Toleration(ApiModel):
     """A Kubernetes toleration (core/v1 Toleration)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     key: Annotated[str | None, Field(description="Taint key the toleration applies to.")] = None
     operator: Annotated[
@@ -458,9 +443,9 @@ class PDServiceSpec(ApiModel):
     """Desired state of a prefill/decode disaggregated vLLM service."""
 
     mode: Annotated[
-        Mode,
+        TransferMode,
         Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
-    ] = Mode.PUSH
+    ] = TransferMode.PUSH
     model: Annotated[ModelSpec, Field(description="The served model.")]
     ssm: Annotated[
         SSMSpec | None,
@@ -482,10 +467,15 @@ class PDServiceSpec(ApiModel):
 # ---------------------------------------------------------------- status
 
 
-class Condition(ApiModel):
-    """A Kubernetes-style condition (metav1.Condition)."""
+class StatusModel(ApiModel):
+    """Base for status objects: what the operator wrote, read back leniently (a field another version wrote is
+    dropped, not refused)."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition (metav1.Condition)."""
 
     type: Annotated[ConditionType, Field(description="Ready, Progressing, Degraded, SpecValid or KVTransferVerified.")]
     status: Annotated[ConditionStatus, Field(description="True, False or Unknown.")]
@@ -497,20 +487,16 @@ class Condition(ApiModel):
     observed_generation: Annotated[int | None, Field(description="Generation the condition was computed for.", ge=0)] = None
 
 
-class RoleStatus(ApiModel):
+class RoleStatus(StatusModel):
     """Replica counts of one role."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
     desired_replicas: Annotated[int, Field(description="Replicas the spec asks for.", ge=0)] = 0
     ready_replicas: Annotated[int, Field(description="Replicas ready to serve.", ge=0)] = 0
     summary: Annotated[str, Field(description="ready/desired, shown by kubectl get.")] = "0/0"
 
 
-class PDServiceStatus(ApiModel):
+class PDServiceStatus(StatusModel):
     """Observed state, written by the operator."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
     phase: Annotated[Phase, Field(description="Pending, Progressing, Ready, Degraded or Invalid.")] = Phase.PENDING
     observed_generation: Annotated[int | None, Field(description="metadata.generation the status describes.", ge=0)] = None

@@ -21,18 +21,18 @@ from typing import Any
 from pdoperator.api.model import (
     Architecture,
     ConnectorImpl,
-    ConvStateLayout,
+    ConvLayout,
     EFASpec,
     EngineSpec,
-    Mode,
     ModelSource,
     PDServiceSpec,
     PVCSource,
     RoleSpec,
     Runtime,
     ScrapePeer,
-    SSMFamily,
+    SsmFamily,
     Toleration,
+    TransferMode,
     TransportBackend,
 )
 
@@ -131,7 +131,7 @@ CEL_RULES: tuple[CelRule, ...] = (
             "(each decode rank needs its shard of x, B and C contiguous)"
         ),
         field_path=".ssm.convStateLayout",
-        holds=lambda spec: spec.ssm is None or not _tp_differs(spec) or spec.ssm.conv_state_layout == ConvStateLayout.DS,
+        holds=lambda spec: spec.ssm is None or not _tp_differs(spec) or spec.ssm.conv_state_layout == ConvLayout.DS,
     ),
     CelRule(
         name="upstream-connector-requires-ds-layout",
@@ -139,7 +139,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         cel="!has(self.ssm) || self.engine.connector != 'vllm' || self.ssm.convStateLayout == 'DS'",
         message="must be DS with spec.engine.connector vllm (upstream NIXL connectors transfer SSM conv state only in the DS layout)",
         field_path=".ssm.convStateLayout",
-        holds=lambda spec: spec.ssm is None or spec.engine.connector != ConnectorImpl.VLLM or spec.ssm.conv_state_layout == ConvStateLayout.DS,
+        holds=lambda spec: spec.ssm is None or spec.engine.connector != ConnectorImpl.VLLM or spec.ssm.conv_state_layout == ConvLayout.DS,
     ),
     CelRule(
         name="mamba1-requires-equal-tp",
@@ -149,7 +149,7 @@ CEL_RULES: tuple[CelRule, ...] = (
             "mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize (heterogeneous TP is unsupported for Mamba1)"
         ),
         field_path=".ssm.family",
-        holds=lambda spec: spec.ssm is None or spec.ssm.family != SSMFamily.MAMBA1 or not _tp_differs(spec),
+        holds=lambda spec: spec.ssm is None or spec.ssm.family != SsmFamily.MAMBA1 or not _tp_differs(spec),
     ),
     CelRule(
         name="mamba1-only-on-mock-with-builtin-connector",
@@ -159,7 +159,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         field_path=".ssm.family",
         holds=lambda spec: (
             spec.ssm is None
-            or spec.ssm.family != SSMFamily.MAMBA1
+            or spec.ssm.family != SsmFamily.MAMBA1
             or spec.engine.runtime != Runtime.VLLM
             or spec.engine.connector != ConnectorImpl.BUILTIN
         ),
@@ -227,7 +227,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         message="required when spec.mode is push and spec.engine.connector is vllm (the upstream push connector needs a fixed prefill engine id)",
         field_path=".engine.prefillEngineId",
         reason=Reason.REQUIRED,
-        holds=lambda spec: spec.mode != Mode.PUSH or spec.engine.connector != ConnectorImpl.VLLM or spec.engine.prefill_engine_id is not None,
+        holds=lambda spec: spec.mode != TransferMode.PUSH or spec.engine.connector != ConnectorImpl.VLLM or spec.engine.prefill_engine_id is not None,
     ),
     CelRule(
         name="fixed-prefill-engine-id-single-replica",
@@ -371,8 +371,3 @@ CEL_RULES: tuple[CelRule, ...] = (
         holds=lambda tol: tol.toleration_seconds is None or tol.effect == "NoExecute",
     ),
 )
-
-
-def rules_for(owner: type) -> tuple[CelRule, ...]:
-    """The rules attached to objects of type ``owner``, in declaration order."""
-    return tuple(rule for rule in CEL_RULES if rule.owner is owner)

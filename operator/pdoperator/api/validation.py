@@ -17,13 +17,12 @@ from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel
 
 from pdoperator.api.errors import FieldError, path_key
-from pdoperator.api.model import PDServiceSpec, RoleResources, RoleSpec, Runtime
+from pdoperator.api.model import DNS_SUBDOMAIN, PDServiceSpec, RoleResources, RoleSpec, Runtime
 from pdoperator.api.rules import CEL_RULES, CelRule
 from pdoperator.api.schema import DNS_1035_LABEL, MAX_NAME_LENGTH
 
 DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _HUGEPAGE = 2 * 1024 * 1024
 _MAX_QUANTITY = 2**63
 _DEFAULT_SHM = RoleResources.model_fields["shm_size"].default
@@ -172,7 +171,7 @@ def _check_env(role: str, spec: RoleSpec, efa_enabled: bool) -> list[FieldError]
 
 def _label_key_valid(key: str) -> bool:
     prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+    if prefix and (len(prefix) > 253 or not re.match(DNS_SUBDOMAIN, prefix)):
         return False
     return len(name) <= 63 and bool(_LABEL_NAME.match(name))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pdoperator.api.model import ConnectorImpl, Mode, PDService, Runtime
+from pdoperator.api.model import ConnectorImpl, PDService, Runtime, TransferMode
 from pdoperator.local import LocalRunError
 from pdoperator.local.tour import format_report, tour_mode
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
@@ -188,7 +188,7 @@ def local_run(path: Path) -> tuple[bool, list[str]]:
         return False, [f"{path}: cannot run locally: {error}"]
     lines = [f"Local run of {source.pds.namespace}/{source.pds.name} ({_display_path(path)}): router and mock engines on loopback"]
     with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as state_root:
-        for mode in Mode:
+        for mode in TransferMode:
             try:
                 report = tour_mode(source.pds, mode, Path(state_root) / mode.value)
             except (LocalRunError, OSError, RuntimeError, TimeoutError, KeyError, ValueError) as error:

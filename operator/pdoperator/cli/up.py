@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pdconnector.sim.tiny_model import TinyModel, write_tiny_model
 
-from pdoperator.api import ConnectorImpl, Mode, PDService, Runtime, SpecError
+from pdoperator.api import ConnectorImpl, PDService, Runtime, SpecError, TransferMode
 from pdoperator.local import LocalRunError, default_state_dir, local_variant, plan_local_run, up
 from pdoperator.render import RenderDefaults, render_pdservice
 
@@ -27,7 +27,7 @@ from .validate import EXIT_INVALID, EXIT_OK, EXIT_UNREADABLE
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, metavar="FILE", help="a file with one PDService")
-    parser.add_argument("--mode", choices=[mode.value for mode in Mode], help="override spec.mode")
+    parser.add_argument("--mode", choices=[mode.value for mode in TransferMode], help="override spec.mode")
     parser.add_argument("--engine", choices=[runtime.value for runtime in Runtime], help="override spec.engine.runtime (vllm: real vLLM engines)")
     parser.add_argument(
         "--connector", choices=[impl.value for impl in ConnectorImpl], help="override spec.engine.connector (vllm: upstream's NIXL connectors)"

@@ -27,7 +27,7 @@ from typing import Any
 from pdconnector.router.config import dump_router_config, parse_router_config
 
 from pdoperator.api import PDService, Runtime
-from pdoperator.render import LABEL_ROLE, Role
+from pdoperator.render import LABEL_ROLE, ComponentRole
 from pdoperator.render.engine import CPU_THREAD_BINDING_ENV, engine_gpus
 from pdoperator.render.identity import role_spec
 
@@ -48,7 +48,7 @@ class LocalProcess:
     """One pod of the PDService as a local process."""
 
     name: str
-    role: Role
+    role: ComponentRole
     argv: tuple[str, ...]
     env: Mapping[str, str]
     host: str
@@ -71,7 +71,7 @@ class LocalPlan:
 
     @property
     def endpoint(self) -> str:
-        return next(process.url for process in self.processes if process.role is Role.ROUTER)
+        return next(process.url for process in self.processes if process.role is ComponentRole.ROUTER)
 
 
 def loopback_subnet(namespace: str, name: str) -> str:
@@ -148,7 +148,7 @@ def _with_model_dir(argv: list[str], model_dir: Path) -> list[str]:
 
 
 def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None) -> list[LocalProcess]:
-    role = Role(statefulset["metadata"]["labels"][LABEL_ROLE])
+    role = ComponentRole(statefulset["metadata"]["labels"][LABEL_ROLE])
     container = _container(statefulset)
     http_port = next(port["containerPort"] for port in container["ports"] if port["name"] == "http")
     processes = []
@@ -194,7 +194,7 @@ def _bound_to_own_cores(pds: PDService, engines: list[LocalProcess], cores: Sequ
 
     Unbound CPU engines on one machine each spread their OpenMP threads over every core and spin
     against each other: measured here, two tiny engines decoded at ~100 ms per token instead of ~2 ms."""
-    tp = {Role.PREFILL: pds.spec.prefill.tensor_parallel_size, Role.DECODE: pds.spec.decode.tensor_parallel_size}
+    tp = {ComponentRole.PREFILL: pds.spec.prefill.tensor_parallel_size, ComponentRole.DECODE: pds.spec.decode.tensor_parallel_size}
     bindings = core_bindings([tp[engine.role] for engine in engines], cores)
     user_set = {role: any(var.name == CPU_THREAD_BINDING_ENV for var in role_spec(pds.spec, role).env) for role in tp}
     return [
@@ -214,7 +214,7 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
                 "spec.engine.runtime is vllm: a local run needs the model on this machine "
                 "(pdctl up --engine vllm writes a tiny one, or pass --model-dir DIR)"
             )
-        for role in (Role.PREFILL, Role.DECODE):
+        for role in (ComponentRole.PREFILL, ComponentRole.DECODE):
             if (gpus := engine_gpus(pds.spec, role)) > 0:
                 raise LocalRunError(f"spec.{role.value}: {gpus} GPUs per engine; a local vLLM run uses the CPU (set resources.gpus: 0)")
         vllm = _VllmSetup(model_dir, local_vllm_env(state_dir))
@@ -243,5 +243,5 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
     argv = [*container["command"], *container.get("args", [])]
     argv[argv.index("--config") + 1] = str(state_dir / ROUTER_CONFIG_FILE)
     argv += ["--host", router_host, "--port", str(pds.spec.router.port), "--health-interval", "0.5"]
-    router = LocalProcess(f"{pds.name}-router", Role.ROUTER, tuple(_executable(argv)), {}, router_host, pds.spec.router.port)
+    router = LocalProcess(f"{pds.name}-router", ComponentRole.ROUTER, tuple(_executable(argv)), {}, router_host, pds.spec.router.port)
     return LocalPlan(pds.name, pds.namespace, (*engines, router), dump_router_config(local_config))

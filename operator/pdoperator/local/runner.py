@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pdconnector.sim.cluster import Process
 
-from pdoperator.render import Role
+from pdoperator.render import ComponentRole
 
 from .plan import ROUTER_CONFIG_FILE, LocalPlan, LocalProcess
 
@@ -75,8 +75,8 @@ def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
         _write_state(state_dir, started)
         return process
 
-    engines = [local for local in plan.processes if local.role is not Role.ROUTER]
-    routers = [local for local in plan.processes if local.role is Role.ROUTER]
+    engines = [local for local in plan.processes if local.role is not ComponentRole.ROUTER]
+    routers = [local for local in plan.processes if local.role is ComponentRole.ROUTER]
     try:
         # Engines boot side by side (a vLLM engine takes most of a minute), the router once they answer.
         for local, process in [(local, start(local)) for local in engines]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdoperator.api import Mode, PDService
-from pdoperator.render import RenderDefaults, Role, render_pdservice
+from pdoperator.api import PDService, TransferMode
+from pdoperator.render import ComponentRole, RenderDefaults, render_pdservice
 
 from .plan import LocalPlan, plan_local_run
 from .runner import down, up
@@ -38,7 +38,7 @@ class ServedRequest:
 
 @dataclass(frozen=True)
 class ModeReport:
-    mode: Mode
+    mode: TransferMode
     endpoint: str
     requests: tuple[ServedRequest, ...]
     kv_bytes_received: int
@@ -69,7 +69,7 @@ def _complete(endpoint: str, model: str, prompt: str, stream: bool) -> ServedReq
 def _received_bytes(plan: LocalPlan) -> int:
     total = 0.0
     for process in plan.processes:
-        if process.role is not Role.DECODE:
+        if process.role is not ComponentRole.DECODE:
             continue
         with urllib.request.urlopen(f"{process.url}/metrics", timeout=REQUEST_TIMEOUT_S) as response:
             for family in text_string_to_metric_families(response.read().decode()):
@@ -78,7 +78,7 @@ def _received_bytes(plan: LocalPlan) -> int:
     return int(total)
 
 
-def tour_mode(pds: PDService, mode: Mode, state_dir: Path) -> ModeReport:
+def tour_mode(pds: PDService, mode: TransferMode, state_dir: Path) -> ModeReport:
     pds = pds.model_copy(update={"spec": pds.spec.model_copy(update={"mode": mode})})
     plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), state_dir)
     up(plan, state_dir)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from pdoperator.api import SpecError, parse_pdservice
 from pdoperator.api.model import Condition, ConditionType, PDService
-from pdoperator.render import RenderDefaults, Role, child_name
+from pdoperator.render import ComponentRole, RenderDefaults, child_name
 
 from .children import Action, Create, Patch, children_selector, describe, desired_children, plan
 from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
@@ -192,9 +192,9 @@ class Reconciler:
 
         kv = self._kv_condition((pds.namespace, pds.name), previous, pds.generation)
         rollouts = [
-            role_rollout(Role.PREFILL, pds.spec.prefill.replicas, _find(live, STATEFULSETS, child_name(pds, Role.PREFILL))),
-            role_rollout(Role.DECODE, pds.spec.decode.replicas, _find(live, STATEFULSETS, child_name(pds, Role.DECODE))),
-            role_rollout(Role.ROUTER, pds.spec.router.replicas, _find(live, DEPLOYMENTS, child_name(pds, Role.ROUTER))),
+            role_rollout(ComponentRole.PREFILL, pds.spec.prefill.replicas, _find(live, STATEFULSETS, child_name(pds, ComponentRole.PREFILL))),
+            role_rollout(ComponentRole.DECODE, pds.spec.decode.replicas, _find(live, STATEFULSETS, child_name(pds, ComponentRole.DECODE))),
+            role_rollout(ComponentRole.ROUTER, pds.spec.router.replicas, _find(live, DEPLOYMENTS, child_name(pds, ComponentRole.ROUTER))),
         ]
         status = healthy_status(pds, rollouts, previous=previous, kv_condition=kv, cluster_domain=self._defaults.cluster_domain, now=self._clock())
         return Outcome(actions=actions, status_written=await self._write_status(body, status))

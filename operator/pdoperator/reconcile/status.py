@@ -18,7 +18,7 @@ from pdoperator.api.model import (
     Phase,
     RoleStatus,
 )
-from pdoperator.render.names import Role
+from pdoperator.render.names import ComponentRole
 
 AWAITING_ROUTER = "AwaitingRouter"
 
@@ -30,7 +30,7 @@ OWNED_STATUS_KEYS = ("phase", "observedGeneration", "prefill", "decode", "router
 class RoleRollout:
     """What one workload child (StatefulSet or Deployment) reports about its role."""
 
-    role: Role
+    role: ComponentRole
     desired: int
     ready: int
     reported: bool  # the workload controller has written status for the current generation
@@ -41,7 +41,7 @@ class RoleRollout:
         return f"{self.ready}/{self.desired}"
 
 
-def role_rollout(role: Role, desired: int, workload: dict[str, Any] | None) -> RoleRollout:
+def role_rollout(role: ComponentRole, desired: int, workload: dict[str, Any] | None) -> RoleRollout:
     """Read a StatefulSet's or Deployment's status; a missing workload has nothing ready and is not rolled out."""
     if workload is None:
         return RoleRollout(role, desired, 0, reported=False, rolled_out=desired == 0)
@@ -149,9 +149,9 @@ def healthy_status(
     return PDServiceStatus(
         phase=phase,
         observed_generation=generation,
-        prefill=by_role.get(Role.PREFILL, RoleStatus()),
-        decode=by_role.get(Role.DECODE, RoleStatus()),
-        router=by_role.get(Role.ROUTER, RoleStatus()),
+        prefill=by_role.get(ComponentRole.PREFILL, RoleStatus()),
+        decode=by_role.get(ComponentRole.DECODE, RoleStatus()),
+        router=by_role.get(ComponentRole.ROUTER, RoleStatus()),
         router_endpoint=router_endpoint(pds, cluster_domain),
         conditions=conditions.items,
     )

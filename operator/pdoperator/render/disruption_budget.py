@@ -6,10 +6,10 @@ from typing import Any
 
 from pdoperator.api.model import PDService
 
-from .names import Role, object_meta, selector_labels
+from .names import ComponentRole, object_meta, selector_labels
 
 
-def render_pod_disruption_budget(pds: PDService, role: Role) -> dict[str, Any]:
+def render_pod_disruption_budget(pds: PDService, role: ComponentRole) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -26,4 +26,4 @@ def render_pod_disruption_budgets(pds: PDService) -> list[dict[str, Any]]:
     independently of replicas keeps the set of children fixed, so scaling only patches
     the workload and the router config.
     """
-    return [render_pod_disruption_budget(pds, role) for role in Role]
+    return [render_pod_disruption_budget(pds, role) for role in ComponentRole]

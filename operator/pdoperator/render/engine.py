@@ -12,23 +12,23 @@ from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 from pdoperator.api.model import (
     Architecture,
     ConnectorImpl,
-    Mode,
     PDService,
     PDServiceSpec,
     RoleSpec,
     Runtime,
+    TransferMode,
     TransportBackend,
 )
 
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
 from .monitoring import scrape_annotations
-from .names import LABEL_COMPAT, Role, object_labels, selector_labels
+from .names import LABEL_COMPAT, ComponentRole, object_labels, selector_labels
 
 BUILTIN_CONNECTOR_CLASS = "PDConnector"
 BUILTIN_CONNECTOR_MODULE = "pdconnector.vllm.connector"
-UPSTREAM_CONNECTOR_CLASS = {Mode.PULL: "NixlConnector", Mode.PUSH: "NixlPushConnector"}
-KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
+UPSTREAM_CONNECTOR_CLASS = {TransferMode.PULL: "NixlConnector", TransferMode.PUSH: "NixlPushConnector"}
+KV_ROLE = {ComponentRole.PREFILL: "kv_producer", ComponentRole.DECODE: "kv_consumer"}
 
 CONTAINER_NAME = "engine"
 # The container's own filesystem, not a volume: a restarted container must not find its previous life's stale heartbeat.
@@ -41,24 +41,24 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 HUGEPAGES_RESOURCE = "hugepages-2Mi"
 
 
-def engine_gpus(spec: PDServiceSpec, role: Role) -> int:
+def engine_gpus(spec: PDServiceSpec, role: ComponentRole) -> int:
     """GPUs per pod: the explicit count, else one per tensor-parallel rank."""
     rs = role_spec(spec, role)
     return rs.resources.gpus if rs.resources.gpus is not None else rs.tensor_parallel_size
 
 
-def efa_devices(spec: PDServiceSpec, role: Role) -> int:
+def efa_devices(spec: PDServiceSpec, role: ComponentRole) -> int:
     efa = spec.network.efa
     if not efa.enabled:
         return 0
-    return efa.prefill_devices if role is Role.PREFILL else efa.decode_devices
+    return efa.prefill_devices if role is ComponentRole.PREFILL else efa.decode_devices
 
 
 def served_model_name(spec: PDServiceSpec) -> str:
     return spec.model.served_name or spec.model.name
 
 
-def prefix_caching_enabled(spec: PDServiceSpec, role: Role) -> bool | None:
+def prefix_caching_enabled(spec: PDServiceSpec, role: ComponentRole) -> bool | None:
     """True/False to force prefix caching on/off, None to keep vLLM's default (on).
 
     Unset on either role of a hybrid model means off (validation rejects true there). On decode
@@ -74,7 +74,7 @@ def prefix_caching_enabled(spec: PDServiceSpec, role: Role) -> bool | None:
     return None
 
 
-def kv_transfer_config(spec: PDServiceSpec, role: Role, pod_engine_id: str) -> dict[str, Any]:
+def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: str) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a vLLM engine, selecting our connector or upstream's."""
     engine = spec.engine
     backends = [engine.transport.backend.value]
@@ -113,7 +113,7 @@ def kv_cache_layout(spec: PDServiceSpec) -> str:
     return "BLHNC"
 
 
-def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str) -> list[str]:
+def _vllm_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engine_id: str) -> list[str]:
     model = spec.model
     pvc = model.source.pvc
     args = [
@@ -139,7 +139,7 @@ def _vllm_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str
     return args
 
 
-def _mock_args(spec: PDServiceSpec, role: Role, rs: RoleSpec, pod_engine_id: str, compat_hash: str) -> list[str]:
+def _mock_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engine_id: str, compat_hash: str) -> list[str]:
     # The mock engine's transports: bytes over TCP, or NIXL (its UCX backend) over host or GPU memory.
     transport = "mock" if spec.engine.transport.backend is TransportBackend.MOCK else "nixl"
     # A pod with GPUs keeps its KV in them when NIXL moves it; the TCP mock transport can only move host memory.
@@ -184,7 +184,7 @@ def _mock_context_args(max_model_len: int | None) -> list[str]:
     return ["--max-model-len", str(max_model_len), *(["--num-blocks", str(blocks)] if blocks > MOCK_POOL_BLOCKS else [])]
 
 
-def engine_command(pds: PDService, role: Role, defaults: RenderDefaults) -> tuple[list[str], list[str]]:
+def engine_command(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container; ``$(POD_NAME)`` is expanded by the kubelet."""
     spec = pds.spec
     rs = role_spec(spec, role)
@@ -203,7 +203,7 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-def _engine_env(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> list[dict[str, Any]]:
+def _engine_env(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         # The downward-API variables come first: later values refer to them as $(VAR).
         _field_env("POD_NAME", "metadata.name"),
@@ -245,7 +245,7 @@ def _is_zero_quantity(quantity: str) -> bool:
     return re.fullmatch(r"[+-]?0*\.?0*([eE][-+]?[0-9]+|[a-zA-Z]*)", quantity) is not None
 
 
-def _engine_resources(spec: PDServiceSpec, role: Role) -> dict[str, Any]:
+def _engine_resources(spec: PDServiceSpec, role: ComponentRole) -> dict[str, Any]:
     rs = role_spec(spec, role)
     amounts: dict[str, Any] = {}
     if rs.resources.cpu is not None:
@@ -273,7 +273,7 @@ def _engine_security_context(spec: PDServiceSpec) -> dict[str, Any] | None:
     return None
 
 
-def _volumes_and_mounts(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes_and_mounts(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rs = role_spec(spec, role)
     # NCCL and NIXL exchange buffers through /dev/shm; the container default is 64Mi.
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.resources.shm_size}}]
@@ -318,18 +318,18 @@ def _engine_probes(spec: PDServiceSpec, defaults: RenderDefaults) -> dict[str, A
     }
 
 
-def _engine_affinity(pds: PDService, role: Role) -> dict[str, Any] | None:
+def _engine_affinity(pds: PDService, role: ComponentRole) -> dict[str, Any] | None:
     """The user's affinity, plus prefill/decode on different hosts when EFA carries the KV."""
     affinity = copy.deepcopy(role_spec(pds.spec, role).affinity) or {}
     if pds.spec.network.efa.enabled:
-        peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        peer = ComponentRole.DECODE if role is ComponentRole.PREFILL else ComponentRole.PREFILL
         term = {"labelSelector": {"matchLabels": selector_labels(pds, peer)}, "topologyKey": "kubernetes.io/hostname"}
         anti = affinity.setdefault("podAntiAffinity", {})
         anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
     return affinity or None
 
 
-def render_engine_pod_template(pds: PDService, role: Role, defaults: RenderDefaults) -> dict[str, Any]:
+def render_engine_pod_template(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> dict[str, Any]:
     """The pod template of one engine role's StatefulSet."""
     spec = pds.spec
     rs = role_spec(spec, role)

@@ -17,19 +17,19 @@ from typing import Any
 from pdoperator.api.model import PDServiceSpec, RoleSpec, Runtime
 
 from .defaults import RenderDefaults
-from .names import Role
+from .names import ComponentRole
 
 COMPAT_HASH_LENGTH = 10
 
 
-def engine_image(spec: PDServiceSpec, role: Role, defaults: RenderDefaults) -> str:
+def engine_image(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> str:
     """The image one engine role runs: its own override, else the service-wide one, else the operator's default for the runtime."""
     runtime_default = defaults.mock_engine_image if spec.engine.runtime is Runtime.MOCK else defaults.engine_image
     return role_spec(spec, role).image or spec.engine.image or runtime_default
 
 
-def role_spec(spec: PDServiceSpec, role: Role) -> RoleSpec:
-    return spec.prefill if role is Role.PREFILL else spec.decode
+def role_spec(spec: PDServiceSpec, role: ComponentRole) -> RoleSpec:
+    return spec.prefill if role is ComponentRole.PREFILL else spec.decode
 
 
 def _compatibility_inputs(spec: PDServiceSpec, defaults: RenderDefaults) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def _compatibility_inputs(spec: PDServiceSpec, defaults: RenderDefaults) -> dict
                 "extraArgs": role_spec(spec, role).extra_args,
                 "env": [env.model_dump(mode="json") for env in role_spec(spec, role).env],
             }
-            for role in (Role.PREFILL, Role.DECODE)
+            for role in (ComponentRole.PREFILL, ComponentRole.DECODE)
         },
     }
 
@@ -75,13 +75,13 @@ def compatibility_hash(spec: PDServiceSpec, defaults: RenderDefaults) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:COMPAT_HASH_LENGTH]
 
 
-def engine_id(spec: PDServiceSpec, role: Role, pod_name: str, compat_hash: str) -> str:
+def engine_id(spec: PDServiceSpec, role: ComponentRole, pod_name: str, compat_hash: str) -> str:
     """The engine id of one pod: ``<pod name>-<compat hash>``.
 
     ``pod_name`` is ``$(POD_NAME)`` inside the pod template (expanded by the kubelet) and
     the real pod name in the router config. A fixed ``engine.prefillEngineId`` (needed by
     upstream's push connector) replaces the prefill engines' ids verbatim.
     """
-    if role is Role.PREFILL and spec.engine.prefill_engine_id:
+    if role is ComponentRole.PREFILL and spec.engine.prefill_engine_id:
         return spec.engine.prefill_engine_id
     return f"{pod_name}-{compat_hash}"

@@ -19,21 +19,23 @@ LABEL_COMPAT = f"{GROUP}/compat"
 PRODUCT = "pd-operator"
 
 
-class Role(StrEnum):
+class ComponentRole(StrEnum):
+    """A child's ``inference.pdoperator.dev/role`` label; the engine roles are the data plane's ``EngineRole``."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
 
 
-ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+ENGINE_ROLES = (ComponentRole.PREFILL, ComponentRole.DECODE)
 
 
-def child_name(pds: PDService, role: Role) -> str:
+def child_name(pds: PDService, role: ComponentRole) -> str:
     """``<name>-prefill``, ``<name>-decode``, ``<name>-router``: every child of a role shares it."""
     return f"{pds.name}-{role.value}"
 
 
-def selector_labels(pds: PDService, role: Role) -> dict[str, str]:
+def selector_labels(pds: PDService, role: ComponentRole) -> dict[str, str]:
     """The labels that select one role's pods; immutable on a workload, so nothing here may change over its life."""
     return {LABEL_NAME: PRODUCT, LABEL_INSTANCE: pds.name, LABEL_ROLE: role.value}
 
@@ -48,24 +50,24 @@ def managed_labels(pds: PDService, component: str) -> dict[str, str]:
     return {**instance_labels(pds), LABEL_COMPONENT: component, LABEL_MANAGED_BY: PRODUCT}
 
 
-def object_labels(pds: PDService, role: Role) -> dict[str, str]:
+def object_labels(pds: PDService, role: ComponentRole) -> dict[str, str]:
     """Labels of a role's objects (and pods): every child carries the instance label the operator watches by."""
     return {**selector_labels(pds, role), LABEL_COMPONENT: role.value, LABEL_MANAGED_BY: PRODUCT}
 
 
-def object_meta(pds: PDService, role: Role, name: str | None = None) -> dict[str, Any]:
+def object_meta(pds: PDService, role: ComponentRole, name: str | None = None) -> dict[str, Any]:
     return {"name": name or child_name(pds, role), "namespace": pds.namespace, "labels": object_labels(pds, role)}
 
 
-def pod_name(pds: PDService, role: Role, ordinal: int) -> str:
+def pod_name(pds: PDService, role: ComponentRole, ordinal: int) -> str:
     return f"{child_name(pds, role)}-{ordinal}"
 
 
-def service_dns_name(pds: PDService, role: Role, cluster_domain: str) -> str:
+def service_dns_name(pds: PDService, role: ComponentRole, cluster_domain: str) -> str:
     return f"{child_name(pds, role)}.{pds.namespace}.svc.{cluster_domain}"
 
 
-def pod_dns_name(pds: PDService, role: Role, ordinal: int, cluster_domain: str) -> str:
+def pod_dns_name(pds: PDService, role: ComponentRole, ordinal: int, cluster_domain: str) -> str:
     """The stable name a StatefulSet pod gets through its headless Service."""
     return f"{pod_name(pds, role, ordinal)}.{service_dns_name(pds, role, cluster_domain)}"
 

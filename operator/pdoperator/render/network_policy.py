@@ -11,7 +11,7 @@ from .names import (
     ENGINE_ROLES,
     LABEL_ROLE,
     ROUTER_HTTP_PORT,
-    Role,
+    ComponentRole,
     child_name,
     instance_labels,
     managed_labels,
@@ -47,7 +47,7 @@ def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
     http_only = [{"protocol": "TCP", "port": pds.spec.engine.port}]
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _engine_pods(pds)}]},
-        {"from": [{"podSelector": {"matchLabels": selector_labels(pds, Role.ROUTER)}}], "ports": http_only},
+        {"from": [{"podSelector": {"matchLabels": selector_labels(pds, ComponentRole.ROUTER)}}], "ports": http_only},
     ]
     if scrapers := scraper_peers(pds):
         ingress.append({"from": scrapers, "ports": http_only})
@@ -58,9 +58,9 @@ def render_router_network_policy(pds: PDService) -> dict[str, Any]:
     """Ingress of the router pods: the OpenAI port from anywhere, so it works under a namespace's default-deny."""
     return _policy(
         pds,
-        child_name(pds, Role.ROUTER),
-        object_labels(pds, Role.ROUTER),
-        {"matchLabels": selector_labels(pds, Role.ROUTER)},
+        child_name(pds, ComponentRole.ROUTER),
+        object_labels(pds, ComponentRole.ROUTER),
+        {"matchLabels": selector_labels(pds, ComponentRole.ROUTER)},
         [{"ports": [{"protocol": "TCP", "port": ROUTER_HTTP_PORT}]}],
     )
 

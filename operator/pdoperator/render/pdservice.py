@@ -8,7 +8,7 @@ from pdoperator.api.model import PDService
 
 from .defaults import RenderDefaults
 from .disruption_budget import render_pod_disruption_budgets
-from .names import Role
+from .names import ComponentRole
 from .network_policy import render_network_policies
 from .router import render_router_configmap, render_router_deployment
 from .service import render_headless_service, render_router_service
@@ -27,8 +27,8 @@ def render_pdservice(pds: PDService, defaults: RenderDefaults) -> list[dict[str,
         *render_network_policies(pds),
         *render_pod_disruption_budgets(pds),
         render_router_configmap(pds, defaults),
-        render_headless_service(pds, Role.PREFILL),
-        render_headless_service(pds, Role.DECODE),
+        render_headless_service(pds, ComponentRole.PREFILL),
+        render_headless_service(pds, ComponentRole.DECODE),
         render_router_service(pds),
         render_router_deployment(pds, defaults),
         render_prefill_statefulset(pds, defaults),

@@ -23,7 +23,7 @@ from .monitoring import scrape_annotations
 from .names import (
     ENGINE_ROLES,
     ROUTER_HTTP_PORT,
-    Role,
+    ComponentRole,
     child_name,
     object_labels,
     object_meta,
@@ -37,7 +37,7 @@ CONFIG_DIR = "/etc/pd-router"
 CONTAINER_NAME = "router"
 
 
-def _role_backends(pds: PDService, role: Role, compat: str, defaults: RenderDefaults) -> RoleBackends:
+def _role_backends(pds: PDService, role: ComponentRole, compat: str, defaults: RenderDefaults) -> RoleBackends:
     spec = pds.spec
     rs = role_spec(spec, role)
     return RoleBackends(
@@ -90,7 +90,7 @@ def render_router_configmap(pds: PDService, defaults: RenderDefaults) -> dict[st
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": object_meta(pds, Role.ROUTER),
+        "metadata": object_meta(pds, ComponentRole.ROUTER),
         "data": {ROUTER_CONFIG_FILENAME: dump_router_config(build_router_config(pds, defaults))},
     }
 
@@ -125,7 +125,7 @@ def _router_container(pds: PDService, defaults: RenderDefaults) -> dict[str, Any
 
 
 def _router_pod_metadata(pds: PDService) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"labels": object_labels(pds, Role.ROUTER)}
+    metadata: dict[str, Any] = {"labels": object_labels(pds, ComponentRole.ROUTER)}
     if annotations := scrape_annotations(pds, ROUTER_HTTP_PORT):
         metadata["annotations"] = annotations
     return metadata
@@ -136,10 +136,10 @@ def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[s
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(pds, Role.ROUTER),
+        "metadata": object_meta(pds, ComponentRole.ROUTER),
         "spec": {
             "replicas": pds.spec.router.replicas,
-            "selector": {"matchLabels": selector_labels(pds, Role.ROUTER)},
+            "selector": {"matchLabels": selector_labels(pds, ComponentRole.ROUTER)},
             "template": {
                 "metadata": _router_pod_metadata(pds),
                 "spec": {
@@ -147,7 +147,7 @@ def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[s
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "containers": [_router_container(pds, defaults)],
-                    "volumes": [{"name": "config", "configMap": {"name": child_name(pds, Role.ROUTER)}}],
+                    "volumes": [{"name": "config", "configMap": {"name": child_name(pds, ComponentRole.ROUTER)}}],
                 },
             },
         },

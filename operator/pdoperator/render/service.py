@@ -6,10 +6,10 @@ from typing import Any
 
 from pdoperator.api.model import PDService
 
-from .names import Role, object_meta, selector_labels
+from .names import ComponentRole, object_meta, selector_labels
 
 
-def render_headless_service(pds: PDService, role: Role) -> dict[str, Any]:
+def render_headless_service(pds: PDService, role: ComponentRole) -> dict[str, Any]:
     """Governing Service of an engine StatefulSet: DNS records of ready pods only."""
     return {
         "apiVersion": "v1",
@@ -32,10 +32,10 @@ def render_router_service(pds: PDService) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(pds, Role.ROUTER),
+        "metadata": object_meta(pds, ComponentRole.ROUTER),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(pds, Role.ROUTER),
+            "selector": selector_labels(pds, ComponentRole.ROUTER),
             "ports": [{"name": "http", "port": pds.spec.router.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }

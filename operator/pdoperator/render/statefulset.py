@@ -9,10 +9,10 @@ from pdoperator.api.model import PDService
 from .defaults import RenderDefaults
 from .engine import render_engine_pod_template
 from .identity import role_spec
-from .names import Role, child_name, object_meta, selector_labels
+from .names import ComponentRole, child_name, object_meta, selector_labels
 
 
-def render_engine_statefulset(pds: PDService, role: Role, defaults: RenderDefaults) -> dict[str, Any]:
+def render_engine_statefulset(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -30,8 +30,8 @@ def render_engine_statefulset(pds: PDService, role: Role, defaults: RenderDefaul
 
 
 def render_prefill_statefulset(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    return render_engine_statefulset(pds, Role.PREFILL, defaults)
+    return render_engine_statefulset(pds, ComponentRole.PREFILL, defaults)
 
 
 def render_decode_statefulset(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    return render_engine_statefulset(pds, Role.DECODE, defaults)
+    return render_engine_statefulset(pds, ComponentRole.DECODE, defaults)

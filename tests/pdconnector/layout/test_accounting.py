@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, SsmSpec, format_volume_table, transfer_volume, transfer_volume_table
+from pdconnector.layout import AttentionSpec, KVModel, LayerKind, SsmSpec, format_volume_table, transfer_volume, transfer_volume_table
 
 
-def _hybrid(kernel_block: int) -> ModelSpec:
+def _hybrid(kernel_block: int) -> KVModel:
     attention = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
     ssm = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
-    return ModelSpec((LayerKind.SSM,) * 6 + (LayerKind.ATTENTION,) * 2, 1312, attention, ssm, kernel_block)
+    return KVModel((LayerKind.SSM,) * 6 + (LayerKind.ATTENTION,) * 2, 1312, attention, ssm, kernel_block)
 
 
 def test_attention_volume_grows_with_length_and_ssm_volume_does_not() -> None:

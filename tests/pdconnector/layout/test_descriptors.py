@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdconnector.layout import AttentionLayout, AttentionSpec, ConvLayout, LayerKind, ModelSpec, RankLayout, SsmSpec, plan_transfer
+from pdconnector.layout import AttentionLayout, AttentionSpec, ConvLayout, KVModel, LayerKind, RankLayout, SsmSpec, plan_transfer
 from pdconnector.layout.descriptors import descriptor_ids, descriptor_tables
 
 LAYERS = (LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM)
 
 
-def _model(attention_layout: AttentionLayout, conv_layout: ConvLayout, gdn: bool) -> ModelSpec:
+def _model(attention_layout: AttentionLayout, conv_layout: ConvLayout, gdn: bool) -> KVModel:
     attention = AttentionSpec(num_kv_heads=4, head_dim=4, dtype_bytes=2, layout=attention_layout)
     if gdn:
         ssm = SsmSpec.gdn(
@@ -24,7 +24,7 @@ def _model(attention_layout: AttentionLayout, conv_layout: ConvLayout, gdn: bool
         ssm = SsmSpec.mamba2(
             num_heads=8, head_dim=2, n_groups=4, state_size=2, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=conv_layout
         )
-    return ModelSpec(LAYERS, 16, attention, ssm, kernel_block_size=4)
+    return KVModel(LAYERS, 16, attention, ssm, kernel_block_size=4)
 
 
 MODELS = [_model(a, c, g) for a, c, g in itertools.product(AttentionLayout, ConvLayout, (False, True))]

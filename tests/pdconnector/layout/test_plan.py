@@ -15,8 +15,8 @@ from pdconnector.layout import (
     AttentionSpec,
     BlockPlacement,
     ConvLayout,
+    KVModel,
     LayerKind,
-    ModelSpec,
     RankLayout,
     SsmFamily,
     SsmSpec,
@@ -64,7 +64,7 @@ def _ssm_spec(draw: st.DrawFn, family: SsmFamily) -> SsmSpec:
 
 
 @st.composite
-def models(draw: st.DrawFn, family: str | None = None) -> ModelSpec:
+def models(draw: st.DrawFn, family: str | None = None) -> KVModel:
     family = family or draw(st.sampled_from(("attention", "mamba2", "gdn", "mamba1")))
     has_attention = family == "attention" or draw(st.booleans())
     attention = ssm = None
@@ -84,19 +84,19 @@ def models(draw: st.DrawFn, family: str | None = None) -> ModelSpec:
     layers = tuple(draw(st.permutations([*kinds, *extra])))
     if attention is None:
         block_size = draw(st.sampled_from((4, 16)))
-        return ModelSpec(layers, block_size, None, ssm)
+        return KVModel(layers, block_size, None, ssm)
     kernel_block = draw(st.sampled_from((1, 2, 3)))
     unit = kernel_block * draw(st.sampled_from((1, 2, 3)))
     needed = 1
     if ssm is not None:
         needed = -(-sum(s.nbytes for s in ssm.segments) // (unit * attention.bytes_per_token))
     block_size = unit * (max(needed, 1) + draw(st.sampled_from((0, 1))))
-    return ModelSpec(layers, block_size, attention, ssm, kernel_block)
+    return KVModel(layers, block_size, attention, ssm, kernel_block)
 
 
 @dataclass(frozen=True)
 class Case:
-    model: ModelSpec
+    model: KVModel
     p_tp: int
     d_tp: int
     p_blocks: int
@@ -151,7 +151,7 @@ def cases(draw: st.DrawFn, family: str | None = None) -> Case:
     return Case(model, p_tp, d_tp, p_blocks, d_blocks, src, dst, num_tokens, draw(placements), draw(placements))
 
 
-def placements_for(model: ModelSpec) -> list[BlockPlacement]:
+def placements_for(model: KVModel) -> list[BlockPlacement]:
     """What vLLM can build for the model: block-outer caches are never split into kernel blocks, head-outer ones
     hold head-major attention only."""
     if model.physical_blocks_per_logical != 1:
@@ -391,12 +391,12 @@ def _hybrid_case(name: str, p_tp: int, d_tp: int) -> Case:
     attention = AttentionSpec(num_kv_heads=4, head_dim=8, dtype_bytes=2, layout=layout or AttentionLayout.PACKED_HND)
     kernel_block = 4
     if ssm is None:
-        model = ModelSpec((LayerKind.ATTENTION,) * 3, 8, attention, None, kernel_block)
+        model = KVModel((LayerKind.ATTENTION,) * 3, 8, attention, None, kernel_block)
         src, dst = ((3, 4, 5),), ((9, 2, 0),)
     else:
         layers = (LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION)
         needed = -(-sum(s.nbytes for s in ssm.segments) // (2 * kernel_block * attention.bytes_per_token))
-        model = ModelSpec(layers, 2 * kernel_block * needed, attention, ssm, kernel_block)
+        model = KVModel(layers, 2 * kernel_block * needed, attention, ssm, kernel_block)
         # groups: ssm (layers 0, 3), ssm (1, 4), attention (2, 5)
         src, dst = ((7,), (2,), (3, 4, 5)), ((1,), (6,), (8, 9, 3))
     return Case(model, p_tp, d_tp, 10, 11, src, dst, num_tokens=None)
@@ -446,11 +446,11 @@ def test_trimmed_attention_leaves_the_empty_tail_of_the_last_logical_block_untou
 # Exact shapes of the plan
 
 
-def _nemotron_like(kernel_block: int = 16, ratio: int = 1) -> ModelSpec:
+def _nemotron_like(kernel_block: int = 16, ratio: int = 1) -> KVModel:
     attention = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
     ssm = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
     layers = (LayerKind.SSM, LayerKind.ATTENTION) * 2
-    return ModelSpec(layers, 1312, attention, ssm, 1312 // ratio if ratio > 1 else 1312)
+    return KVModel(layers, 1312, attention, ssm, 1312 // ratio if ratio > 1 else 1312)
 
 
 def test_homogeneous_ssm_block_goes_as_one_descriptor_of_real_bytes_and_conv_as_three_before_merging() -> None:
@@ -512,8 +512,8 @@ def test_kernel_blocks_subdivide_logical_blocks_for_attention_only() -> None:
     assert merged.length[:2].tolist() == [p.attention_page_bytes + 4 * p.physical_page_bytes] * 2
 
 
-def _qwen_like(layers: int = 4, heads: int = 8) -> ModelSpec:
-    return ModelSpec((LayerKind.ATTENTION,) * layers, 16, AttentionSpec(num_kv_heads=heads, head_dim=128, dtype_bytes=2))
+def _qwen_like(layers: int = 4, heads: int = 8) -> KVModel:
+    return KVModel((LayerKind.ATTENTION,) * layers, 16, AttentionSpec(num_kv_heads=heads, head_dim=128, dtype_bytes=2))
 
 
 SCATTERED = [[9, 2, 7, 4]]
@@ -580,7 +580,7 @@ def test_placements_vllm_cannot_build_are_refused() -> None:
         RankLayout(_nemotron_like(ratio=41), 1, 0, 4, BlockPlacement.BLOCK_OUTER)
     with pytest.raises(ValueError, match="needs block_outer"):
         RankLayout(_nemotron_like(), 1, 0, 4, BlockPlacement.HEAD_OUTER)
-    nhd = ModelSpec((LayerKind.ATTENTION,), 16, AttentionSpec(2, 8, 2, AttentionLayout.PACKED_NHD))
+    nhd = KVModel((LayerKind.ATTENTION,), 16, AttentionSpec(2, 8, 2, AttentionLayout.PACKED_NHD))
     with pytest.raises(ValueError, match="head-major"):
         RankLayout(nhd, 1, 0, 4, BlockPlacement.HEAD_OUTER)
 
@@ -664,12 +664,12 @@ def test_unsupported_tp_combinations_are_refused() -> None:
     with pytest.raises(ValueError, match="prefill TP 2 and decode TP 3 must divide one another"):
         writers_for(0, 2, 3)
     attention = AttentionSpec(num_kv_heads=6, head_dim=4, dtype_bytes=2)
-    model = ModelSpec((LayerKind.ATTENTION,), 16, attention)
+    model = KVModel((LayerKind.ATTENTION,), 16, attention)
     with pytest.raises(ValueError, match="must divide one another"):
         plan_transfer(RankLayout(model, 2, 0, 4), RankLayout(model, 3, 0, 4), [[0]], [[0]])
     with pytest.raises(ValueError, match=r"num_kv_heads \(6\) is not divisible by tp_size 4"):
         RankLayout(model, 4, 0, 4)
-    mamba1 = ModelSpec(
+    mamba1 = KVModel(
         (LayerKind.SSM,), 16, None, SsmSpec.mamba1(intermediate_size=8, state_size=2, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
     )
     with pytest.raises(ValueError, match="mamba1 state transfer needs equal TP"):
@@ -678,7 +678,7 @@ def test_unsupported_tp_combinations_are_refused() -> None:
 
 def test_different_models_are_refused() -> None:
     a = _nemotron_like()
-    b = ModelSpec(a.layers, a.block_size * 2, a.attention, a.ssm)
+    b = KVModel(a.layers, a.block_size * 2, a.attention, a.ssm)
     with pytest.raises(ValueError, match="models differ in block_size"):
         plan_transfer(RankLayout(a, 1, 0, 4), RankLayout(b, 1, 0, 4), [[0], [1]], [[0], [1]])
 

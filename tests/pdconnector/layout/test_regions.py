@@ -6,8 +6,8 @@ import pytest
 from pdconnector.layout import (
     AttentionSpec,
     ConvLayout,
+    KVModel,
     LayerKind,
-    ModelSpec,
     RankLayout,
     SsmFamily,
     SsmSpec,
@@ -123,7 +123,7 @@ def test_conv_layout_sd_interleaves_sub_projections_per_row() -> None:
     ssm = SsmSpec.mamba2(
         num_heads=4, head_dim=2, n_groups=2, state_size=3, conv_kernel=3, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=ConvLayout.SD
     )
-    rank = RankLayout(ModelSpec((LayerKind.SSM,), 16, None, ssm), 2, 0, 2)
+    rank = RankLayout(KVModel((LayerKind.SSM,), 16, None, ssm), 2, 0, 2)
     # two rows of [x (2 heads x 2), B (1 group x 3), C (1 x 3)] x 2 B, then the temporal state 2 x 2 x 3 x 4 B
     assert rank.ssm_schema.sizes.tolist() == [8, 6, 6, 8, 6, 6, 48]
     assert rank.page_bytes == rank.ssm_state_bytes == 88
@@ -133,9 +133,9 @@ def test_invalid_descriptions_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="num_kv_heads must be a positive integer"):
         AttentionSpec(0, 4, 2)
     with pytest.raises(ValueError, match="kernel_block_size 5 must divide block_size 16"):
-        ModelSpec((LayerKind.ATTENTION,), 16, AttentionSpec(2, 4, 2), None, 5)
-    with pytest.raises(ValueError, match=r"ModelSpec\.ssm is required"):
-        ModelSpec((LayerKind.SSM,), 16, AttentionSpec(2, 4, 2))
+        KVModel((LayerKind.ATTENTION,), 16, AttentionSpec(2, 4, 2), None, 5)
+    with pytest.raises(ValueError, match=r"KVModel\.ssm is required"):
+        KVModel((LayerKind.SSM,), 16, AttentionSpec(2, 4, 2))
     with pytest.raises(ValueError, match="HF config field 'mamba_head_dim' must be a positive integer"):
         model_from_hf_config({**NEMOTRON_NANO_9B_V2, "mamba_head_dim": None})
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
@@ -143,11 +143,11 @@ def test_invalid_descriptions_are_refused_naming_the_field() -> None:
     model = model_from_hf_config(NEMOTRON_NANO_9B_V2)
     with pytest.raises(ValueError, match=r"attention num_kv_heads \(8\) is not divisible by tp_size 16"):
         RankLayout(model, 16, 0, 4)
-    mamba_only = ModelSpec((LayerKind.SSM,), 16, None, model.ssm)
+    mamba_only = KVModel((LayerKind.SSM,), 16, None, model.ssm)
     with pytest.raises(ValueError, match=r"mamba2 conv projection B units \(8\) is not divisible by tp_size 16"):
         RankLayout(mamba_only, 16, 0, 4)
     with pytest.raises(ValueError, match=r"tp_rank 2 must lie in \[0, tp_size=2\)"):
         RankLayout(model, 2, 2, 4)
-    small = ModelSpec(model.layers, 16, model.attention, model.ssm)
+    small = KVModel(model.layers, 16, model.attention, model.ssm)
     with pytest.raises(ValueError, match="smaller than the SSM state"):
         RankLayout(small, 1, 0, 4)

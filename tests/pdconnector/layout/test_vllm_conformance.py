@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from pdconnector.layout import AttentionSpec, LayerKind, ModelSpec, RankLayout, SsmSpec, group_layers, shard_pieces
+from pdconnector.layout import AttentionSpec, KVModel, LayerKind, RankLayout, SsmSpec, group_layers, shard_pieces
 
 pytest.importorskip("vllm", reason="vLLM is the optional 'engine' extra")
 
@@ -57,7 +57,7 @@ def vllm_mamba_spec(v: SimpleNamespace, ssm: SsmSpec, tp: int):
 
 
 def _rank(ssm: SsmSpec, tp: int, rank: int = 0) -> RankLayout:
-    return RankLayout(ModelSpec((LayerKind.SSM,), 1024, None, ssm), tp, rank, 4)
+    return RankLayout(KVModel((LayerKind.SSM,), 1024, None, ssm), tp, rank, 4)
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -99,7 +99,7 @@ def test_heterogeneous_conv_offsets_match_upstream_formulas(vllm, ssm: SsmSpec, 
 @pytest.mark.parametrize("tp", TPS)
 def test_attention_page_bytes_and_head_major_order_match_vllm(vllm, tp: int) -> None:
     attention = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
-    model = ModelSpec((LayerKind.ATTENTION,), 64, attention, None, kernel_block_size=16)
+    model = KVModel((LayerKind.ATTENTION,), 64, attention, None, kernel_block_size=16)
     rank = RankLayout(model, tp, 0, 10)
     spec = vllm.iface.FullAttentionSpec(block_size=64, num_kv_heads=8 // tp, head_size=128, dtype=vllm.torch.bfloat16)
     assert rank.attention_page_bytes == spec.page_size_bytes

@@ -4,7 +4,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from pdconnector.layout.plan import writers_for
 from pdconnector.protocol.completion import AbortWriters, CompletionTracker, PollResult, ReceivedTransfer
-from pdconnector.protocol.messages import CompletionMessage, FailureMessage, FailureReason, Side
+from pdconnector.protocol.messages import CompletionMessage, FailureMessage, FailureReason
+from pdconnector.protocol.params import EngineRole
 
 
 def completion(rank: int, attempt: int = 0, transfer_id: str = "tx-1", nbytes: int = 100, tp: int = 4) -> CompletionMessage:
@@ -12,7 +13,7 @@ def completion(rank: int, attempt: int = 0, transfer_id: str = "tx-1", nbytes: i
 
 
 def failure(attempt: int = 0, reason: FailureReason = FailureReason.WRITE_FAILED, transfer_id: str = "tx-1", rank: int = 2) -> FailureMessage:
-    return FailureMessage(transfer_id=transfer_id, attempt=attempt, side=Side.PREFILL, rank=rank, reason=reason, detail="remote disconnect")
+    return FailureMessage(transfer_id=transfer_id, attempt=attempt, side=EngineRole.PREFILL, rank=rank, reason=reason, detail="remote disconnect")
 
 
 FENCE_S = 50.0
@@ -75,7 +76,7 @@ def test_a_failure_from_one_writer_fences_the_transfer_and_aborts_the_others(tra
     assert tracker.fenced() == 1
     assert tracker.on_failure(failure(rank=3, reason=FailureReason.CANCELLED), now=0.6)  # rank 3's answer: nothing in flight
     (failed,) = tracker.poll(now=0.6).failed
-    assert (failed.side, failed.reason, failed.attempt, failed.unconfirmed) == (Side.PREFILL, FailureReason.WRITE_FAILED, 0, ())
+    assert (failed.side, failed.reason, failed.attempt, failed.unconfirmed) == (EngineRole.PREFILL, FailureReason.WRITE_FAILED, 0, ())
     assert "remote disconnect" in failed.detail
     assert tracker.fenced() == 0 and "tx-1" not in tracker
 
@@ -122,7 +123,7 @@ def test_at_the_deadline_the_silent_writers_are_aborted_and_the_blocks_kept_for_
     assert tracker.next_deadline() == 10.0 + FENCE_S
     assert tracker.poll(now=10.0 + FENCE_S - 0.01) == PollResult()
     (failed,) = tracker.poll(now=10.0 + FENCE_S).failed
-    assert (failed.side, failed.reason, failed.unconfirmed) == (Side.DECODE, FailureReason.TIMEOUT, (3,))
+    assert (failed.side, failed.reason, failed.unconfirmed) == (EngineRole.DECODE, FailureReason.TIMEOUT, (3,))
     assert len(tracker) == 0
 
 
@@ -148,7 +149,7 @@ def test_a_cancel_aborts_every_writer_and_fences_from_the_deadline_not_from_now(
     assert result.aborts == (AbortWriters("tx-1", 0, (2, 3), "cancelled: client went away"),)
     assert tracker.poll(now=10.0 + FENCE_S - 0.01).failed == ()  # a silent writer may post until the registration's lifetime ends
     (failed,) = tracker.poll(now=10.0 + FENCE_S).failed
-    assert (failed.side, failed.reason, failed.unconfirmed) == (Side.DECODE, FailureReason.CANCELLED, (2, 3))
+    assert (failed.side, failed.reason, failed.unconfirmed) == (EngineRole.DECODE, FailureReason.CANCELLED, (2, 3))
 
 
 def test_writers_known_gone_end_the_fence_after_the_grace(tracker):

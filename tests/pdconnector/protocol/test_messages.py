@@ -15,11 +15,11 @@ from pdconnector.protocol.messages import (
     ProtocolError,
     ReadDoneMessage,
     RegistrationMessage,
-    Side,
     decode,
     encode,
     rejection_notice,
 )
+from pdconnector.protocol.params import EngineRole
 
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 
@@ -100,7 +100,7 @@ failures = st.builds(
     FailureMessage,
     transfer_id=ids,
     attempt=attempts,
-    side=st.sampled_from(Side),
+    side=st.sampled_from(EngineRole),
     rank=st.integers(0, 1023),
     reason=st.sampled_from(FailureReason),
     detail=st.text(max_size=100),
@@ -332,7 +332,7 @@ def test_a_refused_registration_with_a_readable_id_gets_a_failure_notice_naming_
     notice = refusal_of(frame(raw_registration(transfer_id="tx-7", attempt=2, block_ids=[[1, 500]])))
     assert notice is not None
     assert (notice.transfer_id, notice.attempt, notice.rank) == ("tx-7", 2, 3)
-    assert (notice.side, notice.reason) == (Side.PREFILL, FailureReason.INVALID_REGISTRATION)
+    assert (notice.side, notice.reason) == (EngineRole.PREFILL, FailureReason.INVALID_REGISTRATION)
     assert notice.detail.startswith("block_ids[0][1]: ")
 
 

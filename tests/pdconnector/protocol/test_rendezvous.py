@@ -1,7 +1,8 @@
 from typing import TypeVar
 
 import pytest
-from pdconnector.protocol.messages import AbortMessage, FailureReason, Side
+from pdconnector.protocol.messages import AbortMessage, FailureReason
+from pdconnector.protocol.params import EngineRole
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
     Closed,
@@ -262,7 +263,7 @@ def test_a_lost_prefill_expires_the_registration_and_tells_decode(registration):
     assert kinds(events) == [NotifyDecode, Closed]
     notify, closed = events
     assert notify.agent == registration().agent_name
-    assert notify.message.side is Side.PREFILL
+    assert notify.message.side is EngineRole.PREFILL
     assert notify.message.reason is FailureReason.LEASE_EXPIRED
     assert (closed.outcome, closed.blocks) == (Outcome.EXPIRED, None)
 

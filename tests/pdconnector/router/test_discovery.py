@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdconnector.router.backends import Role
+from pdconnector.protocol.params import EngineRole
 from pdconnector.router.discovery import AddressBook, backend_specs, resolve_address
 
 
@@ -28,7 +28,7 @@ async def test_names_that_do_not_resolve_keep_their_last_address(cluster):
     )
     await book.refresh(renamed)  # the name does not resolve here: the previous answer stays
     specs = backend_specs(renamed, book.addresses)
-    prefill = next(s for s in specs if s.role is Role.PREFILL)
+    prefill = next(s for s in specs if s.role is EngineRole.PREFILL)
     assert prefill.host == "10.1.2.3"
 
 

@@ -6,15 +6,16 @@ import asyncio
 import math
 
 import aiohttp
+from pdconnector.protocol.params import EngineRole
 from pdconnector.router.app import RouterOptions
-from pdconnector.router.backends import BackendPool, BackendSpec, Role
+from pdconnector.router.backends import BackendPool, BackendSpec
 from pdconnector.router.health import HealthSettings, probe_all
 
 
 async def test_probe_ejects_after_threshold_and_readmits_on_success(cluster):
     pool = BackendPool()
     engine = cluster.decode[0]
-    pool.replace([BackendSpec(name=engine.name, role=Role.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
+    pool.replace([BackendSpec(name=engine.name, role=EngineRole.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
     backend = pool.all()[0]
     settings = HealthSettings(timeout_s=0.5, failures_to_eject=2)
     async with aiohttp.ClientSession() as session:
@@ -47,7 +48,7 @@ async def test_advertised_compat_hash_is_learned_from_health(cluster):
     engine = cluster.prefill[0]
     engine.health_body = {"status": "ok", "compat_hash": "old"}
     pool.replace(
-        [BackendSpec(name=engine.name, role=Role.PREFILL, host=engine.host, http_port=cluster.prefill_port, engine_id="p0", compat_hash="new")]
+        [BackendSpec(name=engine.name, role=EngineRole.PREFILL, host=engine.host, http_port=cluster.prefill_port, engine_id="p0", compat_hash="new")]
     )
     async with aiohttp.ClientSession() as session:
         await probe_all(session, pool, HealthSettings())
@@ -57,7 +58,7 @@ async def test_advertised_compat_hash_is_learned_from_health(cluster):
 async def test_one_unanswered_health_check_does_not_eject_a_busy_backend(cluster):
     pool = BackendPool()
     engine = cluster.decode[0]
-    pool.replace([BackendSpec(name=engine.name, role=Role.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
+    pool.replace([BackendSpec(name=engine.name, role=EngineRole.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
     backend = pool.all()[0]
     settings = HealthSettings(timeout_s=0.2, failures_to_eject=2)
     engine.health_stalls = 1

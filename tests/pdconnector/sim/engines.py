@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
+from pdconnector.protocol.params import EngineRole
+from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine
 from pdconnector.sim.metrics import EngineMetrics
-from pdconnector.sim.mover import create_mover
+from pdconnector.sim.movers import create_mover
 from pdconnector.sim.pool import KVDevice, KVPool
 from pdconnector.sim.server import create_engine_app
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,7 +54,7 @@ async def engine_servers(transport: str, device: KVDevice = KVDevice.CPU) -> Asy
     clients: list[TestClient] = []
 
     async def serve(
-        role: Role, name: str, *, transfer_timeout_s: float = 5.0, lease_s: float = 5.0, prefill_s: float = 0.0, decode_s: float = 0.0
+        role: EngineRole | None, name: str, *, transfer_timeout_s: float = 5.0, lease_s: float = 5.0, prefill_s: float = 0.0, decode_s: float = 0.0
     ) -> tuple[TestClient, MockEngine]:
         pool = KVPool(64, 16, device=device)
         mover = create_mover(transport, pool=pool, engine_id=name, host="127.0.0.1", side_channel_port=0, lease_s=lease_s)

@@ -10,11 +10,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from pdconnector.protocol.params import TransferMode, mint_transfer_id, prefill_leg_params, pull_decode_leg_params, push_decode_leg_params
+from pdconnector.protocol.params import EngineRole, TransferMode, mint_transfer_id, prefill_leg_params, pull_decode_leg_params, push_decode_leg_params
 from pdconnector.sim.cluster import LocalCluster
-from pdconnector.sim.engine import Role
 from pdconnector.sim.model import prefill, reference_tokens, tokenize
-from pdconnector.sim.mover import mover_unavailable_reason
+from pdconnector.sim.movers import mover_unavailable_reason
 from pdconnector.sim.pool import KVDevice, KVPool
 from pdconnector.sim.worker_mover import memory_regions
 from pdconnector.transport.base import Device
@@ -62,7 +61,7 @@ async def gpu_pair():
 
 
 async def test_nixl_moves_a_prompts_kv_between_gpu_pools_in_push_and_pull(gpu_pair):
-    (p_client, prefill_engine), (d_client, decode_engine) = await gpu_pair(Role.PREFILL, "p0"), await gpu_pair(Role.DECODE, "d0")
+    (p_client, prefill_engine), (d_client, decode_engine) = await gpu_pair(EngineRole.PREFILL, "p0"), await gpu_pair(EngineRole.DECODE, "d0")
     page_bytes = prefill_engine.pool.layouts[0].page_bytes
     for mode in (TransferMode.PUSH, TransferMode.PULL):
         tid = mint_transfer_id()

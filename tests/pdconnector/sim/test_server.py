@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
-from pdconnector.protocol.params import TransferMode, mint_transfer_id, prefill_leg_params
-from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine, Role
+from pdconnector.protocol.params import EngineRole, TransferMode, mint_transfer_id, prefill_leg_params
+from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine
 from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.model import chat_prompt, reference_tokens, tokenize
 from pdconnector.sim.pool import KVPool
@@ -29,7 +29,7 @@ async def engine_client():
     clients = []
 
     async def make(
-        role: Role = Role.BOTH, num_blocks: int = 64, decode_s: float = 0.0, max_model_len: int = CONTEXT, block_size: int = 4
+        role: EngineRole | None = None, num_blocks: int = 64, decode_s: float = 0.0, max_model_len: int = CONTEXT, block_size: int = 4
     ) -> tuple[TestClient, KVPool]:
         pool = KVPool(num_blocks, block_size)
         settings = EngineSettings(role=role, engine_id="e0", latency=LatencyModel(decode_s_per_token=decode_s), max_model_len=max_model_len)

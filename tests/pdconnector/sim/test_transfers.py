@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 from pdconnector.protocol.params import (
+    EngineRole,
     PrefillCoordinates,
     TransferMode,
     mint_transfer_id,
@@ -14,9 +15,8 @@ from pdconnector.protocol.params import (
     pull_decode_leg_params,
     push_decode_leg_params,
 )
-from pdconnector.sim.engine import Role
 from pdconnector.sim.model import reference_tokens
-from pdconnector.sim.mover import create_mover, mover_unavailable_reason
+from pdconnector.sim.movers import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVPool
 
 from tests.pdconnector.sim.engines import PROMPT, engine_servers, eventually, leg, metrics
@@ -35,7 +35,7 @@ async def pair():
 
 
 async def test_pull_moves_the_prompt_kv_and_frees_both_sides(pair):
-    (p_client, prefill), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0")
+    (p_client, prefill), (d_client, decode) = await pair(EngineRole.PREFILL, "p0"), await pair(EngineRole.DECODE, "d0")
     tid = mint_transfer_id()
     first = await (await p_client.post("/v1/completions", json=leg(prefill_leg_params(TransferMode.PULL, tid), 1))).json()
     assert prefill.pool.free_blocks == 64 - 4  # held for the decode engine
@@ -50,7 +50,7 @@ async def test_pull_moves_the_prompt_kv_and_frees_both_sides(pair):
 
 
 async def test_push_with_both_legs_at_once_gives_the_colocated_tokens(pair):
-    (p_client, prefill), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0")
+    (p_client, prefill), (d_client, decode) = await pair(EngineRole.PREFILL, "p0"), await pair(EngineRole.DECODE, "d0")
     tid = mint_transfer_id()
     coordinates = prefill.mover.side_channel()
     decode_leg = asyncio.ensure_future(d_client.post("/v1/completions", json=leg(push_decode_leg_params(tid, coordinates))))
@@ -61,7 +61,7 @@ async def test_push_with_both_legs_at_once_gives_the_colocated_tokens(pair):
 
 
 async def test_push_without_a_prefill_times_out_with_a_transfer_code_and_frees_blocks(pair):
-    (_, prefill), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0", transfer_timeout_s=0.5)
+    (_, prefill), (d_client, decode) = await pair(EngineRole.PREFILL, "p0"), await pair(EngineRole.DECODE, "d0", transfer_timeout_s=0.5)
     response = await d_client.post("/v1/completions", json=leg(push_decode_leg_params(mint_transfer_id(), prefill.mover.side_channel())))
     assert response.status in (502, 504)
     assert (await response.json())["error"]["code"] in ("kv_transfer_timeout", "kv_transfer_failed")
@@ -70,7 +70,7 @@ async def test_push_without_a_prefill_times_out_with_a_transfer_code_and_frees_b
 
 
 async def test_pull_from_an_unreachable_prefill_fails_cleanly(pair):
-    d_client, decode = await pair(Role.DECODE, "d0", transfer_timeout_s=1.0)
+    d_client, decode = await pair(EngineRole.DECODE, "d0", transfer_timeout_s=1.0)
     params = {
         "do_remote_prefill": True,
         "remote_block_ids": [[0, 1, 2, 3]],
@@ -86,7 +86,7 @@ async def test_pull_from_an_unreachable_prefill_fails_cleanly(pair):
 
 
 async def test_unclaimed_prefill_blocks_are_freed_when_the_lease_ends(pair):
-    p_client, prefill = await pair(Role.PREFILL, "p0", lease_s=0.3)
+    p_client, prefill = await pair(EngineRole.PREFILL, "p0", lease_s=0.3)
     await p_client.post("/v1/completions", json=leg(prefill_leg_params(TransferMode.PULL, mint_transfer_id()), 1))
     assert prefill.pool.free_blocks == 60
     for _ in range(100):
@@ -98,7 +98,7 @@ async def test_unclaimed_prefill_blocks_are_freed_when_the_lease_ends(pair):
 
 
 async def test_a_push_decode_leg_whose_client_gives_up_while_waiting_for_kv_frees_its_blocks_within_a_second(pair):
-    (_, prefill), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0", transfer_timeout_s=30)
+    (_, prefill), (d_client, decode) = await pair(EngineRole.PREFILL, "p0"), await pair(EngineRole.DECODE, "d0", transfer_timeout_s=30)
     body = leg(push_decode_leg_params(mint_transfer_id(), prefill.mover.side_channel()))
     with pytest.raises(TimeoutError):
         await d_client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.2))
@@ -107,7 +107,7 @@ async def test_a_push_decode_leg_whose_client_gives_up_while_waiting_for_kv_free
 
 
 async def test_a_pull_decode_leg_whose_client_disconnects_mid_stream_stops_and_frees_its_blocks(pair):
-    (p_client, _), (d_client, decode) = await pair(Role.PREFILL, "p0"), await pair(Role.DECODE, "d0", decode_s=0.01)
+    (p_client, _), (d_client, decode) = await pair(EngineRole.PREFILL, "p0"), await pair(EngineRole.DECODE, "d0", decode_s=0.01)
     tid = mint_transfer_id()
     first = await (await p_client.post("/v1/completions", json=leg(prefill_leg_params(TransferMode.PULL, tid), 1))).json()
     response = await d_client.post("/v1/completions", json={**leg(pull_decode_leg_params(first["kv_transfer_params"], tid), 500), "stream": True})
@@ -121,7 +121,7 @@ async def test_a_pull_decode_leg_whose_client_disconnects_mid_stream_stops_and_f
 
 
 async def test_a_prefill_leg_whose_client_gives_up_mid_prefill_frees_its_blocks_and_exports_nothing(pair):
-    p_client, prefill = await pair(Role.PREFILL, "p0", prefill_s=0.02)  # a second for the 50-token prompt
+    p_client, prefill = await pair(EngineRole.PREFILL, "p0", prefill_s=0.02)  # a second for the 50-token prompt
     body = leg(prefill_leg_params(TransferMode.PULL, mint_transfer_id()), 1)
     with pytest.raises(TimeoutError):
         await p_client.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.2))

@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from pdconnector.protocol.messages import FailureReason
+from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.vllm.connector import PDConnector
 from pdconnector.vllm.stats import MAX_WAITS, Direction, PDPromMetrics, PDTransferStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -16,9 +18,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 def decode_rank0() -> PDTransferStats:
     stats = PDTransferStats()
-    stats.record(Direction.RECV, "received", wait_s=0.02, nbytes=4096)
-    stats.record(Direction.RECV, "received", wait_s=0.04, nbytes=8192)
-    stats.record(Direction.RECV, "timeout", wait_s=30.0)
+    stats.record(Direction.RECV, Outcome.RECEIVED, wait_s=0.02, nbytes=4096)
+    stats.record(Direction.RECV, Outcome.RECEIVED, wait_s=0.04, nbytes=8192)
+    stats.record(Direction.RECV, FailureReason.TIMEOUT, wait_s=30.0)
     return stats
 
 
@@ -34,14 +36,14 @@ def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and
 
 def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() -> None:
     stats = PDTransferStats()
-    stats.record(Direction.RECV, "received", wait_s=None, nbytes=4096)
+    stats.record(Direction.RECV, Outcome.RECEIVED, wait_s=None, nbytes=4096)
     assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}, "events": {}, "stages": {}}
     assert not stats.is_empty()
 
 
 def test_aggregating_ranks_sums_counts_and_bytes_and_joins_waits_without_touching_either_side() -> None:
     rank0, rank1 = decode_rank0(), PDTransferStats()
-    rank1.record(Direction.RECV, "received", wait_s=None, nbytes=12288)
+    rank1.record(Direction.RECV, Outcome.RECEIVED, wait_s=None, nbytes=12288)
     before = msgspec.json.encode(rank0.data), msgspec.json.encode(rank1.data)
     total = rank0.aggregate(rank1).aggregate(PDTransferStats())
     assert total.data["ended"] == {"recv/received": 2, "recv/timeout": 1}
@@ -61,7 +63,7 @@ def test_take_hands_over_what_was_recorded_once_and_nothing_when_idle() -> None:
 def test_the_waits_one_object_keeps_are_bounded() -> None:
     stats = PDTransferStats()
     for _ in range(MAX_WAITS + 10):
-        stats.record(Direction.SEND, "written", wait_s=0.001)
+        stats.record(Direction.SEND, Outcome.WRITTEN, wait_s=0.001)
     assert len(stats.data["waits"]["send"]) == MAX_WAITS
     assert stats.data["ended"] == {"send/written": MAX_WAITS + 10}
 
@@ -84,7 +86,7 @@ def test_the_log_line_summarises_counts_mebibytes_and_wait_percentiles() -> None
         "recv_wait_max_ms": 30000.0,
     }
     prefill = PDTransferStats()
-    prefill.record(Direction.SEND, "written", wait_s=0.01)
+    prefill.record(Direction.SEND, Outcome.WRITTEN, wait_s=0.01)
     assert prefill.reduce() == {"send_written": 1, "send_wait_p50_ms": 10.0, "send_wait_max_ms": 10.0}
 
 
@@ -129,7 +131,7 @@ def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: Collec
 
 def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_exported(registry: CollectorRegistry) -> None:
     worker, scheduler = PDTransferStats(), PDTransferStats()
-    worker.record(Direction.RECV, "received", wait_s=0.004)
+    worker.record(Direction.RECV, Outcome.RECEIVED, wait_s=0.004)
     worker.record_stages({"handshake": 0.0001, "kv_wait": 0.003})
     worker.record_stages({"handshake": 0.0003, "kv_wait": 0.005})
     scheduler.record_stages({"resume": 0.002})

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pdconnector.layout import AttentionSpec, BlockPlacement, LayerKind, ModelSpec, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
+from pdconnector.layout import AttentionSpec, BlockPlacement, KVModel, LayerKind, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Transport
@@ -48,32 +48,32 @@ DECODE_FILL = 0xA5
 _ATTENTION = AttentionSpec(num_kv_heads=4, head_dim=8, dtype_bytes=2)
 _SSM_COMMON = {"conv_kernel": 4, "conv_dtype_bytes": 2, "state_dtype_bytes": 4}
 
-MODELS: dict[str, ModelSpec] = {
-    "dense": ModelSpec((A, A, A), block_size=16, attention=_ATTENTION),
+MODELS: dict[str, KVModel] = {
+    "dense": KVModel((A, A, A), block_size=16, attention=_ATTENTION),
     # Hybrid Mamba2 (DS conv layout) with a kernel block half the logical block: attention moves physical blocks.
-    "mamba2": ModelSpec(
+    "mamba2": KVModel(
         (S, A, S, A),
         block_size=32,
         kernel_block_size=16,
         attention=_ATTENTION,
         ssm=SsmSpec.mamba2(num_heads=8, head_dim=4, n_groups=4, state_size=4, **_SSM_COMMON),
     ),
-    "gdn": ModelSpec(
+    "gdn": KVModel(
         (S, S, A, S),
         block_size=32,
         attention=_ATTENTION,
         ssm=SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_SSM_COMMON),
     ),
     # The dense model with wider heads: a decode engine of a different model than its prefill engine.
-    "dense_wide": ModelSpec((A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)),
+    "dense_wide": KVModel((A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)),
     # Mamba1 moves its state only between equal TP sizes; two SSM groups and one attention group.
-    "mamba1": ModelSpec((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
+    "mamba1": KVModel((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
     # Real-sized attention pages (256 KiB per block): a request's WRITE outgrows every socket buffer on loopback.
-    "dense_large": ModelSpec((A, A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)),
+    "dense_large": KVModel((A, A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)),
 }
 
 
-def request_blocks(model: ModelSpec, num_blocks: int, num_tokens: int, seed: int) -> list[list[int]]:
+def request_blocks(model: KVModel, num_blocks: int, num_tokens: int, seed: int) -> list[list[int]]:
     """Distinct block ids per KV group for one request: attention groups one per started logical block, SSM groups one."""
     groups = RankLayout(model, 1, 0, num_blocks).groups
     counts = [-(-num_tokens // model.block_size) if g.kind is A else 1 for g in groups]

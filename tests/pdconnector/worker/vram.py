@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pdconnector.layout import ModelSpec, model_from_hf_config
+from pdconnector.layout import KVModel, model_from_hf_config
 from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2, QWEN3_32B
 from pdconnector.transport.base import Device, MemoryRegion
 
@@ -102,7 +102,7 @@ class SuiteModel:
     num_blocks: tuple[int, int]  # prefill, decode: room for the largest request with free blocks scattered between
 
     @cached_property
-    def spec(self) -> ModelSpec:
+    def spec(self) -> KVModel:
         return model_from_hf_config(self.config)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from pdoperator.api import Architecture, Mode, TransportBackend, load_documents, parse_pdservice
+from pdoperator.api import Architecture, TransferMode, TransportBackend, load_documents, parse_pdservice
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
 
@@ -41,7 +41,7 @@ def test_example_passes_the_crd_schema_and_its_cel_rules(path, openapi, spec_cel
 def test_examples_say_what_they_claim(example_documents):
     parsed = {name: parse_pdservice(document).spec for name, document in example_documents}
     qwen = parsed["qwen3-32b-push-efa.yaml"]
-    assert (qwen.mode, qwen.engine.transport.backend, qwen.network.efa.enabled) == (Mode.PUSH, TransportBackend.LIBFABRIC, True)
+    assert (qwen.mode, qwen.engine.transport.backend, qwen.network.efa.enabled) == (TransferMode.PUSH, TransportBackend.LIBFABRIC, True)
     assert (qwen.prefill.tensor_parallel_size, qwen.decode.tensor_parallel_size, qwen.network.efa.prefill_devices) == (8, 8, 16)
     hybrid = parsed["nemotron-nano-hybrid.yaml"]
     assert hybrid.model.architecture is Architecture.HYBRID_SSM

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from pdoperator.api import (
     API_VERSION,
     FieldError,
-    Mode,
     ModelSpec,
     PDServiceSpec,
     SpecError,
+    TransferMode,
     load_documents,
     parse_pdservice,
     validate_spec,
@@ -57,7 +57,7 @@ def test_namespace_defaults_and_metadata_is_carried_over():
 
 def test_nulls_are_pruned_like_the_api_server_does():
     parsed = parse_pdservice(pdservice({"model": {"name": "m", "servedName": None}, "mode": None, "ssm": None, "decode": None}))
-    assert parsed.spec.mode is Mode.PUSH
+    assert parsed.spec.mode is TransferMode.PUSH
     assert parsed.spec.ssm is None
     assert parsed.spec.model.served_name is None
     assert parsed.spec.decode.tensor_parallel_size == 1

@@ -11,7 +11,7 @@ from pdconnector.router.config import parse_router_config
 from pdoperator.api import parse_pdservice
 from pdoperator.local import LocalRunError, local_variant, plan_local_run
 from pdoperator.local.plan import core_bindings, expand, loopback_subnet
-from pdoperator.render import RenderDefaults, Role, render_pdservice
+from pdoperator.render import ComponentRole, RenderDefaults, render_pdservice
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -36,12 +36,12 @@ def test_expansion_follows_kubernetes_rules():
 
 def test_every_pod_becomes_a_process_on_its_own_loopback_address_with_the_rendered_ports(tmp_path):
     plan = plan_for(tiny(prefill=2, decode=3), tmp_path)
-    engines = [p for p in plan.processes if p.role is not Role.ROUTER]
+    engines = [p for p in plan.processes if p.role is not ComponentRole.ROUTER]
     assert [p.name for p in engines] == ["tiny-prefill-0", "tiny-prefill-1", "tiny-decode-0", "tiny-decode-1", "tiny-decode-2"]
     assert len({p.host for p in plan.processes}) == len(plan.processes)
     assert {p.http_port for p in engines} == {8000}
     assert all(p.host.startswith(loopback_subnet("default", "tiny") + ".") for p in plan.processes)
-    assert plan.processes[-1].role is Role.ROUTER, "the router starts after the engines"
+    assert plan.processes[-1].role is ComponentRole.ROUTER, "the router starts after the engines"
 
 
 def test_downward_api_variables_are_expanded_into_engine_ids_and_side_channel_hosts(tmp_path):
@@ -94,7 +94,7 @@ def test_vllm_engines_load_the_local_model_offline_with_the_rendered_connector_a
     assert prefill.env["HF_HUB_OFFLINE"] == "1" and prefill.env["HF_HOME"].startswith(str(tmp_path))
     decode = next(p for p in plan.processes if p.name == "tiny-decode-0")
     assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] != decode.env["VLLM_CPU_OMP_THREADS_BIND"], "each engine on cores of its own"
-    assert prefill.startup_timeout_s > next(p for p in plan.processes if p.role is Role.ROUTER).startup_timeout_s
+    assert prefill.startup_timeout_s > next(p for p in plan.processes if p.role is ComponentRole.ROUTER).startup_timeout_s
 
 
 def test_distinct_pdservices_get_distinct_subnets():

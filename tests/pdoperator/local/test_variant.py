@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdoperator.api import ConnectorImpl, Mode, Runtime, SpecError, TransportBackend, parse_pdservice
+from pdoperator.api import ConnectorImpl, Runtime, SpecError, TransferMode, TransportBackend, parse_pdservice
 from pdoperator.local import local_variant
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,7 +23,7 @@ def test_no_overrides_keep_the_pdservice(tiny):
 
 def test_vllm_engines_move_kv_over_nixl_instead_of_the_mock_transport(tiny):
     variant = local_variant(tiny, runtime="vllm", mode="pull")
-    assert variant.spec.engine.runtime is Runtime.VLLM and variant.spec.mode is Mode.PULL
+    assert variant.spec.engine.runtime is Runtime.VLLM and variant.spec.mode is TransferMode.PULL
     assert variant.spec.engine.transport.backend is TransportBackend.UCX
     assert (variant.name, variant.namespace, variant.spec.model) == (tiny.name, tiny.namespace, tiny.spec.model)
 

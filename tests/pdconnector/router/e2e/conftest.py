@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from pdconnector.sim.cluster import LocalCluster
-from pdconnector.sim.mover import mover_unavailable_reason
+from pdconnector.sim.movers import mover_unavailable_reason
 
 
 def _require_mover(transport: str) -> None:

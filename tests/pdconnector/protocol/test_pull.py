@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from pdconnector.protocol.messages import AbortMessage, ProtocolError, ReadDoneMessage, decode, encode
+from pdconnector.protocol.pull import PullHolds
 from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
-from pdconnector.worker.pull import PullHolds
 
 BLOCKS = PrefillBlocks("tx-1", ((1, 2),), 20)
 
