@@ -1,1 +1,2 @@
-"""pd-operator data plane: KV layout, transfer protocol, transports, vLLM connector, router and mock engine."""
+"""pd-operator data plane: KV layout, transfer protocol, transports, vLLM connector, router and mock
+engine."""

@@ -48,7 +48,12 @@ CHILD_RESOURCES = (
 
 
 def post(cluster: EmulatedCluster, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(cluster.url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        cluster.url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -98,8 +103,12 @@ def classify(write: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sequential", type=int, default=30, help="PDServices created one at a time (latency)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sequential", type=int, default=30, help="PDServices created one at a time (latency)"
+    )
     parser.add_argument("--burst", type=int, default=200, help="PDServices created at once (throughput)")
     args = parser.parse_args()
     expected = len(render_pdservice(parse_pdservice(pdservice("x", "default")), RenderDefaults()))
@@ -107,11 +116,21 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster() as cluster:
         kubeconfig = cluster.write_kubeconfig(pathlib.Path(tmp) / "kubeconfig")
         post(cluster, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
-        operator = OperatorProcess(kubeconfig, pathlib.Path(tmp) / "operator.log", ["-A", "--kv-check-interval", "3600", "--log-format", "plain"])
+        operator = OperatorProcess(
+            kubeconfig,
+            pathlib.Path(tmp) / "operator.log",
+            ["-A", "--kv-check-interval", "3600", "--log-format", "plain"],
+        )
         os.environ.pop("KUBERNETES_SERVICE_HOST", None)
         operator.start()
         try:
-            eventually(lambda: any(is_operator_request(r) and r.params.get("watch") == "true" for r in cluster.requests()), "operator watches", 60)
+            eventually(
+                lambda: any(
+                    is_operator_request(r) and r.params.get("watch") == "true" for r in cluster.requests()
+                ),
+                "operator watches",
+                60,
+            )
             time.sleep(1)
 
             # 1 + 2: one at a time
@@ -121,7 +140,12 @@ def main() -> int:
                 name = f"seq-{i}"
                 started = time.perf_counter()
                 post(cluster, PDS_PATH.format(namespace="seq"), pdservice(name, "seq"))
-                eventually(lambda name=name: children_by_instance(cluster, "seq")[name] == expected, f"children of {name}", 60, 0.002)
+                eventually(
+                    lambda name=name: children_by_instance(cluster, "seq")[name] == expected,
+                    f"children of {name}",
+                    60,
+                    0.002,
+                )
                 latencies.append(time.perf_counter() - started)
             eventually(lambda: statuses_written(cluster, "seq") == args.sequential, "statuses", 60)
             time.sleep(2)  # let kopf's annotations and events land
@@ -152,14 +176,20 @@ def main() -> int:
     by_class = collections.Counter(classify(w) for w in writes)
     n = args.sequential
     print(f"children per PDService: {expected}")
-    print(f"apply -> all children created, {n} PDServices one at a time: p50 {percentile(latencies, 0.5) * 1000:.0f} ms, "
-          f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms, mean {statistics.mean(latencies) * 1000:.0f} ms")  # fmt: skip
+    print(
+        f"apply -> all children created, {n} PDServices one at a time: p50 "
+        f"{percentile(latencies, 0.5) * 1000:.0f} ms, "
+        f"p99 {percentile(latencies, 0.99) * 1000:.0f} ms, mean {statistics.mean(latencies) * 1000:.0f} ms"
+    )
     print(f"API writes per PDService until settled: {len(writes) / n:.2f}")
     for kind, count in sorted(by_class.items()):
         print(f"  {kind}: {count / n:.2f}")
     print(f"API writes in 3 s idle afterwards: {len(idle_writes)}")
-    print(f"{args.burst} PDServices created at once (creation took {created:.1f} s): all children after {children_done:.1f} s, "
-          f"all statuses after {status_done:.1f} s")  # fmt: skip
+    print(
+        f"{args.burst} PDServices created at once (creation took {created:.1f} s): all children after "
+        f"{children_done:.1f} s, "
+        f"all statuses after {status_done:.1f} s"
+    )
     return 0
 
 

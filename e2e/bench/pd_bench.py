@@ -1,9 +1,10 @@
-"""Push vs pull under load: a QPS x input-length sweep through the router with `vllm bench serve`, and its two figures.
+"""Push vs pull under load: a QPS x input-length sweep through the router with `vllm bench serve`, and its two
+figures.
 
-    .venv/bin/python e2e/bench/pd_bench.py                          # local run of examples/tiny-cpu.yaml, push and pull
-    .venv/bin/python e2e/bench/pd_bench.py --engine vllm            # the same with real vLLM engines: ours and upstream's
-    .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME  # any running router (local, port-forwarded)
-    .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench      # redraw the figures from saved runs
+    # local run of examples/tiny-cpu.yaml, push and pull .venv/bin/python e2e/bench/pd_bench.py # the same
+    with real vLLM engines: ours and upstream's .venv/bin/python e2e/bench/pd_bench.py --engine vllm # any
+    running router (local, port-forwarded) .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME #
+    redraw the figures from saved runs .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench
 
 The local run starts the tiny example as `pdctl up` does, once per variant: mock engines moving
 real KV bytes over the mock transport with a latency model (``--engine mock``), or vLLM CPU
@@ -34,7 +35,15 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-cpu.yaml"
-RESULT_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "request_throughput", "completed", "failed")
+RESULT_KEYS = (
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+    "p50_tpot_ms",
+    "p99_tpot_ms",
+    "request_throughput",
+    "completed",
+    "failed",
+)
 # The histograms whose per-run means say where a request's time went: (family, the label naming the stage).
 STAGE_FAMILIES = (("pd_router_leg_seconds", "role"), ("vllm:pd_kv_stage_seconds", "stage"))
 
@@ -51,7 +60,9 @@ class Run:
         return f"{self.label}-in{self.input_len}-qps{self.qps:g}.json"
 
 
-def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, output_len: int, qps: float, prompts: int) -> dict[str, float]:
+def bench_serve(
+    base_url: str, model: str, tokenizer: Path, *, input_len: int, output_len: int, qps: float, prompts: int
+) -> dict[str, float]:
     """One `vllm bench serve` run (its own client, in-process) against ``base_url``."""
     from vllm.benchmarks.serve import add_cli_args, main  # noqa: PLC0415 - importing vLLM takes seconds
 
@@ -59,11 +70,43 @@ def bench_serve(base_url: str, model: str, tokenizer: Path, *, input_len: int, o
     add_cli_args(parser)
     args = parser.parse_args(
         [
-            *("--backend", "openai", "--endpoint", "/v1/completions", "--base-url", base_url, "--model", model),
-            *("--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-input-len", str(input_len)),
-            *("--random-output-len", str(output_len), "--num-prompts", str(prompts), "--request-rate", str(qps)),
-            *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm", "--seed", "0"),
-            "--ignore-eos",  # every request generates exactly --output-len tokens, whatever the tiny model samples
+            *(
+                "--backend",
+                "openai",
+                "--endpoint",
+                "/v1/completions",
+                "--base-url",
+                base_url,
+                "--model",
+                model,
+            ),
+            *(
+                "--tokenizer",
+                str(tokenizer),
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(input_len),
+            ),
+            *(
+                "--random-output-len",
+                str(output_len),
+                "--num-prompts",
+                str(prompts),
+                "--request-rate",
+                str(qps),
+            ),
+            *(
+                "--percentile-metrics",
+                "ttft,tpot,itl,e2el",
+                "--metric-percentiles",
+                "50,99",
+                "--disable-tqdm",
+                "--seed",
+                "0",
+            ),
+            # every request generates exactly --output-len tokens, whatever the tiny model samples
+            "--ignore-eos",
         ]
     )
     result = main(args)
@@ -88,11 +131,14 @@ def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDSer
     from pdoperator.api import parse_pdservice  # noqa: PLC0415
     from pdoperator.local import local_variant  # noqa: PLC0415
 
-    engine, mode = variant.split("-") if "-" in variant else ("ours", "push")  # colocated: ours-push minus the connector
+    # colocated: ours-push minus the connector
+    engine, mode = variant.split("-") if "-" in variant else ("ours", "push")
     if engine == "mock":
         return parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
     tiny = parse_pdservice(yaml.safe_load(TINY.read_text()))
-    return local_variant(tiny, mode=mode, runtime="vllm", connector="builtin" if engine == "ours" else "vllm", dtype="float32")
+    return local_variant(
+        tiny, mode=mode, runtime="vllm", connector="builtin" if engine == "ours" else "vllm", dtype="float32"
+    )
 
 
 def colocated(plan):  # noqa: ANN001, ANN201 - LocalPlan, imported lazily
@@ -111,7 +157,9 @@ def colocated(plan):  # noqa: ANN001, ANN201 - LocalPlan, imported lazily
 def warm_up(base_url: str, model: str) -> float:
     """Seconds one small request takes through a fresh variant (raises if it fails)."""
     body = json.dumps({"model": model, "prompt": "t1 t2 t3 t4", "max_tokens": 2}).encode()
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=body, headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
     started = time.monotonic()
     with urllib.request.urlopen(request, timeout=WARMUP_TIMEOUT_S) as response:
         response.read()
@@ -149,7 +197,8 @@ def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
 
 
 def stage_totals(processes: Sequence[tuple[str, str]]) -> dict[str, tuple[float, float]]:
-    """``<process>.<stage>`` -> (sum of seconds, count) of the stage histograms on each (name, URL)'s ``/metrics``."""
+    """``<process>.<stage>`` -> (sum of seconds, count) of the stage histograms on each (name, URL)'s
+    ``/metrics``."""
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
     totals: dict[str, tuple[float, float]] = {}
@@ -167,11 +216,17 @@ def stage_totals(processes: Sequence[tuple[str, str]]) -> dict[str, tuple[float,
                 if sample.name.endswith(("_sum", "_count")) and label in sample.labels:
                     key = f"{name}.{sample.labels[label]}"
                     total, count = totals.get(key, (0.0, 0.0))
-                    totals[key] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+                    totals[key] = (
+                        (total + sample.value, count)
+                        if sample.name.endswith("_sum")
+                        else (total, count + sample.value)
+                    )
     return totals
 
 
-def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+def stage_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
     """Mean milliseconds per stage over what happened between two :func:`stage_totals`."""
     means = {}
     for key, (total, count) in sorted(after.items()):
@@ -182,22 +237,47 @@ def stage_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tupl
 
 
 def sweep(
-    label: str, base_url: str, model: str, tokenizer: Path, args: argparse.Namespace, *, processes: Sequence[tuple[str, str]] = ()
+    label: str,
+    base_url: str,
+    model: str,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    *,
+    processes: Sequence[tuple[str, str]] = (),
 ) -> list[Run]:
-    """Every (input length, QPS) run against ``base_url``; ``processes`` (name, URL) are scraped for stage timings."""
+    """Every (input length, QPS) run against ``base_url``; ``processes`` (name, URL) are scraped for stage
+    timings."""
     runs = []
     for input_len in args.input_lens:
         for qps in args.qps:
             prompts = max(args.min_prompts, round(qps * args.seconds))
             before = stage_totals(processes)
-            result = bench_serve(base_url, model, tokenizer, input_len=input_len, output_len=args.output_len, qps=qps, prompts=prompts)
+            result = bench_serve(
+                base_url,
+                model,
+                tokenizer,
+                input_len=input_len,
+                output_len=args.output_len,
+                qps=qps,
+                prompts=prompts,
+            )
             stages = stage_means_ms(before, stage_totals(processes))
             run = Run(label, input_len, qps, result)
             runs.append(run)
-            record = {"label": label, "input_len": input_len, "qps": qps, **run.result, "stages_mean_ms": stages}
+            record = {
+                "label": label,
+                "input_len": input_len,
+                "qps": qps,
+                **run.result,
+                "stages_mean_ms": stages,
+            }
             (args.out / run.filename).write_text(json.dumps(record, indent=2))
-            print(f"{label:<16} in={input_len:<5} qps={qps:<5g} TTFT p50 {run.result['p50_ttft_ms']:8.1f} ms  TPOT p50 "
-                  f"{run.result['p50_tpot_ms']:7.2f} ms  done {run.result['completed']:.0f} failed {run.result['failed']:.0f}")  # fmt: skip
+            print(
+                f"{label:<16} in={input_len:<5} qps={qps:<5g} TTFT p50 {run.result['p50_ttft_ms']:8.1f} ms  "
+                "TPOT p50 "
+                f"{run.result['p50_tpot_ms']:7.2f} ms  done {run.result['completed']:.0f} failed "
+                f"{run.result['failed']:.0f}"
+            )
             if stages:
                 print("    stages, mean ms: " + "  ".join(f"{key} {ms:.2f}" for key, ms in stages.items()))
     return runs
@@ -207,7 +287,14 @@ def load_runs(directory: Path) -> list[Run]:
     runs = []
     for path in sorted(directory.glob("*-in*-qps*.json")):
         data = json.loads(path.read_text())
-        runs.append(Run(data["label"], int(data["input_len"]), float(data["qps"]), {key: data[key] for key in RESULT_KEYS}))
+        runs.append(
+            Run(
+                data["label"],
+                int(data["input_len"]),
+                float(data["qps"]),
+                {key: data[key] for key in RESULT_KEYS},
+            )
+        )
     return runs
 
 
@@ -220,15 +307,32 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
     written = []
     for metric, title in (("ttft", "Time to first token"), ("tpot", "Time per output token")):
         figure, axes = plt.subplots(figsize=(10, 5))
-        served = [run for run in runs if run.result["completed"] > 0]  # a run where every request failed has no latency
+        # a run where every request failed has no latency
+        served = [run for run in runs if run.result["completed"] > 0]
         for label, input_len in sorted({(run.label, run.input_len) for run in served}):
-            series = sorted((run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"]) for run in served
-                            if (run.label, run.input_len) == (label, input_len))  # fmt: skip
+            series = sorted(
+                (run.qps, run.result[f"p50_{metric}_ms"], run.result[f"p99_{metric}_ms"])
+                for run in served
+                if (run.label, run.input_len) == (label, input_len)
+            )
             qps, p50, p99 = zip(*series, strict=True)
             line = axes.plot(qps, p50, marker="o", label=f"{label}, {input_len} in (p50)")[0]
-            axes.plot(qps, p99, marker="x", linestyle="--", color=line.get_color(), alpha=0.6, label=f"{label}, {input_len} in (p99)")
+            axes.plot(
+                qps,
+                p99,
+                marker="x",
+                linestyle="--",
+                color=line.get_color(),
+                alpha=0.6,
+                label=f"{label}, {input_len} in (p99)",
+            )
         # Variants differ by orders of magnitude (a hung upstream request vs a 10 ms co-located one).
-        axes.set(xlabel="request rate (QPS)", ylabel=f"{metric.upper()} (ms, log scale)", title=f"{title} vs QPS", yscale="log")
+        axes.set(
+            xlabel="request rate (QPS)",
+            ylabel=f"{metric.upper()} (ms, log scale)",
+            title=f"{title} vs QPS",
+            yscale="log",
+        )
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         figure.tight_layout()
@@ -241,16 +345,23 @@ def plot(runs: Sequence[Run], out: Path) -> list[Path]:
 
 def table(runs: Sequence[Run]) -> str:
     lines = [
-        "| label | input tokens | QPS | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | req/s | failed |",
+        "| label | input tokens | QPS | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | "
+        "req/s | failed |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in sorted(runs, key=lambda r: (r.input_len, r.qps, r.label)):
         r = run.result
         if r["completed"] == 0:
-            lines.append(f"| {run.label} | {run.input_len} | {run.qps:g} | - | - | - | - | 0 | {r['failed']:.0f} |")
+            lines.append(
+                f"| {run.label} | {run.input_len} | {run.qps:g} | - | - | - | - | 0 | {r['failed']:.0f} |"
+            )
             continue
-        lines.append(f"| {run.label} | {run.input_len} | {run.qps:g} | {r['p50_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | "
-                     f"{r['p50_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['request_throughput']:.2f} | {r['failed']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {run.label} | {run.input_len} | {run.qps:g} | {r['p50_ttft_ms']:.1f} | "
+            f"{r['p99_ttft_ms']:.1f} | "
+            f"{r['p50_tpot_ms']:.2f} | {r['p99_tpot_ms']:.2f} | {r['request_throughput']:.2f} | "
+            f"{r['failed']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -260,30 +371,64 @@ def numbers(text: str) -> list[float]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "out" / "bench", help="directory of results and figures")
-    parser.add_argument("--router", help="benchmark this running router instead of starting the tiny example locally")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "out" / "bench", help="directory of results and figures"
+    )
+    parser.add_argument(
+        "--router", help="benchmark this running router instead of starting the tiny example locally"
+    )
     parser.add_argument("--label", default="router", help="label of --router runs in files and figures")
     parser.add_argument("--model", default="tiny-llama", help="served model name (with --router)")
-    parser.add_argument("--engine", choices=["mock", "vllm"], default="mock", help="local run: mock engines or real vLLM CPU engines")
-    parser.add_argument("--variants", type=lambda text: text.split(","), help="local run: comma-separated subset of the engine's variants")
+    parser.add_argument(
+        "--engine",
+        choices=["mock", "vllm"],
+        default="mock",
+        help="local run: mock engines or real vLLM CPU engines",
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: text.split(","),
+        help="local run: comma-separated subset of the engine's variants",
+    )
     parser.add_argument("--qps", type=numbers, default=[2, 8, 32], help="request rates, comma-separated")
-    parser.add_argument("--input-lens", type=lambda text: [int(n) for n in numbers(text)], default=[128, 1024], help="prompt lengths")
+    parser.add_argument(
+        "--input-lens",
+        type=lambda text: [int(n) for n in numbers(text)],
+        default=[128, 1024],
+        help="prompt lengths",
+    )
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=8.0, help="target duration of one run (prompts = QPS x seconds)")
+    parser.add_argument(
+        "--seconds", type=float, default=8.0, help="target duration of one run (prompts = QPS x seconds)"
+    )
     parser.add_argument("--min-prompts", type=int, default=16)
-    parser.add_argument("--prefill-s-per-token", type=float, default=0.0001, help="local run: mock prefill latency model")
-    parser.add_argument("--decode-s-per-token", type=float, default=0.004, help="local run: mock decode latency model")
-    parser.add_argument("--plot-only", type=Path, metavar="DIR", help="only redraw figures and the table from DIR's JSON files")
+    parser.add_argument(
+        "--prefill-s-per-token", type=float, default=0.0001, help="local run: mock prefill latency model"
+    )
+    parser.add_argument(
+        "--decode-s-per-token", type=float, default=0.004, help="local run: mock decode latency model"
+    )
+    parser.add_argument(
+        "--plot-only",
+        type=Path,
+        metavar="DIR",
+        help="only redraw figures and the table from DIR's JSON files",
+    )
     return parser.parse_args(argv)
 
 
 def model_with_tokenizer(args: argparse.Namespace) -> Path:
-    """The tokenizer the client uses; with vLLM engines, the tiny model's directory (they share the tokenizer)."""
+    """The tokenizer the client uses; with vLLM engines, the tiny model's directory (they share the
+    tokenizer)."""
     if args.engine == "vllm":
         from pdconnector.sim.tiny_model import TinyModel, write_tiny_model  # noqa: PLC0415
 
         model_dir = args.out / "tiny-model"
-        return model_dir if (model_dir / "config.json").exists() else write_tiny_model(model_dir, TinyModel.DENSE)
+        return (
+            model_dir
+            if (model_dir / "config.json").exists()
+            else write_tiny_model(model_dir, TinyModel.DENSE)
+        )
     from pdconnector.sim.tokenizer import write_word_tokenizer  # noqa: PLC0415
 
     return write_word_tokenizer(args.out / "tokenizer")
@@ -294,7 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = MOCK_VARIANTS if args.engine == "mock" else VLLM_VARIANTS
     args.variants = args.variants or list(known)
     if unknown := [variant for variant in args.variants if variant not in known]:
-        print(f"--variants: {unknown} are not among {list(known)} for --engine {args.engine}", file=sys.stderr)
+        print(
+            f"--variants: {unknown} are not among {list(known)} for --engine {args.engine}", file=sys.stderr
+        )
         return 2
     if args.plot_only:
         args.out = args.plot_only
@@ -302,7 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         tokenizer = model_with_tokenizer(args)
-        runs = sweep(args.label, args.router, args.model, tokenizer, args) if args.router else sweep_local(args, tokenizer)
+        runs = (
+            sweep(args.label, args.router, args.model, tokenizer, args)
+            if args.router
+            else sweep_local(args, tokenizer)
+        )
     if not runs:
         print(f"no runs in {args.out}", file=sys.stderr)
         return 1

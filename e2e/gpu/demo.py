@@ -1,16 +1,17 @@
-"""The GPU demo: `pdctl up` the tiny GPU example (mock engines with KV pools in VRAM, NIXL over UCX) and prove KV moves.
+"""The GPU demo: `pdctl up` the tiny GPU example (mock engines with KV pools in VRAM, NIXL over UCX) and prove
+KV moves.
 
     python e2e/gpu/demo.py REPORT_DIR [--example examples/tiny-gpu.yaml] [--kv-device cuda] [--requests 4]
 
-For push and then pull mode: `pdctl up --mode MODE` (run as ``python -m pdoperator.cli.main`` with this source tree on
-PYTHONPATH, since the GPU machine has no console scripts), wait for the router, check that every engine's pool is on
-the expected device, send completions through the router and check each: the answer equals the mock model's reference
-(decode can only produce it from the prompt's KV), a prefill and a decode engine served it (x-pd-prefill, x-pd-decode),
-the router counted it as verified by a transfer (/status), and the decode engines' import counters grew by as many
-transfers and by some bytes (/metrics). Then `pdctl down`. Writes REPORT_DIR/gpu-demo.json (per mode: requests,
-failures, bytes moved, engines seen, p50 latency, problems) and exits 1 when any check failed. Every wait has a
-deadline and the whole run stays under three minutes. ``--example examples/tiny-cpu.yaml --kv-device cpu`` runs the
-same flow on a machine without a GPU.
+For push and then pull mode: `pdctl up --mode MODE` (run as ``python -m pdoperator.cli.main`` with this source
+tree on PYTHONPATH, since the GPU machine has no console scripts), wait for the router, check that every
+engine's pool is on the expected device, send completions through the router and check each: the answer equals
+the mock model's reference (decode can only produce it from the prompt's KV), a prefill and a decode engine
+served it (x-pd-prefill, x-pd-decode), the router counted it as verified by a transfer (/status), and the
+decode engines' import counters grew by as many transfers and by some bytes (/metrics). Then `pdctl down`.
+Writes REPORT_DIR/gpu-demo.json (per mode: requests, failures, bytes moved, engines seen, p50 latency,
+problems) and exits 1 when any check failed. Every wait has a deadline and the whole run stays under three
+minutes. ``--example examples/tiny-cpu.yaml --kv-device cpu`` runs the same flow on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_PATHS = [str(REPO / "operator"), str(REPO / "connector")]
-# The GPU machine runs this from a checkout that was never pip-installed: the packages come from the source tree.
+# The GPU machine runs this from a checkout that was never pip-installed: the packages come from the source
+# tree.
 sys.path[:0] = SOURCE_PATHS
 
 from pdconnector.sim.cluster import metric_samples  # noqa: E402
@@ -59,22 +61,33 @@ class Budget:
         return max(1.0, min(timeout_s, self.deadline - time.monotonic()))
 
 
-def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 5.0) -> tuple[int, dict[str, str], Any]:
-    """(status, headers, JSON body) of a GET, or a POST when ``body`` is given; HTTP errors are answers, not exceptions."""
+def http_json(
+    url: str, body: dict[str, Any] | None = None, timeout_s: float = 5.0
+) -> tuple[int, dict[str, str], Any]:
+    """(status, headers, JSON body) of a GET, or a POST when ``body`` is given; HTTP errors are answers, not
+    exceptions."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, {k.lower(): v for k, v in response.headers.items()}, json.loads(response.read() or b"null")
+            return (
+                response.status,
+                {k.lower(): v for k, v in response.headers.items()},
+                json.loads(response.read() or b"null"),
+            )
     except urllib.error.HTTPError as error:
-        return error.code, {k.lower(): v for k, v in error.headers.items()}, json.loads(error.read() or b"null")
+        return (
+            error.code,
+            {k.lower(): v for k, v in error.headers.items()},
+            json.loads(error.read() or b"null"),
+        )
 
 
 def source_distribution(report_dir: Path) -> list[str]:
     """Where pdctl finds the pd-operator distribution's record, when this checkout was never installed.
 
-    pdoperator renders image tags from its installed version (``importlib.metadata``); a bare checkout has no record,
-    so the demo writes a minimal one (name and version from pyproject.toml) into the report directory.
+    pdoperator renders image tags from its installed version (``importlib.metadata``); a bare checkout has no
+    record, so the demo writes a minimal one (name and version from pyproject.toml) into the report directory.
     """
     try:
         importlib.metadata.version("pd-operator")
@@ -82,17 +95,28 @@ def source_distribution(report_dir: Path) -> list[str]:
         project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
         record = report_dir / "source-dist" / f"pd_operator-{project['version']}.dist-info"
         record.mkdir(parents=True, exist_ok=True)
-        (record / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+        (record / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+        )
         return [str(record.parent)]
     return []
 
 
 def pdctl(args: list[str], python_path: list[str], timeout_s: float) -> tuple[int, str]:
     """Exit code and output of a pdctl command (124 when it ran past ``timeout_s``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*python_path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([*python_path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pdoperator.cli.main", *args], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+            [sys.executable, "-m", "pdoperator.cli.main", *args],
+            check=False,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as error:
         return 124, f"timed out after {timeout_s:.0f} s: {error.stdout or ''}{error.stderr or ''}"
@@ -144,13 +168,17 @@ def wait_ready(router: str, budget: Budget) -> bool:
     return False
 
 
-def send(report: ModeReport, *, router: str, model: str, index: int, names: dict[str, set[str]], budget: Budget) -> None:
+def send(
+    report: ModeReport, *, router: str, model: str, index: int, names: dict[str, set[str]], budget: Budget
+) -> None:
     """One completion through the router, checked against the mock model and the engines that served it."""
     text = prompt(index)
     started = time.monotonic()
     try:
         status, headers, body = http_json(
-            router + "/v1/completions", {"model": model, "prompt": text, "max_tokens": MAX_TOKENS}, budget.take(REQUEST_TIMEOUT_S)
+            router + "/v1/completions",
+            {"model": model, "prompt": text, "max_tokens": MAX_TOKENS},
+            budget.take(REQUEST_TIMEOUT_S),
         )
     except OSError as error:
         report.failures += 1
@@ -162,9 +190,13 @@ def send(report: ModeReport, *, router: str, model: str, index: int, names: dict
     if status != 200:
         problems.append(f"HTTP {status}: {json.dumps(body)[:300]}")
     elif tokenize(body["choices"][0]["text"]) != reference_tokens(tokenize(text), MAX_TOKENS):
-        problems.append("the answer differs from the mock model's reference: decode did not get the prompt's KV")
+        problems.append(
+            "the answer differs from the mock model's reference: decode did not get the prompt's KV"
+        )
     if prefill not in names["prefill"] or decode not in names["decode"]:
-        problems.append(f"served by x-pd-prefill={prefill} x-pd-decode={decode}, not by one prefill and one decode engine")
+        problems.append(
+            f"served by x-pd-prefill={prefill} x-pd-decode={decode}, not by one prefill and one decode engine"
+        )
     if prefill is not None:
         report.engines["prefill"] = sorted({*report.engines["prefill"], prefill})
     if decode is not None:
@@ -185,7 +217,10 @@ def decode_counters(urls: list[str]) -> tuple[float, float]:
 def exercise(report: ModeReport, state_dir: Path, kv_device: str, requests: int, budget: Budget) -> None:
     """Everything between `pdctl up` and `pdctl down` of one mode."""
     # What `pdctl up` started, as its state file records it (pdoperator.local.runner).
-    processes = {process["name"]: process["url"] for process in json.loads((state_dir / "state.json").read_text())["processes"]}
+    processes = {
+        process["name"]: process["url"]
+        for process in json.loads((state_dir / "state.json").read_text())["processes"]
+    }
     router = next(url for name, url in processes.items() if name.endswith("-router"))
     names: dict[str, set[str]] = {"prefill": set(), "decode": set()}
     for name, url in processes.items():
@@ -211,17 +246,28 @@ def exercise(report: ModeReport, state_dir: Path, kv_device: str, requests: int,
     report.transfers_verified = http_json(router + "/status")[2]["transfers"]["verified"] - verified_before
     served = requests - report.failures
     if report.transfers_verified != served:
-        report.problems.append(f"the router verified {report.transfers_verified} transfers for {served} served requests")
+        report.problems.append(
+            f"the router verified {report.transfers_verified} transfers for {served} served requests"
+        )
     if imports_after - imports_before != served or (served and report.bytes_moved <= 0):
-        report.problems.append(f"decode imported {imports_after - imports_before:.0f} times ({report.bytes_moved:.0f} B) for {served} requests")
+        report.problems.append(
+            f"decode imported {imports_after - imports_before:.0f} times ({report.bytes_moved:.0f} B) for "
+            f"{served} requests"
+        )
 
 
-def run_mode(mode: str, *, example: Path, report_dir: Path, kv_device: str, requests: int, budget: Budget) -> ModeReport:
+def run_mode(
+    mode: str, *, example: Path, report_dir: Path, kv_device: str, requests: int, budget: Budget
+) -> ModeReport:
     report = ModeReport(mode)
     state_dir = report_dir / f"state-{mode}"
     report.logs = str(state_dir)
     python_path = [*SOURCE_PATHS, *source_distribution(report_dir)]
-    code, output = pdctl(["up", "-f", str(example), "--mode", mode, "--state-dir", str(state_dir)], python_path, budget.take(UP_TIMEOUT_S))
+    code, output = pdctl(
+        ["up", "-f", str(example), "--mode", mode, "--state-dir", str(state_dir)],
+        python_path,
+        budget.take(UP_TIMEOUT_S),
+    )
     try:
         if code != 0:
             report.problems.append(f"pdctl up exited with {code}: {output[-3000:]}")
@@ -230,17 +276,27 @@ def run_mode(mode: str, *, example: Path, report_dir: Path, kv_device: str, requ
     except (OSError, KeyError, StopIteration, ValueError) as error:
         report.problems.append(f"{type(error).__name__}: {error}")
     finally:
-        code, output = pdctl(["down", "-f", str(example), "--state-dir", str(state_dir)], python_path, budget.take(DOWN_TIMEOUT_S))
+        code, output = pdctl(
+            ["down", "-f", str(example), "--state-dir", str(state_dir)],
+            python_path,
+            budget.take(DOWN_TIMEOUT_S),
+        )
         if code != 0:
             report.problems.append(f"pdctl down exited with {code}: {output[-1000:]}")
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("report_dir", type=Path, help="where gpu-demo.json and the processes' logs go")
-    parser.add_argument("--example", type=Path, default=REPO / "examples" / "tiny-gpu.yaml", help="the PDService to run")
-    parser.add_argument("--kv-device", choices=["cuda", "cpu"], default="cuda", help="where every engine's KV pool must be")
+    parser.add_argument(
+        "--example", type=Path, default=REPO / "examples" / "tiny-gpu.yaml", help="the PDService to run"
+    )
+    parser.add_argument(
+        "--kv-device", choices=["cuda", "cpu"], default="cuda", help="where every engine's KV pool must be"
+    )
     parser.add_argument("--requests", type=int, default=4, help="completions per mode")
     args = parser.parse_args(argv)
     args.report_dir.mkdir(parents=True, exist_ok=True)
@@ -257,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         for mode in MODES
     }
-    ok = all(not report.problems and report.failures == 0 and report.requests == args.requests for report in modes.values())
+    ok = all(
+        not report.problems and report.failures == 0 and report.requests == args.requests
+        for report in modes.values()
+    )
     result = {
         "ok": ok,
         "example": str(args.example),

@@ -16,7 +16,8 @@ from typing import Any
 from pdoperator.api.model import GROUP, PLURAL
 
 READ = ("get", "list", "watch")
-MANAGE_CHILDREN = ("list", "watch", "create", "patch", "delete")  # the reconciler lists by label, kopf watches
+# the reconciler lists by label, kopf watches
+MANAGE_CHILDREN = ("list", "watch", "create", "patch", "delete")
 MANAGE_UNWATCHED_CHILDREN = ("list", "create", "patch", "delete")
 
 
@@ -35,20 +36,45 @@ class Rule:
 
 
 CLUSTER_RULES: tuple[Rule, ...] = (
-    Rule("apiextensions.k8s.io", ("customresourcedefinitions",), READ, "kopf discovers and watches the PDService CRD"),
+    Rule(
+        "apiextensions.k8s.io",
+        ("customresourcedefinitions",),
+        READ,
+        "kopf discovers and watches the PDService CRD",
+    ),
     Rule("", ("namespaces",), READ, "kopf follows the watched namespaces (with --namespace)"),
-    Rule("kopf.dev", ("clusterkopfpeerings",), (*READ, "patch"), "kopf peering between replicas (with --all-namespaces --peering)"),
+    Rule(
+        "kopf.dev",
+        ("clusterkopfpeerings",),
+        (*READ, "patch"),
+        "kopf peering between replicas (with --all-namespaces --peering)",
+    ),
 )
 
 NAMESPACED_RULES: tuple[Rule, ...] = (
-    Rule(GROUP, (PLURAL,), (*READ, "patch"), "kopf watches PDServices and keeps its finalizer and progress annotations"),
+    Rule(
+        GROUP,
+        (PLURAL,),
+        (*READ, "patch"),
+        "kopf watches PDServices and keeps its finalizer and progress annotations",
+    ),
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch"), "the reconciler writes the status"),
-    Rule("apps", ("statefulsets", "deployments"), MANAGE_CHILDREN, "prefill/decode StatefulSets, router Deployment"),
+    Rule(
+        "apps",
+        ("statefulsets", "deployments"),
+        MANAGE_CHILDREN,
+        "prefill/decode StatefulSets, router Deployment",
+    ),
     Rule("", ("services", "configmaps"), MANAGE_CHILDREN, "headless and router Services, router ConfigMap"),
     Rule("networking.k8s.io", ("networkpolicies",), MANAGE_UNWATCHED_CHILDREN, "side-channel NetworkPolicy"),
     Rule("policy", ("poddisruptionbudgets",), MANAGE_UNWATCHED_CHILDREN, "PodDisruptionBudgets"),
     Rule("", ("events",), ("create",), "events about PDServices"),
-    Rule("kopf.dev", ("kopfpeerings",), (*READ, "patch"), "kopf peering between replicas (with --namespace --peering)"),
+    Rule(
+        "kopf.dev",
+        ("kopfpeerings",),
+        (*READ, "patch"),
+        "kopf peering between replicas (with --namespace --peering)",
+    ),
 )
 
 
@@ -61,5 +87,6 @@ def rbac_rules_document() -> dict[str, list[dict[str, Any]]]:
 
 
 def is_granted(verb: str, api_group: str, resource: str) -> bool:
-    """Whether the rules allow ``verb`` on ``resource`` (``plural`` or ``plural/subresource``) of ``api_group``."""
+    """Whether the rules allow ``verb`` on ``resource`` (``plural`` or ``plural/subresource``) of
+    ``api_group``."""
     return any(rule.grants(verb, api_group, resource) for rule in (*CLUSTER_RULES, *NAMESPACED_RULES))

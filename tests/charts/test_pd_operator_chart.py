@@ -48,18 +48,26 @@ def test_chart_lints_clean_with_default_values(helm: Path) -> None:
     ("value", "message"),
     [
         ("replicaCount=0", "at '/replicaCount': minimum: got 0, want 1"),
-        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
+        (
+            "image.pullPolicy=Sometimes",
+            "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+        ),
         ("watchNamespaces={Bad_NS}", "at '/watchNamespaces/0': 'Bad_NS' does not match pattern"),
         ("logFormat=xml", "at '/logFormat': value must be one of 'json', 'plain'"),
         ("metrics.serviceMonitor.enabled=true", "at '/metrics/enabled': value must be true"),
         ("health.port=80", "at '/health/port': minimum: got 80, want 1,024"),
         ("image.tag=bad tag", "at '/image/tag': 'bad tag' does not match pattern"),
         ("unknownKey=1", "additional properties 'unknownKey' not allowed"),
-        ("metrics.serviceMonitor.interval=soon", "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern"),
+        (
+            "metrics.serviceMonitor.interval=soon",
+            "at '/metrics/serviceMonitor/interval': 'soon' does not match pattern",
+        ),
         ("podMonitor.interval=soon", "at '/podMonitor/interval': 'soon' does not match pattern"),
     ],
 )
-def test_lint_rejects_bad_values_with_a_message_naming_the_value(helm: Path, value: str, message: str) -> None:
+def test_lint_rejects_bad_values_with_a_message_naming_the_value(
+    helm: Path, value: str, message: str
+) -> None:
     result = helm_run(helm, "lint", str(CHART), "--set", value)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
@@ -70,7 +78,10 @@ def test_lint_rejects_bad_values_with_a_message_naming_the_value(helm: Path, val
     [
         pytest.param((), id="default"),
         pytest.param(("watchNamespaces={team-a,team-b}",), id="namespaced"),
-        pytest.param(("metrics.enabled=true", "metrics.serviceMonitor.enabled=true", "replicaCount=2"), id="metrics-and-peering"),
+        pytest.param(
+            ("metrics.enabled=true", "metrics.serviceMonitor.enabled=true", "replicaCount=2"),
+            id="metrics-and-peering",
+        ),
         pytest.param(("samplePDService.enabled=true",), id="sample"),
         pytest.param(("podMonitor.enabled=true", "watchNamespaces={team-a}"), id="podmonitor"),
     ],
@@ -108,7 +119,10 @@ def test_namespaced_install_grants_namespaced_rules_only_in_the_watched_namespac
     assert "--all-namespaces" not in args
     roles = by_kind(docs, "Role")
     assert sorted(role["metadata"]["namespace"] for role in roles) == ["team-a", "team-b"]
-    assert sorted(binding["metadata"]["namespace"] for binding in by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
+    assert sorted(binding["metadata"]["namespace"] for binding in by_kind(docs, "RoleBinding")) == [
+        "team-a",
+        "team-b",
+    ]
     (cluster_role,) = by_kind(docs, "ClusterRole")
     cluster_resources = {resource for rule in cluster_role["rules"] for resource in rule["resources"]}
     namespaced_resources = {resource for rule in roles[0]["rules"] for resource in rule["resources"]}
@@ -119,7 +133,9 @@ def test_chart_rbac_rules_are_the_operators_own(helm: Path) -> None:
     from pdoperator.rbac import rbac_rules_document  # noqa: PLC0415 - the operator's rule list is the source
 
     committed = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
-    assert committed == rbac_rules_document(), "charts/pd-operator/files/rbac-rules.yaml drifted: run `make rbac`"
+    assert committed == rbac_rules_document(), (
+        "charts/pd-operator/files/rbac-rules.yaml drifted: run `make rbac`"
+    )
 
 
 def test_operator_runs_non_root_with_a_read_only_root_filesystem_and_health_probes(helm: Path) -> None:
@@ -151,7 +167,11 @@ def test_default_images_follow_the_app_version_and_reach_the_operator(helm: Path
 def test_more_than_one_replica_turns_on_peering_with_a_peering_object_kopf_can_update(helm: Path) -> None:
     single_docs = render(helm)
     (single,) = by_kind(single_docs, "Deployment")
-    assert not [arg for arg in single["spec"]["template"]["spec"]["containers"][0]["args"] if arg.startswith("--peering")]
+    assert not [
+        arg
+        for arg in single["spec"]["template"]["spec"]["containers"][0]["args"]
+        if arg.startswith("--peering")
+    ]
     assert not by_kind(single_docs, "ClusterKopfPeering")
     docs = render(helm, "replicaCount=3")
     (several,) = by_kind(docs, "Deployment")
@@ -159,14 +179,23 @@ def test_more_than_one_replica_turns_on_peering_with_a_peering_object_kopf_can_u
     (peering,) = by_kind(docs, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "pdo-pd-operator"
     namespaced = render(helm, "replicaCount=2", "watchNamespaces={team-a,team-b}")
-    assert sorted(p["metadata"]["namespace"] for p in by_kind(namespaced, "KopfPeering")) == ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(namespaced, "KopfPeering")) == [
+        "team-a",
+        "team-b",
+    ]
 
 
 def test_chart_ships_the_kopf_peering_crds_the_rbac_rules_name() -> None:
     crds = list(yaml.safe_load_all((CHART / "crds" / "kopf-peerings.yaml").read_text()))
     plurals = {crd["spec"]["names"]["plural"] for crd in crds}
     rules = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
-    granted = {resource for scope in rules.values() for rule in scope if rule["apiGroups"] == ["kopf.dev"] for resource in rule["resources"]}
+    granted = {
+        resource
+        for scope in rules.values()
+        for rule in scope
+        if rule["apiGroups"] == ["kopf.dev"]
+        for resource in rule["resources"]
+    }
     assert plurals == granted == {"clusterkopfpeerings", "kopfpeerings"}
     for crd in crds:
         kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
@@ -182,28 +211,48 @@ def test_metrics_service_and_service_monitor_only_when_enabled(helm: Path) -> No
 
 def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     exact = all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items())
-    return exact and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In")
+    return exact and all(
+        labels.get(e["key"]) in e["values"]
+        for e in selector.get("matchExpressions", [])
+        if e["operator"] == "In"
+    )
 
 
-def test_pod_monitor_scrapes_the_engines_and_routers_the_operator_renders_and_nothing_else(helm: Path) -> None:
+def test_pod_monitor_scrapes_the_engines_and_routers_the_operator_renders_and_nothing_else(
+    helm: Path,
+) -> None:
     assert not by_kind(render(helm), "PodMonitor")
-    (monitor,) = by_kind(render(helm, "podMonitor.enabled=true", "podMonitor.labels.release=kube-prometheus"), "PodMonitor")
+    (monitor,) = by_kind(
+        render(helm, "podMonitor.enabled=true", "podMonitor.labels.release=kube-prometheus"), "PodMonitor"
+    )
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "15s")
 
     document = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
-    pds = PDService(name=document["metadata"]["name"], namespace="default", spec=PDServiceSpec.model_validate(document["spec"]))
-    pods = [o["spec"]["template"] for o in render_pdservice(pds, RenderDefaults()) if o["kind"] in ("StatefulSet", "Deployment")]
+    pds = PDService(
+        name=document["metadata"]["name"],
+        namespace="default",
+        spec=PDServiceSpec.model_validate(document["spec"]),
+    )
+    pods = [
+        o["spec"]["template"]
+        for o in render_pdservice(pds, RenderDefaults())
+        if o["kind"] in ("StatefulSet", "Deployment")
+    ]
     assert len(pods) == 3  # prefill, decode, router
     for pod in pods:
         assert _matches(monitor["spec"]["selector"], pod["metadata"]["labels"])
-        assert endpoint["port"] in [port["name"] for c in pod["spec"]["containers"] for port in c.get("ports", [])]
+        assert endpoint["port"] in [
+            port["name"] for c in pod["spec"]["containers"] for port in c.get("ports", [])
+        ]
     (operator,) = by_kind(render(helm), "Deployment")
     assert not _matches(monitor["spec"]["selector"], operator["spec"]["template"]["metadata"]["labels"])
 
-    (scoped,) = by_kind(render(helm, "podMonitor.enabled=true", "watchNamespaces={team-a,team-b}"), "PodMonitor")
+    (scoped,) = by_kind(
+        render(helm, "podMonitor.enabled=true", "watchNamespaces={team-a,team-b}"), "PodMonitor"
+    )
     assert scoped["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 

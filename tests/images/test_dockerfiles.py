@@ -40,7 +40,9 @@ def test_no_secrets_are_baked_in(name: str) -> None:
         if item["instruction"] in {"ENV", "ARG", "LABEL"}:
             assert not SECRET_NAME.search(item["value"]), f"{name}: {item['content'].strip()}"
         if item["instruction"] in {"COPY", "ADD"}:
-            assert not re.search(r"(\.env|credentials|id_rsa|\.pem|kubeconfig)", item["value"]), item["content"]
+            assert not re.search(r"(\.env|credentials|id_rsa|\.pem|kubeconfig)", item["value"]), item[
+                "content"
+            ]
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -78,11 +80,20 @@ def test_operator_image_installs_only_from_prebuilt_wheels_in_its_final_stage() 
 
 def test_engine_image_pins_vllm_nixl_and_efa_and_skips_the_kernel_module() -> None:
     parser = parse("engine")
-    args = {key: value for item in parser.structure if item["instruction"] == "ARG" for key, _, value in [item["value"].partition("=")]}
+    args = {
+        key: value
+        for item in parser.structure
+        if item["instruction"] == "ARG"
+        for key, _, value in [item["value"].partition("=")]
+    }
     assert args["VLLM_IMAGE"].endswith(":v0.32.0")
     assert re.fullmatch(r"\d+\.\d+\.\d+", args["NIXL_VERSION"])
     assert re.fullmatch(r"\d+\.\d+\.\d+", args["EFA_INSTALLER_VERSION"])
-    installer = next(item["value"] for item in parser.structure if item["instruction"] == "RUN" and "efa_installer.sh" in item["value"])
+    installer = next(
+        item["value"]
+        for item in parser.structure
+        if item["instruction"] == "RUN" and "efa_installer.sh" in item["value"]
+    )
     assert "--skip-kmod" in installer
     assert "--skip-limit-conf" in installer
     env = parser.envs

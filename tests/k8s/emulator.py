@@ -1,4 +1,5 @@
-"""A Kubernetes API server for tests: kmock 0.8's ``KubernetesEmulator``, completed enough for kopf and kubectl.
+"""A Kubernetes API server for tests: kmock 0.8's ``KubernetesEmulator``, completed enough for kopf and
+kubectl.
 
 kmock 0.8 stores objects in memory and serves them over HTTP, but as shipped neither kopf nor
 kubectl can work against it. This subclass (``ApiServerEmulator``) keeps kmock's server, request
@@ -55,7 +56,8 @@ from kmock._internal import enums, rendering
 
 STATUS_SUBRESOURCE = "status"
 
-# Built-in resources the operator and kubectl touch: (group/version/plural, kind, namespaced, subresources, short names).
+# Built-in resources the operator and kubectl touch: (group/version/plural, kind, namespaced, subresources,
+# short names).
 _BUILTINS: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
     ("v1/namespaces", "Namespace", False, ("status",), ("ns",)),
     ("v1/configmaps", "ConfigMap", True, (), ("cm",)),
@@ -72,7 +74,13 @@ _BUILTINS: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] =
     ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", True, (), ()),
     ("events.k8s.io/v1/events", "Event", True, (), ("ev",)),
     ("coordination.k8s.io/v1/leases", "Lease", True, (), ()),
-    ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, ("status",), ("crd", "crds")),
+    (
+        "apiextensions.k8s.io/v1/customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        ("status",),
+        ("crd", "crds"),
+    ),
     ("rbac.authorization.k8s.io/v1/roles", "Role", True, (), ()),
     ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, (), ()),
     ("rbac.authorization.k8s.io/v1/clusterroles", "ClusterRole", False, (), ()),
@@ -108,7 +116,8 @@ class WatchEvent:
 
 
 def parse_k8s_path(path: str) -> tuple[kmock.resource | None, str | None, str | None, str | None]:
-    """``(resource, namespace, name, subresource)`` of an API path; resource None for discovery and other paths."""
+    """``(resource, namespace, name, subresource)`` of an API path; resource None for discovery and other
+    paths."""
     parts = [p for p in path.split("/") if p]
     if len(parts) >= 2 and parts[0] == "api":
         group, version, rest = "", parts[1], parts[2:]
@@ -164,7 +173,8 @@ def field_selector_matches(selector: str | None, obj: Mapping[str, Any]) -> bool
 
 
 def strip_strategic_directives(patch: Any) -> Any:
-    """Drop ``$setElementOrder/...``, ``$patch``, ``$retainKeys`` and friends; what remains is applied as a merge patch."""
+    """Drop ``$setElementOrder/...``, ``$patch``, ``$retainKeys`` and friends; what remains is applied as a
+    merge patch."""
     if isinstance(patch, dict):
         return {k: strip_strategic_directives(v) for k, v in patch.items() if not k.startswith("$")}
     if isinstance(patch, list):
@@ -204,7 +214,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     _events: list[WatchEvent] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
     # Objects created through the API, per resource (kmock's store is one flat dict): lists stay cheap.
-    _by_resource: dict[kmock.resource, dict[tuple[str | None, str], kmock.Object]] = attrs.field(factory=dict, init=False)
+    _by_resource: dict[kmock.resource, dict[tuple[str | None, str], kmock.Object]] = attrs.field(
+        factory=dict, init=False
+    )
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -227,7 +239,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return await super().__call__(raw_request)
         data: Any = None
         if body and "protobuf" in raw_request.headers.get("Content-Type", ""):
-            return ApiError(415, "UnsupportedMediaType", "the emulator speaks JSON and YAML only, not protobuf").response()
+            return ApiError(
+                415, "UnsupportedMediaType", "the emulator speaks JSON and YAML only, not protobuf"
+            ).response()
         if body:
             try:
                 data = json.loads(body)
@@ -265,7 +279,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         assert request.resource is not None
         info = self._info(request.resource)
         if info is None:
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({request.resource})")
+            raise ApiError(
+                404, "NotFound", f"the server could not find the requested resource ({request.resource})"
+            )
         if request.subresource not in (None, STATUS_SUBRESOURCE):
             raise ApiError(404, "NotFound", f"subresource {request.subresource!r} is not emulated")
         namespace = request.namespace if info.namespaced else None
@@ -281,7 +297,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if method in (enums.method.PATCH, enums.method.PUT) and request.name is not None:
             return aiohttp.web.json_response(await self._write(request, info, namespace))
         if method == enums.method.DELETE and request.name is not None:
-            return aiohttp.web.json_response(await self._delete(request.resource, namespace, request.name, info))
+            return aiohttp.web.json_response(
+                await self._delete(request.resource, namespace, request.name, info)
+            )
         raise ApiError(405, "MethodNotAllowed", f"{method.value} is not supported on {request.url.path}")
 
     # ---- discovery
@@ -331,7 +349,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return self.objects[key]
         return None
 
-    def _get(self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo) -> kmock.Object:
+    def _get(
+        self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo
+    ) -> kmock.Object:
         obj = self._live(resource, namespace, name)
         if obj is None:
             raise ApiError(404, "NotFound", f'{resource.plural} "{name}" not found')
@@ -346,7 +366,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self._revision += 1
         return str(self._revision)
 
-    async def _create(self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None) -> dict[str, Any]:
+    async def _create(
+        self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None
+    ) -> dict[str, Any]:
         assert request.resource is not None
         if not isinstance(request.data, dict):
             raise ApiError(400, "BadRequest", "the body of a create must be an object")
@@ -369,7 +391,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             key = (request.resource, meta.get("namespace"), name)
             if self._live(*key) is not None:
                 raise ApiError(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
-            meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_revision(), generation=1, creationTimestamp=_now())
+            meta.update(
+                uid=str(uuid.uuid4()),
+                resourceVersion=self._next_revision(),
+                generation=1,
+                creationTimestamp=_now(),
+            )
             if key in self.objects:
                 self.objects[key].create(obj)
             else:
@@ -380,7 +407,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             await self._emit(request.resource, "ADDED", obj)
         return obj
 
-    async def _write(self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None) -> dict[str, Any]:
+    async def _write(
+        self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None
+    ) -> dict[str, Any]:
         assert request.resource is not None and request.name is not None
         content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
         async with self._lock:
@@ -391,9 +420,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             new = self._patched(old, request, content_type)
             if request.params.get("dryRun"):
                 return new
-            sent_version = (request.data or {}).get("metadata", {}).get("resourceVersion") if isinstance(request.data, dict) else None
+            sent_version = (
+                (request.data or {}).get("metadata", {}).get("resourceVersion")
+                if isinstance(request.data, dict)
+                else None
+            )
             if sent_version and sent_version != old["metadata"].get("resourceVersion"):
-                message = f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object has been modified'
+                message = (
+                    f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": '
+                    "the object has been modified"
+                )
                 raise ApiError(409, "Conflict", message)
             new = self._restrict_to_scope(old, new, request.subresource, info)
             if new == old:
@@ -434,7 +470,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return merge_patch(old, data)
 
     @staticmethod
-    def _restrict_to_scope(old: dict[str, Any], new: dict[str, Any], subresource: str | None, info: kmock.ResourceInfo) -> dict[str, Any]:
+    def _restrict_to_scope(
+        old: dict[str, Any], new: dict[str, Any], subresource: str | None, info: kmock.ResourceInfo
+    ) -> dict[str, Any]:
         """Identity fields never change; with a status subresource, each endpoint writes only its own half."""
         result = copy.deepcopy(new)
         if STATUS_SUBRESOURCE in info.subresources:
@@ -447,14 +485,24 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             else:
                 result.pop("status", None)
         meta = result.setdefault("metadata", {})
-        for field in ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "generation", "resourceVersion"):
+        for field in (
+            "name",
+            "namespace",
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "generation",
+            "resourceVersion",
+        ):
             if field in old["metadata"]:
                 meta[field] = old["metadata"][field]
             else:
                 meta.pop(field, None)
         return result
 
-    async def _delete(self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo) -> dict[str, Any]:
+    async def _delete(
+        self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo
+    ) -> dict[str, Any]:
         async with self._lock:
             live = self._get(resource, namespace, name, info)
             obj = copy.deepcopy(live.raw)
@@ -481,9 +529,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return False
         if request.name is not None and meta.get("name") != request.name:
             return False
-        return label_selector_matches(request.params.get("labelSelector"), meta.get("labels") or {}) and field_selector_matches(
-            request.params.get("fieldSelector"), obj
-        )
+        return label_selector_matches(
+            request.params.get("labelSelector"), meta.get("labels") or {}
+        ) and field_selector_matches(request.params.get("fieldSelector"), obj)
 
     def _snapshot(self, request: rendering.Request, info: kmock.ResourceInfo) -> list[dict[str, Any]]:
         assert request.resource is not None
@@ -496,9 +544,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             items = self._snapshot(request, info)
             revision = str(self._revision)
         api_version = f"{request.resource.group}/{request.resource.version}".lstrip("/")
-        return {"kind": f"{info.kind}List", "apiVersion": api_version, "metadata": {"resourceVersion": revision}, "items": items}
+        return {
+            "kind": f"{info.kind}List",
+            "apiVersion": api_version,
+            "metadata": {"resourceVersion": revision},
+            "items": items,
+        }
 
-    async def _watch(self, request: rendering.Request, info: kmock.ResourceInfo) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, request: rendering.Request, info: kmock.ResourceInfo
+    ) -> aiohttp.web.StreamResponse:
         assert request.resource is not None and request._raw_request is not None
         since = request.params.get("resourceVersion") or ""
         initial_events = request.params.get("sendInitialEvents") == "true" or since in ("", "0")
@@ -510,15 +565,23 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             else:
                 if not since.isdigit():
                     raise ApiError(400, "BadRequest", f"invalid resourceVersion {since!r}")
-                cursor = next((i for i, e in enumerate(self._events) if e.revision > int(since)), len(self._events))
+                cursor = next(
+                    (i for i, e in enumerate(self._events) if e.revision > int(since)), len(self._events)
+                )
                 backlog = []
             revision = str(self._revision)
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        if request.params.get("sendInitialEvents") == "true" and request.params.get("allowWatchBookmarks") == "true":
+        if (
+            request.params.get("sendInitialEvents") == "true"
+            and request.params.get("allowWatchBookmarks") == "true"
+        ):
             bookmark = {
                 "kind": info.kind,
                 "apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
-                "metadata": {"resourceVersion": revision, "annotations": {"k8s.io/initial-events-end": "true"}},
+                "metadata": {
+                    "resourceVersion": revision,
+                    "annotations": {"k8s.io/initial-events-end": "true"},
+                },
             }
             backlog.append({"type": "BOOKMARK", "object": bookmark})
         try:  # the client may go away at any point: that ends the watch
@@ -529,7 +592,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 while True:
                     events, cursor = self._events[cursor:], len(self._events)
                     for event in self._relevant(events, request, info):
-                        await response.write(json.dumps({"type": event.type, "object": event.object}).encode() + b"\n")
+                        await response.write(
+                            json.dumps({"type": event.type, "object": event.object}).encode() + b"\n"
+                        )
                     async with self._changed:
                         if cursor == len(self._events):
                             await self._changed.wait()
@@ -537,19 +602,31 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             pass
         return response
 
-    def _relevant(self, events: Iterable[WatchEvent], request: rendering.Request, info: kmock.ResourceInfo) -> Iterable[WatchEvent]:
-        return (e for e in events if e.resource == request.resource and self._matching(request, info, e.object))
+    def _relevant(
+        self, events: Iterable[WatchEvent], request: rendering.Request, info: kmock.ResourceInfo
+    ) -> Iterable[WatchEvent]:
+        return (
+            e for e in events if e.resource == request.resource and self._matching(request, info, e.object)
+        )
 
     # ---- for tests
 
     def live_objects(self, resource: str) -> list[dict[str, Any]]:
         """Current objects of one resource (``"apps/v1/statefulsets"``), for assertions."""
-        return [obj.raw for obj in self._by_resource.get(kmock.resource(resource), {}).values() if not obj.deleted]
+        return [
+            obj.raw for obj in self._by_resource.get(kmock.resource(resource), {}).values() if not obj.deleted
+        ]
 
 
 def _action(method: enums.method, name: str | None, params: Mapping[str, str]) -> enums.action | None:
     if method == enums.method.GET:
-        return enums.action.WATCH if params.get("watch") in ("true", "1") else enums.action.LIST if name is None else enums.action.FETCH
+        return (
+            enums.action.WATCH
+            if params.get("watch") in ("true", "1")
+            else enums.action.LIST
+            if name is None
+            else enums.action.FETCH
+        )
     return {
         enums.method.POST: enums.action.CREATE,
         enums.method.PATCH: enums.action.UPDATE,

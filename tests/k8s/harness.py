@@ -35,11 +35,17 @@ class Kubectl:
         self.binary = binary
         self.kubeconfig = kubeconfig
 
-    def run(self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         command = [str(self.binary), "--kubeconfig", str(self.kubeconfig), *args]
-        result = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+        result = subprocess.run(
+            command, input=stdin, capture_output=True, text=True, timeout=timeout, check=False
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def apply(self, manifest_yaml: str) -> str:
@@ -63,7 +69,11 @@ class OperatorProcess:
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never mistake this for a pod
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "pdoperator.cli.operator_main", *self.args], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+                [sys.executable, "-m", "pdoperator.cli.operator_main", *self.args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
             )
 
     def stop(self, timeout: float = 20) -> int | None:
@@ -88,7 +98,8 @@ class OperatorProcess:
 
 
 def eventually(check: Callable[[], T], what: str, timeout: float = 30.0, interval: float = 0.1) -> T:
-    """Poll ``check`` until it returns a truthy value (returned) or the deadline passes (AssertionError naming ``what``)."""
+    """Poll ``check`` until it returns a truthy value (returned) or the deadline passes (AssertionError naming
+    ``what``)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
@@ -110,18 +121,27 @@ def is_operator_request(request: rendering.Request) -> bool:
 
 def writes_by_operator(requests: Sequence[rendering.Request]) -> list[str]:
     """``"PATCH /apis/..."`` lines of every write the operator (kopf or the reconciler) made."""
-    return [f"{r.method.value} {r.url.path}" for r in requests if is_operator_request(r) and r.method.value in WRITE_METHODS]
+    return [
+        f"{r.method.value} {r.url.path}"
+        for r in requests
+        if is_operator_request(r) and r.method.value in WRITE_METHODS
+    ]
 
 
 def rbac_verb(request: rendering.Request) -> str:
     method = request.method.value
     if method == "GET":
-        return "watch" if request.params.get("watch") in ("true", "1") else ("get" if request.name else "list")
-    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, "delete" if request.name else "deletecollection")
+        return (
+            "watch" if request.params.get("watch") in ("true", "1") else ("get" if request.name else "list")
+        )
+    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(
+        method, "delete" if request.name else "deletecollection"
+    )
 
 
 def rbac_attributes(request: rendering.Request) -> tuple[str, str, str] | None:
-    """``(verb, apiGroup, resource[/subresource])`` of a resource request; None for discovery and other non-resource URLs."""
+    """``(verb, apiGroup, resource[/subresource])`` of a resource request; None for discovery and other
+    non-resource URLs."""
     resource, _, name, subresource = parse_k8s_path(request.url.path)
     if resource is None:
         return None

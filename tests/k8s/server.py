@@ -106,7 +106,12 @@ class EmulatedCluster:
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
             "users": [{"name": "tester", "user": {"token": "emulated"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester", "namespace": namespace}}],
+            "contexts": [
+                {
+                    "name": "emulator",
+                    "context": {"cluster": "emulator", "user": "tester", "namespace": namespace},
+                }
+            ],
             "current-context": "emulator",
         }
         path.write_text(yaml.safe_dump(config))

@@ -35,9 +35,13 @@ def cluster() -> Iterator[EmulatedCluster]:
         yield c
 
 
-def call(cluster: EmulatedCluster, method: str, path: str, body: Any = None, content_type: str = "application/json") -> tuple[int, Any]:
+def call(
+    cluster: EmulatedCluster, method: str, path: str, body: Any = None, content_type: str = "application/json"
+) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(cluster.url + path, data=data, method=method, headers={"Content-Type": content_type})
+    request = urllib.request.Request(
+        cluster.url + path, data=data, method=method, headers={"Content-Type": content_type}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read() or b"null")
@@ -57,12 +61,18 @@ def test_created_objects_get_server_metadata(cluster: EmulatedCluster) -> None:
 def test_generate_name_makes_a_unique_name(cluster: EmulatedCluster) -> None:
     _, first = call(cluster, "POST", "/api/v1/namespaces/ns/events", {"metadata": {"generateName": "ev-"}})
     _, second = call(cluster, "POST", "/api/v1/namespaces/ns/events", {"metadata": {"generateName": "ev-"}})
-    assert first["metadata"]["name"].startswith("ev-") and first["metadata"]["name"] != second["metadata"]["name"]
+    assert (
+        first["metadata"]["name"].startswith("ev-")
+        and first["metadata"]["name"] != second["metadata"]["name"]
+    )
 
 
 def test_a_failed_json_patch_test_is_422_and_changes_nothing(cluster: EmulatedCluster) -> None:
     _, obj = call(cluster, "POST", CM, {"metadata": {"name": "jp"}, "data": {"a": "1"}})
-    ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": "stale"}, {"op": "replace", "path": "/data/a", "value": "2"}]
+    ops = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "stale"},
+        {"op": "replace", "path": "/data/a", "value": "2"},
+    ]
     code, status = call(cluster, "PATCH", f"{CM}/jp", ops, "application/json-patch+json")
     assert (code, status["reason"]) == (422, "Invalid")
     ops[0]["value"] = obj["metadata"]["resourceVersion"]
@@ -72,7 +82,13 @@ def test_a_failed_json_patch_test_is_422_and_changes_nothing(cluster: EmulatedCl
 
 def test_a_stale_resource_version_in_a_merge_patch_is_a_conflict(cluster: EmulatedCluster) -> None:
     call(cluster, "POST", CM, {"metadata": {"name": "rv"}, "data": {"a": "1"}})
-    code, status = call(cluster, "PATCH", f"{CM}/rv", {"metadata": {"resourceVersion": "1"}, "data": {"a": "2"}}, "application/merge-patch+json")
+    code, status = call(
+        cluster,
+        "PATCH",
+        f"{CM}/rv",
+        {"metadata": {"resourceVersion": "1"}, "data": {"a": "2"}},
+        "application/merge-patch+json",
+    )
     assert (code, status["reason"]) == (409, "Conflict")
 
 
@@ -96,11 +112,28 @@ def test_crds_become_discoverable_and_status_is_a_separate_subresource(cluster: 
     assert names["widgets"]["namespaced"] is True and names["widgets"]["shortNames"] == ["wg"]
     assert "widgets/status" in names
 
-    _, obj = call(cluster, "POST", WIDGETS, {"metadata": {"name": "w"}, "spec": {"size": 1}, "status": {"ignored": True}})
+    _, obj = call(
+        cluster,
+        "POST",
+        WIDGETS,
+        {"metadata": {"name": "w"}, "spec": {"size": 1}, "status": {"ignored": True}},
+    )
     assert "status" not in obj
-    _, obj = call(cluster, "PATCH", f"{WIDGETS}/w/status", {"spec": {"size": 9}, "status": {"ok": True}}, "application/merge-patch+json")
+    _, obj = call(
+        cluster,
+        "PATCH",
+        f"{WIDGETS}/w/status",
+        {"spec": {"size": 9}, "status": {"ok": True}},
+        "application/merge-patch+json",
+    )
     assert (obj["spec"], obj["status"], obj["metadata"]["generation"]) == ({"size": 1}, {"ok": True}, 1)
-    _, obj = call(cluster, "PATCH", f"{WIDGETS}/w", {"spec": {"size": 2}, "status": {"ok": False}}, "application/merge-patch+json")
+    _, obj = call(
+        cluster,
+        "PATCH",
+        f"{WIDGETS}/w",
+        {"spec": {"size": 2}, "status": {"ok": False}},
+        "application/merge-patch+json",
+    )
     assert (obj["spec"], obj["status"], obj["metadata"]["generation"]) == ({"size": 2}, {"ok": True}, 2)
 
 
@@ -121,13 +154,25 @@ def test_lists_carry_kind_and_resource_version_and_honour_label_selectors(cluste
     call(cluster, "POST", CM, {"metadata": {"name": "l1", "labels": {"app": "a", "tier": "x"}}})
     call(cluster, "POST", CM, {"metadata": {"name": "l2", "labels": {"app": "b"}}})
     _, listing = call(cluster, "GET", f"{CM}?labelSelector=app%3Da")
-    assert listing["kind"] == "ConfigMapList" and listing["apiVersion"] == "v1" and listing["metadata"]["resourceVersion"]
+    assert (
+        listing["kind"] == "ConfigMapList"
+        and listing["apiVersion"] == "v1"
+        and listing["metadata"]["resourceVersion"]
+    )
     assert [o["metadata"]["name"] for o in listing["items"]] == ["l1"]
 
 
 @pytest.mark.parametrize(
     ("selector", "expected"),
-    [("app=a", True), ("app==a,tier", True), ("app!=a", False), ("!tier", False), ("app in (a, b)", True), ("app notin (a)", False), ("zone", False)],
+    [
+        ("app=a", True),
+        ("app==a,tier", True),
+        ("app!=a", False),
+        ("!tier", False),
+        ("app in (a, b)", True),
+        ("app notin (a)", False),
+        ("zone", False),
+    ],
 )
 def test_label_selector_terms(selector: str, expected: bool) -> None:
     assert label_selector_matches(selector, {"app": "a", "tier": "x"}) is expected
@@ -142,15 +187,22 @@ def test_watch_from_a_resource_version_replays_later_events_as_json_lines(cluste
     with urllib.request.urlopen(url, timeout=10) as response:
         assert response.headers["Content-Type"].startswith("application/json")
         events = [json.loads(line) for line in response.read().splitlines()]
-    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "w1"), ("MODIFIED", "w1")]
+    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [
+        ("ADDED", "w1"),
+        ("MODIFIED", "w1"),
+    ]
 
 
-def test_a_watch_without_resource_version_starts_with_the_current_objects_then_streams(cluster: EmulatedCluster) -> None:
+def test_a_watch_without_resource_version_starts_with_the_current_objects_then_streams(
+    cluster: EmulatedCluster,
+) -> None:
     call(cluster, "POST", "/api/v1/namespaces/other/configmaps", {"metadata": {"name": "before"}})
     received: list[dict[str, Any]] = []
 
     def watch() -> None:
-        with urllib.request.urlopen(f"{cluster.url}/api/v1/namespaces/other/configmaps?watch=true&timeoutSeconds=2", timeout=10) as response:
+        with urllib.request.urlopen(
+            f"{cluster.url}/api/v1/namespaces/other/configmaps?watch=true&timeoutSeconds=2", timeout=10
+        ) as response:
             received.extend(json.loads(line) for line in response.read().splitlines())
 
     watcher = threading.Thread(target=watch)

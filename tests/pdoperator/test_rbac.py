@@ -1,4 +1,5 @@
-"""The operator's RBAC rules as data (the chart renders them; integration tests check the calls against them)."""
+"""The operator's RBAC rules as data (the chart renders them; integration tests check the calls against
+them)."""
 
 from __future__ import annotations
 
@@ -35,4 +36,6 @@ def test_cluster_and_namespaced_rules_do_not_overlap_and_render_as_policy_rules(
     assert not cluster & namespaced
     document = rbac_rules_document()
     assert set(document) == {"cluster", "namespaced"}
-    assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rules in document.values() for rule in rules)
+    assert all(
+        set(rule) == {"apiGroups", "resources", "verbs"} for rules in document.values() for rule in rules
+    )

@@ -1,27 +1,28 @@
 """KV transfers of real model layouts between two processes on one GPU over NIXL, against torch's device copy.
 
-Run (on a GPU): ``python -m pdconnector.bench.gpu_transfer_bench REPORT_DIR [--tokens 1024,4096,16384] [--repeat 5]``;
-writes ``REPORT_DIR/gpu-transfer-bench.json`` and prints one line per case.
+Run (on a GPU): ``python -m pdconnector.bench.gpu_transfer_bench REPORT_DIR [--tokens 1024,4096,16384]
+[--repeat 5]``; writes ``REPORT_DIR/gpu-transfer-bench.json`` and prints one line per case.
 
-Each case is one request of one TP rank of a model (Qwen3-32B and Llama-3.3-70B at TP 8, NVIDIA-Nemotron-Nano-9B-v2
-at TP 1), its blocks contiguous or scattered over the pools as in a long-running engine, in vLLM's layer-outer cache
-(LBHNC, one descriptor per layer per block) and the connector's block-outer one (BLHNC, one per block). The descriptors
-are the planner's (``plan_transfer``), posted through the project's ``NixlTransport`` from this process into a target
-process's VRAM pool (push: WRITE) or read from it (pull: READ). Figures, all medians over ``--repeat`` runs:
+Each case is one request of one TP rank of a model (Qwen3-32B and Llama-3.3-70B at TP 8,
+NVIDIA-Nemotron-Nano-9B-v2 at TP 1), its blocks contiguous or scattered over the pools as in a long-running
+engine, in vLLM's layer-outer cache (LBHNC, one descriptor per layer per block) and the connector's
+block-outer one (BLHNC, one per block). The descriptors are the planner's (``plan_transfer``), posted through
+the project's ``NixlTransport`` from this process into a target process's VRAM pool (push: WRITE) or read from
+it (pull: READ). Figures, all medians over ``--repeat`` runs:
 
-- ``post_to_done_ms``: from the post to the initiator seeing DONE; for WRITE also ``post_to_notified_ms``, until the
-  target's transfer thread holds the notification (one monotonic clock for both processes).
-- ``copy_ms``: ``torch`` copying the same number of bytes device to device, in the same run; ``vs_copy`` is the copy's
-  time over the transfer's (1.0 = the transfer moves bytes as fast as a device copy).
+- ``post_to_done_ms``: from the post to the initiator seeing DONE; for WRITE also ``post_to_notified_ms``,
+  until the target's transfer thread holds the notification (one monotonic clock for both processes).
+- ``copy_ms``: ``torch`` copying the same number of bytes device to device, in the same run; ``vs_copy`` is
+  the copy's time over the transfer's (1.0 = the transfer moves bytes as fast as a device copy).
 - ``cpu_ms``: the initiating thread's CPU time to plan the request, build its descriptors and post them.
-- ``staged``: the scattered request gathered on the GPU into a registered staging buffer, moved in WRITEs of each
-  ``--chunk-mib`` size (two chunks in flight) and scattered by the target after each notification: what a fragmented
-  transfer costs when descriptors, not bytes, are the bottleneck. Its ``post_to_scattered_ms`` runs to the target's
-  last scatter; a chunk's half of the staging buffer is reused once the target said it scattered it (over a pipe here,
-  a notification in a connector).
-- ``efa_model_ms``: the same descriptors and bytes on EFA, modelled as ``descriptors * --efa-descriptor-us + bytes /
-  --efa-gbps`` (defaults: 2.44 us per descriptor, from a published 18,880-descriptor post taking 46 ms, and 50 GB/s,
-  one H200's share of a p5en's 3,200 Gb/s).
+- ``staged``: the scattered request gathered on the GPU into a registered staging buffer, moved in WRITEs of
+  each ``--chunk-mib`` size (two chunks in flight) and scattered by the target after each notification: what a
+  fragmented transfer costs when descriptors, not bytes, are the bottleneck. Its ``post_to_scattered_ms`` runs
+  to the target's last scatter; a chunk's half of the staging buffer is reused once the target said it
+  scattered it (over a pipe here, a notification in a connector).
+- ``efa_model_ms``: the same descriptors and bytes on EFA, modelled as ``descriptors * --efa-descriptor-us +
+  bytes / --efa-gbps`` (defaults: 2.44 us per descriptor, from a published 18,880-descriptor post taking 46
+  ms, and 50 GB/s, one H200's share of a p5en's 3,200 Gb/s).
 """
 
 from __future__ import annotations
@@ -42,7 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from pdconnector.layout import BlockPlacement, KVModel, LayerKind, RankLayout, model_from_hf_config, plan_transfer
+from pdconnector.layout import (
+    BlockPlacement,
+    KVModel,
+    LayerKind,
+    RankLayout,
+    model_from_hf_config,
+    plan_transfer,
+)
 from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
 from pdconnector.layout.plan import split_runs
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
@@ -75,19 +83,28 @@ def pool_blocks(model: KVModel, tp_size: int, max_tokens: int) -> int:
 
 
 def request_blocks(layout: RankLayout, num_tokens: int, *, scattered: bool, seed: int) -> list[list[int]]:
-    """Block ids per KV group: consecutive from 0, or a random draw from the whole pool (no id shared by two groups)."""
-    counts = [-(-num_tokens // layout.model.block_size) if g.kind is LayerKind.ATTENTION else 1 for g in layout.groups]
-    pool = np.random.default_rng(seed).permutation(layout.num_blocks) if scattered else np.arange(layout.num_blocks)
+    """Block ids per KV group: consecutive from 0, or a random draw from the whole pool (no id shared by two
+    groups)."""
+    counts = [
+        -(-num_tokens // layout.model.block_size) if g.kind is LayerKind.ATTENTION else 1
+        for g in layout.groups
+    ]
+    pool = (
+        np.random.default_rng(seed).permutation(layout.num_blocks)
+        if scattered
+        else np.arange(layout.num_blocks)
+    )
     bounds = np.cumsum([0, *counts])
     return [pool[a:b].tolist() for a, b in itertools.pairwise(bounds.tolist())]
 
 
-# --------------------------------------------------------------------------------------------------- target process
+# --------------------------------------------------------------------------------------------------- target
+# process
 
 
 class Memory:
-    """Where both processes keep their pools: VRAM of ``cuda:0``, or host memory (``cpu``: the same code, to try it
-    where no GPU is)."""
+    """Where both processes keep their pools: VRAM of ``cuda:0``, or host memory (``cpu``: the same code, to
+    try it where no GPU is)."""
 
     def __init__(self, device: str) -> None:
         import torch  # noqa: PLC0415 (the bench's processes need it; importing the module does not)
@@ -115,12 +132,15 @@ def rows_of(buffer: Any, row_bytes: int) -> Any:
 
 
 def fingerprint(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
-    """A position-weighted sum of the given rows, in order: equal on both sides only if every byte went to its place."""
+    """A position-weighted sum of the given rows, in order: equal on both sides only if every byte went to its
+    place."""
     picked = rows_of(buffer, row_bytes).index_select(0, rows).to(torch.int64).sum(1)
     return int((picked * torch.arange(1, picked.numel() + 1, device=picked.device)).sum())
 
 
-def plan_rows(plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Sequence[int], dst_base: int) -> tuple[np.ndarray, np.ndarray, int]:
+def plan_rows(
+    plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Sequence[int], dst_base: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """The plan as equal rows (the largest size every run's offsets and length are multiples of): source and
     destination row indices into each side's buffer, in plan order, and the row size."""
     src_offset = plan.src_offset + np.asarray(src_addrs, dtype=np.int64)[plan.src_region] - src_base
@@ -131,8 +151,8 @@ def plan_rows(plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Seq
 
 
 def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) -> None:
-    """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; staged chunks
-    scattered into the pool after each one arrives."""
+    """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; staged
+    chunks scattered into the pool after each one arrives."""
     memory = Memory(device)
     torch = memory.torch
     pool, staging = memory.zeros(pool_bytes), memory.zeros(staging_bytes)
@@ -164,7 +184,9 @@ def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) 
                 chunk = int(message.split(b"-")[1])
                 rows, row_bytes = scatter[chunk]
                 half = (chunk % 2) * chunk_bytes
-                rows_of(pool, row_bytes).index_copy_(0, rows, staging[half : half + rows.numel() * row_bytes].view(-1, row_bytes))
+                rows_of(pool, row_bytes).index_copy_(
+                    0, rows, staging[half : half + rows.numel() * row_bytes].view(-1, row_bytes)
+                )
                 memory.synchronize()
                 conn.send((message.decode(), time.monotonic()))
             else:
@@ -172,7 +194,8 @@ def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) 
     agent.close()
 
 
-# --------------------------------------------------------------------------------------------------- measurements
+# ---------------------------------------------------------------------------------------------------
+# measurements
 
 
 @dataclass
@@ -212,7 +235,9 @@ class Bench:
         self.agent.register([self.memory.region(self.local), self.memory.region(self.local_staging)])
         context = multiprocessing.get_context("spawn")
         self.conn, child_end = context.Pipe()
-        self.child = context.Process(target=_target, args=(child_end, args.device, self.pool_bytes, self.staging_bytes), daemon=True)
+        self.child = context.Process(
+            target=_target, args=(child_end, args.device, self.pool_bytes, self.staging_bytes), daemon=True
+        )
         self.child.start()
         if not self.conn.poll(120):
             raise RuntimeError("target process did not start within 120 s")
@@ -221,7 +246,11 @@ class Bench:
         self._arrivals: dict[str, float] = {}
 
     def models(self) -> dict[str, tuple[KVModel, int]]:
-        return {name: (model_from_hf_config(config), tp) for name, (config, tp) in MODELS.items() if name in self.args.models}
+        return {
+            name: (model_from_hf_config(config), tp)
+            for name, (config, tp) in MODELS.items()
+            if name in self.args.models
+        }
 
     def close(self) -> None:
         self.conn.send(("stop", None))
@@ -230,7 +259,7 @@ class Bench:
             self.child.kill()
         self.agent.close()
 
-    # -- one posted transfer ------------------------------------------------------------------------------------
+    # -- one posted transfer ---------------------------------------------------------------------------------
 
     def _wait(self, handle: Any) -> None:
         while (status := self.agent.state(handle)).state is TransferState.IN_PROGRESS:
@@ -240,7 +269,8 @@ class Bench:
             raise RuntimeError(f"transfer failed: {status.error}")
 
     def _notified(self, expected: str) -> float:
-        """When the target held notification ``expected`` (chunks in flight together may arrive in either order)."""
+        """When the target held notification ``expected`` (chunks in flight together may arrive in either
+        order)."""
         deadline = time.monotonic() + 60
         while expected not in self._arrivals:
             if not self.conn.poll(max(0.0, deadline - time.monotonic())):
@@ -249,7 +279,9 @@ class Bench:
             self._arrivals[message] = at
         return self._arrivals.pop(expected)
 
-    def direct(self, operation: str, plan_of: Callable[[], Any], src: Pools, dst: Pools) -> tuple[float, float | None, float, int, int]:
+    def direct(
+        self, operation: str, plan_of: Callable[[], Any], src: Pools, dst: Pools
+    ) -> tuple[float, float | None, float, int, int]:
         done, notified, cpu = [], [], []
         for i in range(WARMUP + self.args.repeat):
             tag = f"{operation}-{i}-{time.monotonic_ns()}"
@@ -268,7 +300,13 @@ class Bench:
                 if arrived is not None:
                     notified.append(arrived - start)
         median_notified = statistics.median(notified) * 1e3 if notified else None
-        return statistics.median(done) * 1e3, median_notified, statistics.median(cpu) * 1e3, len(plan), plan.nbytes
+        return (
+            statistics.median(done) * 1e3,
+            median_notified,
+            statistics.median(cpu) * 1e3,
+            len(plan),
+            plan.nbytes,
+        )
 
     def staged(self, plan: Any, src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
         """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
@@ -276,7 +314,10 @@ class Bench:
         src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
         self._command("zero")
         per_chunk = max(1, chunk_bytes // row)
-        chunks = [(src_rows[i : i + per_chunk], dst_rows[i : i + per_chunk]) for i in range(0, src_rows.size, per_chunk)]
+        chunks = [
+            (src_rows[i : i + per_chunk], dst_rows[i : i + per_chunk])
+            for i in range(0, src_rows.size, per_chunk)
+        ]
         if self._command("scatter", (chunk_bytes, [(d, row) for _s, d in chunks])) != "ready":
             raise RuntimeError("target did not take the scatter index")
         gathers = [torch.as_tensor(s, device=self.args.device) for s, _d in chunks]
@@ -289,7 +330,8 @@ class Bench:
             for k, rows in enumerate(gathers):
                 slot = k % 2
                 if in_flight[slot] is not None:
-                    # The half is free again once its WRITE is done here and the target has scattered it there.
+                    # The half is free again once its WRITE is done here and the target has scattered it
+                    # there.
                     self._wait(in_flight[slot])
                     scattered.append(self._notified(f"chunk-{k - 2}"))
                 staging = self.local_staging[slot * half : slot * half + rows.numel() * row].view(-1, row)
@@ -327,7 +369,9 @@ class Bench:
     def verified(self, plan: Any, src: Pools, dst: Pools) -> bool:
         """Whether the target's pool holds, at the plan's destination, the bytes of its source here."""
         src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
-        mine = fingerprint(self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row)
+        mine = fingerprint(
+            self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row
+        )
         return mine == self._command("fingerprint", (dst_rows, row))
 
     def copy_ms(self, nbytes: int) -> float:
@@ -342,7 +386,7 @@ class Bench:
                 times.append(time.monotonic() - start)
         return statistics.median(times) * 1e3
 
-    # -- the sweep ------------------------------------------------------------------------------------------------
+    # -- the sweep -------------------------------------------------------------------------------------------
 
     def run(self) -> list[Case]:
         cases = []
@@ -356,19 +400,33 @@ class Bench:
                         s_blocks = request_blocks(src.layout, tokens, scattered=scattered, seed=tokens)
                         d_blocks = request_blocks(dst.layout, tokens, scattered=scattered, seed=tokens + 1)
 
-                        def plan_of(s: Pools = src, d: Pools = dst, sb: Any = s_blocks, db: Any = d_blocks, n: int = tokens) -> Any:
+                        def plan_of(
+                            s: Pools = src,
+                            d: Pools = dst,
+                            sb: Any = s_blocks,
+                            db: Any = d_blocks,
+                            n: int = tokens,
+                        ) -> Any:
                             return plan_transfer(s.layout, d.layout, sb, db, num_tokens=n)
 
                         for operation in ("write", "read"):
                             if operation == "write":
                                 self._command("zero")
-                            done, notified, cpu, descriptors, nbytes = self.direct(operation, plan_of, src, dst)
+                            done, notified, cpu, descriptors, nbytes = self.direct(
+                                operation, plan_of, src, dst
+                            )
                             verified = self.verified(plan_of(), src, dst) if operation == "write" else None
                             copy = self.copy_ms(nbytes)
                             staged = None
                             if scattered and operation == "write" and self.args.staged:
-                                staged = [self.staged(plan_of(), src, dst, mib * 2**20) for mib in self.args.chunk_mib]
-                            efa = descriptors * self.args.efa_descriptor_us / 1e3 + nbytes / (self.args.efa_gbps * 1e9) * 1e3
+                                staged = [
+                                    self.staged(plan_of(), src, dst, mib * 2**20)
+                                    for mib in self.args.chunk_mib
+                                ]
+                            efa = (
+                                descriptors * self.args.efa_descriptor_us / 1e3
+                                + nbytes / (self.args.efa_gbps * 1e9) * 1e3
+                            )
                             case = Case(
                                 name,
                                 placement.value,
@@ -392,7 +450,8 @@ class Bench:
 
 
 HEADER = (
-    f"{'model':<24}{'cache':<12}{'tokens':>7}  {'blocks':<11}{'op':<6}{'descs':>7}{'MiB':>8}{'ms':>9}{'notif ms':>9}{'copy ms':>8}"
+    f"{'model':<24}{'cache':<12}{'tokens':>7}  "
+    f"{'blocks':<11}{'op':<6}{'descs':>7}{'MiB':>8}{'ms':>9}{'notif ms':>9}{'copy ms':>8}"
     f"{'vs copy':>8}{'cpu ms':>7}{'staged':>10}{'EFA ms':>8}"
 )
 
@@ -401,7 +460,8 @@ def _line(c: Case) -> str:
     notified = f"{c.post_to_notified_ms:>9.3f}" if c.post_to_notified_ms is not None else f"{'-':>9}"
     staged = f"{min(s['post_to_scattered_ms'] for s in c.staged):>10.3f}" if c.staged else f"{'-':>10}"
     return (
-        f"{c.model:<24}{c.placement:<12}{c.tokens:>7}  {c.blocks:<11}{c.operation:<6}{c.descriptors:>7}{c.nbytes / 2**20:>8.1f}"
+        f"{c.model:<24}{c.placement:<12}{c.tokens:>7}  "
+        f"{c.blocks:<11}{c.operation:<6}{c.descriptors:>7}{c.nbytes / 2**20:>8.1f}"
         f"{c.post_to_done_ms:>9.3f}{notified}{c.copy_ms:>8.3f}{c.vs_copy:>8.3f}{c.cpu_ms:>7.2f}{staged}{c.efa_model_ms:>8.2f}"
     )
 
@@ -409,12 +469,22 @@ def _line(c: Case) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report_dir", type=Path)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: host memory, to try the bench without a GPU")
-    parser.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1024, 4096, 16384])
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: host memory, to try the bench without a GPU",
+    )
+    parser.add_argument(
+        "--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1024, 4096, 16384]
+    )
     parser.add_argument("--models", type=lambda v: v.split(","), default=list(MODELS))
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
-        "--chunk-mib", type=lambda v: [int(m) for m in v.split(",")], default=[64, 256], help="MiB per staged WRITE (each a run); staging holds two"
+        "--chunk-mib",
+        type=lambda v: [int(m) for m in v.split(",")],
+        default=[64, 256],
+        help="MiB per staged WRITE (each a run); staging holds two",
     )
     parser.add_argument("--no-staged", dest="staged", action="store_false")
     parser.add_argument("--efa-descriptor-us", type=float, default=2.44)
@@ -430,7 +500,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         bench.close()
     args.report_dir.mkdir(parents=True, exist_ok=True)
-    report = {"args": {k: v for k, v in vars(args).items() if k != "report_dir"}, "cases": [asdict(c) for c in cases]}
+    report = {
+        "args": {k: v for k, v in vars(args).items() if k != "report_dir"},
+        "cases": [asdict(c) for c in cases],
+    }
     (args.report_dir / "gpu-transfer-bench.json").write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -38,7 +38,15 @@ from pdconnector.layout import (
 from pdconnector.layout.known_models import NEMOTRON_NANO_9B_V2
 
 ATTENTION = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
-MAMBA2 = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
+MAMBA2 = SsmSpec.mamba2(
+    num_heads=128,
+    head_dim=80,
+    n_groups=8,
+    state_size=128,
+    conv_kernel=4,
+    conv_dtype_bytes=2,
+    state_dtype_bytes=4,
+)
 
 
 def dense(block_size: int) -> KVModel:
@@ -46,7 +54,8 @@ def dense(block_size: int) -> KVModel:
 
 
 def hybrid(kernel_block_size: int) -> KVModel:
-    # vLLM aligns the hybrid's logical block to the kernel alignment (128 here, so 16/64/128 kernels all divide it).
+    # vLLM aligns the hybrid's logical block to the kernel alignment (128 here, so 16/64/128 kernels all
+    # divide it).
     block = hybrid_block_size(ATTENTION, MAMBA2, kernel_alignment=128)
     return KVModel((LayerKind.SSM, LayerKind.ATTENTION) * 64, block, ATTENTION, MAMBA2, kernel_block_size)
 
@@ -85,24 +94,40 @@ def _median_ms(fn: Callable[[], object], repeat: int) -> float:
     return 1000 * statistics.median(samples)
 
 
-def _request_blocks(layout: RankLayout, tokens: int, shuffled: bool, rng: np.random.Generator) -> list[list[int]]:
-    """Block ids per KV group for one request: enough attention blocks for ``tokens``, one SSM block per group."""
-    counts = [-(-tokens // layout.model.block_size) if g.kind is LayerKind.ATTENTION else 1 for g in layout.groups]
+def _request_blocks(
+    layout: RankLayout, tokens: int, shuffled: bool, rng: np.random.Generator
+) -> list[list[int]]:
+    """Block ids per KV group for one request: enough attention blocks for ``tokens``, one SSM block per
+    group."""
+    counts = [
+        -(-tokens // layout.model.block_size) if g.kind is LayerKind.ATTENTION else 1 for g in layout.groups
+    ]
     pool = rng.permutation(layout.num_blocks) if shuffled else np.arange(layout.num_blocks)
     bounds = np.cumsum([0, *counts])
     return [pool[a:b].tolist() for a, b in itertools.pairwise(bounds.tolist())]
 
 
 def measure(scenario: Scenario, repeat: int) -> Row:
-    model, tokens, p_tp, d_tp, shuffled = scenario.model, scenario.tokens, scenario.p_tp, scenario.d_tp, scenario.shuffled
+    model, tokens, p_tp, d_tp, shuffled = (
+        scenario.model,
+        scenario.tokens,
+        scenario.p_tp,
+        scenario.d_tp,
+        scenario.shuffled,
+    )
     rng = np.random.default_rng(tokens)
     num_blocks = 4 * -(-tokens // model.block_size) + 64
     src = RankLayout(model, p_tp, 0, num_blocks)
     dsts = [RankLayout(model, d_tp, d, num_blocks) for d in targets_for(0, p_tp, d_tp)]
-    src_blocks, dst_blocks = _request_blocks(src, tokens, shuffled, rng), _request_blocks(src, tokens, shuffled, rng)
+    src_blocks, dst_blocks = (
+        _request_blocks(src, tokens, shuffled, rng),
+        _request_blocks(src, tokens, shuffled, rng),
+    )
 
     def plans(merge: bool) -> list:
-        return [plan_transfer(src, dst, src_blocks, dst_blocks, num_tokens=tokens, merge=merge) for dst in dsts]
+        return [
+            plan_transfer(src, dst, src_blocks, dst_blocks, num_tokens=tokens, merge=merge) for dst in dsts
+        ]
 
     def prepared() -> list:
         return [descriptor_ids(src, dst, src_blocks, dst_blocks, num_tokens=tokens) for dst in dsts]
@@ -126,12 +151,14 @@ def measure(scenario: Scenario, repeat: int) -> Row:
 
 def format_rows(rows: Sequence[Row]) -> str:
     head = (
-        f"{'model':<7} {'tokens':>6} {'blk/kern':>9} {'TP P->D':>7} {'ids':>8} {'descs':>8} {'merged':>7} {'MiB':>8} "
+        f"{'model':<7} {'tokens':>6} {'blk/kern':>9} {'TP P->D':>7} {'ids':>8} {'descs':>8} {'merged':>7} "
+        f"{'MiB':>8} "
         f"{'plan ms':>8} {'unmerged ms':>11} {'prep-ids ms':>11}"
     )
     lines = [head, "-" * len(head)]
     lines.extend(
-        f"{r.model:<7} {r.tokens:>6} {r.block:>9} {r.tp:>7} {r.ids:>8} {r.descs_unmerged:>8} {r.descs_merged:>7} {r.mib:>8.1f} "
+        f"{r.model:<7} {r.tokens:>6} {r.block:>9} {r.tp:>7} {r.ids:>8} {r.descs_unmerged:>8} "
+        f"{r.descs_merged:>7} {r.mib:>8.1f} "
         f"{r.ms_merged:>8.2f} {r.ms_unmerged:>11.2f} {r.ms_prepared_ids:>11.2f}"
         for r in rows
     )
@@ -143,7 +170,9 @@ def scenarios(quick: bool) -> list[Scenario]:
     out = []
     for tokens in lengths:
         for block in (16, 64, 128):
-            out.extend(Scenario("dense", dense(block), tokens, shuffled=shuffled) for shuffled in (False, True))
+            out.extend(
+                Scenario("dense", dense(block), tokens, shuffled=shuffled) for shuffled in (False, True)
+            )
             out.append(Scenario("hybrid", hybrid(block), tokens))
         for p_tp, d_tp in ((2, 4), (4, 2)):
             out.append(Scenario("dense", dense(16), tokens, p_tp, d_tp))
@@ -157,11 +186,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer prompt lengths")
     args = parser.parse_args(argv)
     rows = [measure(scenario, args.repeat) for scenario in scenarios(args.quick)]
-    print("Plan building per request for one prefill rank (all decode ranks it writes into); block ids per group as vLLM allocates them")
+    print(
+        "Plan building per request for one prefill rank (all decode ranks it writes into); block ids per "
+        "group as vLLM allocates them"
+    )
     print(format_rows(rows))
     nemotron = model_from_hf_config(NEMOTRON_NANO_9B_V2, kernel_block_size=32)
     print()
-    print(f"Transfer volume per request, Nemotron-Nano-9B-v2 (block {nemotron.block_size}, kernel block 32), MiB, engine-wide")
+    print(
+        f"Transfer volume per request, Nemotron-Nano-9B-v2 (block {nemotron.block_size}, kernel block 32), "
+        "MiB, engine-wide"
+    )
     print(format_volume_table(transfer_volume_table(nemotron)))
 
 

@@ -21,7 +21,14 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from pdconnector.transport import MemoryRegion, Operation, TransferState, Transport, create_transport, nixl_unavailable_reason
+from pdconnector.transport import (
+    MemoryRegion,
+    Operation,
+    TransferState,
+    Transport,
+    create_transport,
+    nixl_unavailable_reason,
+)
 
 
 def _serve(kind: str, nbytes: int, conn: Connection) -> None:
@@ -45,10 +52,16 @@ class Row:
     seconds: list[float]
 
     def line(self) -> str:
-        median, p90 = statistics.median(self.seconds), sorted(self.seconds)[int(0.9 * (len(self.seconds) - 1))]
+        median, p90 = (
+            statistics.median(self.seconds),
+            sorted(self.seconds)[int(0.9 * (len(self.seconds) - 1))],
+        )
         rate = self.nbytes / median / 1e9
         size = self.nbytes / 2**20
-        return f"{self.kind:<6}{self.operation.value:<7}{self.descriptors:>8}{size:>8.2f}{median * 1e3:>12.3f}{p90 * 1e3:>10.3f}{rate:>10.2f}"
+        return (
+            f"{self.kind:<6}{self.operation.value:<7}{self.descriptors:>8}{size:>8.2f}"
+            f"{median * 1e3:>12.3f}{p90 * 1e3:>10.3f}{rate:>10.2f}"
+        )
 
 
 HEADER = f"{'kind':<6}{'op':<7}{'descs':>8}{'MiB':>8}{'median ms':>12}{'p90 ms':>10}{'GB/s':>10}"
@@ -61,14 +74,17 @@ def _spaced(base: int, count: int, length: int) -> np.ndarray:
     return rows
 
 
-def _time_transfers(agent: Transport, peer: str, operation: Operation, local: np.ndarray, remote: np.ndarray, *, repeat: int) -> list[float]:
+def _time_transfers(
+    agent: Transport, peer: str, operation: Operation, local: np.ndarray, remote: np.ndarray, *, repeat: int
+) -> list[float]:
     post = agent.write if operation is Operation.WRITE else agent.read
     seconds = []
     for i in range(repeat + 3):
         start = time.perf_counter()
         handle = post(peer, local, remote, b"bench")
         while (status := agent.state(handle)).state is TransferState.IN_PROGRESS:
-            # Yield the GIL: a spinning poller would starve MockTransport's receiving thread (5 ms switch interval).
+            # Yield the GIL: a spinning poller would starve MockTransport's receiving thread (5 ms switch
+            # interval).
             time.sleep(0)
         elapsed = time.perf_counter() - start
         agent.release(handle)
@@ -98,7 +114,15 @@ def bench_kind(kind: str, nbytes: int, descriptor_counts: Sequence[int], repeat:
             length = nbytes // count
             local, remote = _spaced(buffer.ctypes.data, count, length), _spaced(remote_base, count, length)
             for operation in (Operation.WRITE, Operation.READ):
-                rows.append(Row(kind, operation, count, length * count, _time_transfers(agent, peer, operation, local, remote, repeat=repeat)))
+                rows.append(
+                    Row(
+                        kind,
+                        operation,
+                        count,
+                        length * count,
+                        _time_transfers(agent, peer, operation, local, remote, repeat=repeat),
+                    )
+                )
         return rows
     finally:
         agent.close()

@@ -1,6 +1,7 @@
 """End-to-end push latency through the transfer workers, in both orders the two halves of a push can meet.
 
-Run: ``python -m pdconnector.bench.worker_bench [--repeat N] [--tokens 1024,4096,16384] [--transports mock,nixl]``.
+Run: ``python -m pdconnector.bench.worker_bench [--repeat N] [--tokens 1024,4096,16384] [--transports
+mock,nixl]``.
 
 Two engines in this process (prefill TP 1, decode TP 1 or 2), each rank with its own worker and
 transport, host memory. *Registration first* (decode registered while prefill computed): the clock
@@ -25,7 +26,11 @@ from pdconnector.transport.base import MemoryRegion
 from pdconnector.transport.factory import TransportKind, create_transport
 from pdconnector.worker import EngineTransfers, ResultKind, WorkerConfig
 
-MODEL = KVModel((LayerKind.ATTENTION,) * 16, block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2))
+MODEL = KVModel(
+    (LayerKind.ATTENTION,) * 16,
+    block_size=16,
+    attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2),
+)
 
 
 class _Engine:
@@ -64,7 +69,9 @@ class _Engine:
 IDLE_S = 0.2  # how long prefill sits idle with its blocks before decode registers (prefill first)
 
 
-def measure(kind: TransportKind, decode_tp: int, tokens: list[int], repeat: int, *, prefill_first: bool) -> dict[int, list[float]]:
+def measure(
+    kind: TransportKind, decode_tp: int, tokens: list[int], repeat: int, *, prefill_first: bool
+) -> dict[int, list[float]]:
     blocks_needed = -(-max(tokens) // MODEL.block_size)
     prefill = _Engine("bench-prefill", kind, 1, blocks_needed)
     decode = _Engine("bench-decode", kind, decode_tp, blocks_needed)
@@ -116,10 +123,23 @@ def main() -> None:
     bytes_per_token = MODEL.attention.bytes_per_token * len(MODEL.layers) if MODEL.attention else 0
     kinds = args.transports.split(",")
     for prefill_first in (False, True):
-        results = {kind: measure(kind, args.decode_tp, tokens, args.repeat, prefill_first=prefill_first) for kind in kinds}
-        clock = "decode registers (prefill idle for 0.2 s)" if prefill_first else "prefill finished (decode registered)"
-        print(f"push: prefill TP1 -> decode TP{args.decode_tp}, {clock} -> all decode ranks received, median of {args.repeat}")
-        print(f"{'tokens':>7} {'MiB':>7} " + " ".join(f"{kind + ' p50 ms':>14} {kind + ' GiB/s':>11}" for kind in results))
+        results = {
+            kind: measure(kind, args.decode_tp, tokens, args.repeat, prefill_first=prefill_first)
+            for kind in kinds
+        }
+        clock = (
+            "decode registers (prefill idle for 0.2 s)"
+            if prefill_first
+            else "prefill finished (decode registered)"
+        )
+        print(
+            f"push: prefill TP1 -> decode TP{args.decode_tp}, {clock} -> all decode ranks received, median "
+            f"of {args.repeat}"
+        )
+        print(
+            f"{'tokens':>7} {'MiB':>7} "
+            + " ".join(f"{kind + ' p50 ms':>14} {kind + ' GiB/s':>11}" for kind in results)
+        )
         for n in tokens:
             mib = n * bytes_per_token / 2**20
             cells = []

@@ -1,13 +1,17 @@
 """KV/SSM memory model and descriptor planning, independent of vLLM and NIXL (numpy only).
 
-``model`` describes what a model stores, ``regions`` how one TP rank lays it out under
-vLLM's hybrid allocator, ``plan`` which byte runs a prefill rank writes into a decode rank (``descriptors``: the same
-as prepared descriptor lists and ids),
-``accounting`` how many bytes that is compared with whole-page transfers, ``synthetic``
-tagged pools for byte-exact transfer tests.
+``model`` describes what a model stores, ``regions`` how one TP rank lays it out under vLLM's hybrid
+allocator, ``plan`` which byte runs a prefill rank writes into a decode rank (``descriptors``: the same as
+prepared descriptor lists and ids), ``accounting`` how many bytes that is compared with whole-page transfers,
+``synthetic`` tagged pools for byte-exact transfer tests.
 """
 
-from pdconnector.layout.accounting import TransferVolume, format_volume_table, transfer_volume, transfer_volume_table
+from pdconnector.layout.accounting import (
+    TransferVolume,
+    format_volume_table,
+    transfer_volume,
+    transfer_volume_table,
+)
 from pdconnector.layout.descriptors import DescriptorTable, descriptor_ids, descriptor_tables
 from pdconnector.layout.model import (
     AttentionLayout,

@@ -61,7 +61,9 @@ def transfer_volume(model: KVModel, num_tokens: int, *, tp_size: int = 1) -> Tra
     )
 
 
-def transfer_volume_table(model: KVModel, lengths: Sequence[int] = DEFAULT_LENGTHS, *, tp_size: int = 1) -> list[TransferVolume]:
+def transfer_volume_table(
+    model: KVModel, lengths: Sequence[int] = DEFAULT_LENGTHS, *, tp_size: int = 1
+) -> list[TransferVolume]:
     """The seed's analysis: transfer volume against prompt length, naive vs optimal."""
     return [transfer_volume(model, n, tp_size=tp_size) for n in lengths]
 
@@ -69,10 +71,15 @@ def transfer_volume_table(model: KVModel, lengths: Sequence[int] = DEFAULT_LENGT
 def format_volume_table(rows: Sequence[TransferVolume]) -> str:
     """A plain-text table of :func:`transfer_volume_table` rows, sizes in MiB."""
     mib = 1 << 20
-    lines = [f"{'tokens':>7} {'attn naive':>11} {'attn opt':>9} {'ssm naive':>10} {'ssm opt':>8} {'naive':>9} {'optimal':>9} {'saved':>7}"]
+    lines = [
+        f"{'tokens':>7} {'attn naive':>11} {'attn opt':>9} {'ssm naive':>10} {'ssm opt':>8} {'naive':>9} "
+        f"{'optimal':>9} {'saved':>7}"
+    ]
     lines.extend(
-        f"{r.num_tokens:>7} {r.attention_naive / mib:>11.2f} {r.attention_optimal / mib:>9.2f} {r.ssm_naive / mib:>10.2f} "
-        f"{r.ssm_optimal / mib:>8.2f} {r.naive / mib:>9.2f} {r.optimal / mib:>9.2f} {100 * r.saved_fraction:>6.2f}%"
+        f"{r.num_tokens:>7} {r.attention_naive / mib:>11.2f} {r.attention_optimal / mib:>9.2f} "
+        f"{r.ssm_naive / mib:>10.2f} "
+        f"{r.ssm_optimal / mib:>8.2f} {r.naive / mib:>9.2f} {r.optimal / mib:>9.2f} "
+        f"{100 * r.saved_fraction:>6.2f}%"
         for r in rows
     )
     return "\n".join(lines)

@@ -144,7 +144,9 @@ class SsmSpec:
         if self.conv_kernel < 2:
             raise ValueError(f"SsmSpec.conv_kernel must be >= 2, got {self.conv_kernel}")
         if not self.projections or any(p.units <= 0 or p.unit_dim <= 0 for p in self.projections):
-            raise ValueError(f"SsmSpec.projections must be non-empty with positive sizes, got {self.projections}")
+            raise ValueError(
+                f"SsmSpec.projections must be non-empty with positive sizes, got {self.projections}"
+            )
         if not self.state_shape or any(d <= 0 for d in self.state_shape):
             raise ValueError(f"SsmSpec.state_shape must be non-empty and positive, got {self.state_shape}")
 
@@ -166,7 +168,15 @@ class SsmSpec:
             ConvProjection("B", n_groups, state_size),
             ConvProjection("C", n_groups, state_size),
         )
-        return cls(SsmFamily.MAMBA2, projections, conv_kernel, (num_heads, head_dim, state_size), conv_dtype_bytes, state_dtype_bytes, conv_layout)
+        return cls(
+            SsmFamily.MAMBA2,
+            projections,
+            conv_kernel,
+            (num_heads, head_dim, state_size),
+            conv_dtype_bytes,
+            state_dtype_bytes,
+            conv_layout,
+        )
 
     @classmethod
     def mamba1(
@@ -180,7 +190,15 @@ class SsmSpec:
         conv_layout: ConvLayout = ConvLayout.DS,
     ) -> SsmSpec:
         projections = (ConvProjection("x", intermediate_size, 1),)
-        return cls(SsmFamily.MAMBA1, projections, conv_kernel, (intermediate_size, state_size), conv_dtype_bytes, state_dtype_bytes, conv_layout)
+        return cls(
+            SsmFamily.MAMBA1,
+            projections,
+            conv_kernel,
+            (intermediate_size, state_size),
+            conv_dtype_bytes,
+            state_dtype_bytes,
+            conv_layout,
+        )
 
     @classmethod
     def gdn(
@@ -200,7 +218,15 @@ class SsmSpec:
             ConvProjection("K", num_k_heads, head_k_dim),
             ConvProjection("V", num_v_heads, head_v_dim),
         )
-        return cls(SsmFamily.GDN, projections, conv_kernel, (num_v_heads, head_v_dim, head_k_dim), conv_dtype_bytes, state_dtype_bytes, conv_layout)
+        return cls(
+            SsmFamily.GDN,
+            projections,
+            conv_kernel,
+            (num_v_heads, head_v_dim, head_k_dim),
+            conv_dtype_bytes,
+            state_dtype_bytes,
+            conv_layout,
+        )
 
     @property
     def conv_rows(self) -> int:
@@ -211,7 +237,8 @@ class SsmSpec:
         rows, size = self.conv_rows, self.conv_dtype_bytes
         if self.conv_layout is ConvLayout.DS:
             return tuple(Segment(p.units, p.unit_dim * rows * size) for p in self.projections)
-        # SD interleaves the sub-projections in every row, so a TP shard is one run per row per sub-projection.
+        # SD interleaves the sub-projections in every row, so a TP shard is one run per row per
+        # sub-projection.
         return tuple(Segment(p.units, p.unit_dim * size) for _ in range(rows) for p in self.projections)
 
     @property
@@ -255,7 +282,9 @@ class KVModel:
             object.__setattr__(self, "kernel_block_size", self.block_size)
         _require_positive(self, "block_size", "kernel_block_size")
         if self.block_size % self.kernel_block_size:
-            raise ValueError(f"KVModel.kernel_block_size {self.kernel_block_size} must divide block_size {self.block_size}")
+            raise ValueError(
+                f"KVModel.kernel_block_size {self.kernel_block_size} must divide block_size {self.block_size}"
+            )
         if self.num_attention_layers and self.attention is None:
             raise ValueError("KVModel.attention is required: the model has attention layers")
         if self.num_ssm_layers and self.ssm is None:
@@ -278,7 +307,9 @@ class KVModel:
         return bool(self.num_attention_layers and self.num_ssm_layers)
 
 
-def hybrid_block_size(attention: AttentionSpec, ssm: SsmSpec, *, kernel_alignment: int, min_block_size: int = 16) -> int:
+def hybrid_block_size(
+    attention: AttentionSpec, ssm: SsmSpec, *, kernel_alignment: int, min_block_size: int = 16
+) -> int:
     """vLLM's logical block size for a hybrid model: the smallest multiple of the kernel
     alignment whose attention page is at least the SSM page (vLLM then pads the SSM page).
 
@@ -316,10 +347,20 @@ def model_from_hf_config(
     attention = None
     if LayerKind.ATTENTION in layers:
         heads = _field(config, "num_attention_heads")
-        head_dim = config.get("head_dim") or config.get("attention_head_dim") or _field(config, "hidden_size") // heads
-        attention = AttentionSpec(int(config.get("num_key_value_heads") or heads), int(head_dim), kv_bytes, attention_layout)
+        head_dim = (
+            config.get("head_dim")
+            or config.get("attention_head_dim")
+            or _field(config, "hidden_size") // heads
+        )
+        attention = AttentionSpec(
+            int(config.get("num_key_value_heads") or heads), int(head_dim), kv_bytes, attention_layout
+        )
     if block_size is None:
-        block_size = hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment) if attention and ssm else max(16, kernel_alignment)
+        block_size = (
+            hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment)
+            if attention and ssm
+            else max(16, kernel_alignment)
+        )
     return KVModel(layers, block_size, attention, ssm, kernel_block_size or block_size)
 
 

@@ -78,18 +78,45 @@ class TransferPlan:
         )
 
     def to_descriptors(
-        self, src_region_addrs: Sequence[int], dst_region_addrs: Sequence[int], *, src_device_id: int = 0, dst_device_id: int = 0
+        self,
+        src_region_addrs: Sequence[int],
+        dst_region_addrs: Sequence[int],
+        *,
+        src_device_id: int = 0,
+        dst_device_id: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Two ``(N, 3)`` int64 arrays ``[addr, length, device_id]`` for NIXL ``get_xfer_descs``.
 
-        Each side names its own device: TP rank ``r`` of a GPU engine holds its pools on ``cuda:r``, and NIXL looks a
-        descriptor up in the registrations of that device only."""
-        src = region_descriptors(self.src_region, self.src_offset, self.length, src_region_addrs, device_id=src_device_id, name="src_region_addrs")
-        dst = region_descriptors(self.dst_region, self.dst_offset, self.length, dst_region_addrs, device_id=dst_device_id, name="dst_region_addrs")
+        Each side names its own device: TP rank ``r`` of a GPU engine holds its pools on ``cuda:r``, and NIXL
+        looks a descriptor up in the registrations of that device only."""
+        src = region_descriptors(
+            self.src_region,
+            self.src_offset,
+            self.length,
+            src_region_addrs,
+            device_id=src_device_id,
+            name="src_region_addrs",
+        )
+        dst = region_descriptors(
+            self.dst_region,
+            self.dst_offset,
+            self.length,
+            dst_region_addrs,
+            device_id=dst_device_id,
+            name="dst_region_addrs",
+        )
         return src, dst
 
 
-def region_descriptors(region: np.ndarray, offset: np.ndarray, length: np.ndarray, addrs: Sequence[int], *, device_id: int, name: str) -> np.ndarray:
+def region_descriptors(
+    region: np.ndarray,
+    offset: np.ndarray,
+    length: np.ndarray,
+    addrs: Sequence[int],
+    *,
+    device_id: int,
+    name: str,
+) -> np.ndarray:
     """``[addr, length, device_id]`` rows from region-relative runs and the regions' base addresses."""
     base = np.asarray(addrs, dtype=np.int64)
     if region.size and int(region.max()) >= base.size:
@@ -131,7 +158,9 @@ def _check_tp_pair(p_tp: int, d_tp: int) -> None:
     if p_tp <= 0 or d_tp <= 0:
         raise ValueError(f"TP sizes must be positive, got prefill {p_tp}, decode {d_tp}")
     if max(p_tp, d_tp) % min(p_tp, d_tp):
-        raise ValueError(f"unsupported TP pair: prefill TP {p_tp} and decode TP {d_tp} must divide one another")
+        raise ValueError(
+            f"unsupported TP pair: prefill TP {p_tp} and decode TP {d_tp} must divide one another"
+        )
 
 
 def check_compatible(src: RankLayout, dst: RankLayout) -> None:
@@ -140,9 +169,19 @@ def check_compatible(src: RankLayout, dst: RankLayout) -> None:
     a, b = src.model, dst.model
     for name in ("layers", "attention", "ssm", "block_size", "kernel_block_size"):
         if getattr(a, name) != getattr(b, name):
-            raise ValueError(f"prefill and decode models differ in {name}: {getattr(a, name)!r} != {getattr(b, name)!r}")
-    if a.ssm is not None and a.ssm.family is SsmFamily.MAMBA1 and src.tp_size != dst.tp_size and a.num_ssm_layers:
-        raise ValueError(f"mamba1 state transfer needs equal TP on both sides, got prefill TP {src.tp_size}, decode TP {dst.tp_size}")
+            raise ValueError(
+                f"prefill and decode models differ in {name}: {getattr(a, name)!r} != {getattr(b, name)!r}"
+            )
+    if (
+        a.ssm is not None
+        and a.ssm.family is SsmFamily.MAMBA1
+        and src.tp_size != dst.tp_size
+        and a.num_ssm_layers
+    ):
+        raise ValueError(
+            f"mamba1 state transfer needs equal TP on both sides, got prefill TP {src.tp_size}, decode TP "
+            f"{dst.tp_size}"
+        )
 
 
 @dataclass(frozen=True)
@@ -180,14 +219,20 @@ def group_transfers(
             if kind is LayerKind.ATTENTION:
                 s_ids, d_ids = _physical(s_ids, ratio), _physical(d_ids, ratio)
                 if num_tokens is not None:
-                    s_ids, d_ids = _trim_to_tokens(s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index)
+                    s_ids, d_ids = _trim_to_tokens(
+                        s_ids, d_ids, num_tokens, src.model.kernel_block_size, group.index
+                    )
                 schemas = (src.attention_schema, dst.attention_schema)
             else:
                 schemas = (src.ssm_schema, dst.ssm_schema)
             pieces = shard_pieces(schemas[0], src.tp_rank, schemas[1], dst.tp_rank)
             if BlockPlacement.HEAD_OUTER in (src.placement, dst.placement):
                 pieces = _per_head(pieces, src.head_bytes)
-            out.append(GroupTransfer(group.index, kind, np.asarray(group.slots, dtype=np.int32), s_ids, d_ids, pieces))
+            out.append(
+                GroupTransfer(
+                    group.index, kind, np.asarray(group.slots, dtype=np.int32), s_ids, d_ids, pieces
+                )
+            )
     return out
 
 
@@ -217,7 +262,9 @@ def plan_transfer(
     return plan.merged() if merge else plan
 
 
-def shard_pieces(src: PageSchema, src_rank: int, dst: PageSchema, dst_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def shard_pieces(
+    src: PageSchema, src_rank: int, dst: PageSchema, dst_rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of one page that ``src_rank`` holds and ``dst_rank`` needs: (src offset, dst offset, length)."""
     src_start = src_rank * src.sizes
     dst_start = dst_rank * dst.sizes
@@ -239,44 +286,67 @@ def _physical(logical: np.ndarray, ratio: int) -> np.ndarray:
     return (logical[:, None] * ratio + np.arange(ratio, dtype=np.int64)).ravel()
 
 
-def _trim_to_tokens(s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kernel_block_size: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+def _trim_to_tokens(
+    s_ids: np.ndarray, d_ids: np.ndarray, num_tokens: int, kernel_block_size: int, group: int
+) -> tuple[np.ndarray, np.ndarray]:
     needed = -(-num_tokens // kernel_block_size)
     if num_tokens < 0 or needed > s_ids.size:
-        raise ValueError(f"num_tokens {num_tokens} does not fit the {s_ids.size} kernel blocks given for KV group {group}")
+        raise ValueError(
+            f"num_tokens {num_tokens} does not fit the {s_ids.size} kernel blocks given for KV group {group}"
+        )
     return s_ids[:needed], d_ids[:needed]
 
 
 def split_runs(length: np.ndarray, unit: int, *starts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Runs of ``length`` bytes (each a multiple of ``unit``) cut into ``unit``-byte pieces: the start of every piece,
-    for each array of run starts given."""
+    """Runs of ``length`` bytes (each a multiple of ``unit``) cut into ``unit``-byte pieces: the start of
+    every piece, for each array of run starts given."""
     pieces = length // unit
-    step = (np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * unit
+    step = (
+        np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    ) * unit
     return tuple(np.repeat(start, pieces) + step for start in starts)
 
 
-def _per_head(pieces: tuple[np.ndarray, np.ndarray, np.ndarray], head_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces cut at KV head boundaries: a head-outer block keeps each head of a page in its own run. TP shards
-    attention by whole heads, so every piece starts at a head boundary on both sides."""
+def _per_head(
+    pieces: tuple[np.ndarray, np.ndarray, np.ndarray], head_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces cut at KV head boundaries: a head-outer block keeps each head of a page in its own run. TP
+    shards attention by whole heads, so every piece starts at a head boundary on both sides."""
     src, dst, length = pieces
     src, dst = split_runs(length, head_bytes, src, dst)
     return src, dst, np.full(src.size, head_bytes, dtype=np.int64)
 
 
-# The (slot, unit, piece) axes in each placement's memory order: runs adjacent in this order can be contiguous on the
-# source, so flattening in it lets :meth:`TransferPlan.merged` fuse a block's layers (block-outer) or heads (head-outer).
-_MEMORY_ORDER = {BlockPlacement.LAYER_OUTER: (0, 1, 2), BlockPlacement.BLOCK_OUTER: (1, 0, 2), BlockPlacement.HEAD_OUTER: (1, 2, 0)}
+# The (slot, unit, piece) axes in each placement's memory order: runs adjacent in this order can be contiguous
+# on the source, so flattening in it lets :meth:`TransferPlan.merged` fuse a block's layers (block-outer) or
+# heads (head-outer).
+_MEMORY_ORDER = {
+    BlockPlacement.LAYER_OUTER: (0, 1, 2),
+    BlockPlacement.BLOCK_OUTER: (1, 0, 2),
+    BlockPlacement.HEAD_OUTER: (1, 2, 0),
+}
 
 
-def _fused_slots(t: GroupTransfer, src: RankLayout, dst: RankLayout) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Slots and pieces with the slot axis folded into the pieces where both sides keep a unit's slots side by side:
-    block-outer pages moved whole (equal TP), and head-outer heads of every slot. A 16k-token request then plans
-    as one run per block instead of one per layer per block, which would cost milliseconds of numpy to merge back."""
+def _fused_slots(
+    t: GroupTransfer, src: RankLayout, dst: RankLayout
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Slots and pieces with the slot axis folded into the pieces where both sides keep a unit's slots side by
+    side: block-outer pages moved whole (equal TP), and head-outer heads of every slot. A 16k-token request
+    then plans as one run per block instead of one per layer per block, which would cost milliseconds of numpy
+    to merge back."""
     slots, (piece_src, piece_dst, piece_len) = t.slots, t.pieces
     if src.placement is not dst.placement or src.placement is BlockPlacement.LAYER_OUTER or slots.size < 2:
         return slots, t.pieces
-    whole_pages = piece_len.size == 1 and int(piece_src[0]) == int(piece_dst[0]) == 0 and int(piece_len[0]) == src.page_bytes == dst.page_bytes
-    every_slot = slots.size == src.num_slots == dst.num_slots  # a head's run spans all slots of a head-outer block
-    if (src.placement is BlockPlacement.BLOCK_OUTER and whole_pages) or (src.placement is BlockPlacement.HEAD_OUTER and every_slot):
+    whole_pages = (
+        piece_len.size == 1
+        and int(piece_src[0]) == int(piece_dst[0]) == 0
+        and int(piece_len[0]) == src.page_bytes == dst.page_bytes
+    )
+    # a head's run spans all slots of a head-outer block
+    every_slot = slots.size == src.num_slots == dst.num_slots
+    if (src.placement is BlockPlacement.BLOCK_OUTER and whole_pages) or (
+        src.placement is BlockPlacement.HEAD_OUTER and every_slot
+    ):
         return slots[:1], (piece_src, piece_dst, piece_len * slots.size)
     return slots, t.pieces
 
@@ -288,12 +358,16 @@ def _broadcast(t: GroupTransfer, src: RankLayout, dst: RankLayout) -> tuple[np.n
     dst_region, dst_offset = dst.locate(t.kind, slots, t.dst_units, piece_dst)
     length = np.broadcast_to(piece_len[None, None, :], src_offset.shape)
     order = _MEMORY_ORDER[src.placement]
-    return tuple(np.transpose(a, order).ravel() for a in (src_region, src_offset, dst_region, dst_offset, length))
+    return tuple(
+        np.transpose(a, order).ravel() for a in (src_region, src_offset, dst_region, dst_offset, length)
+    )
 
 
 def _concat(src_rank: int, dst_rank: int, parts: list[tuple[np.ndarray, ...]], naive: int) -> TransferPlan:
     if not parts:
-        return TransferPlan(src_rank, dst_rank, _EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, naive)
+        return TransferPlan(
+            src_rank, dst_rank, _EMPTY_I32, _EMPTY_I64, _EMPTY_I32, _EMPTY_I64, _EMPTY_I64, naive
+        )
     cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
     return TransferPlan(
         src_rank,

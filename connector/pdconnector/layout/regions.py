@@ -32,7 +32,8 @@ from pdconnector.layout.model import AttentionLayout, KVModel, LayerKind, Segmen
 
 
 class BlockPlacement(StrEnum):
-    """Where the pages of one block sit in a rank's registered memory (vLLM's ``KVCacheLayout`` outer axes)."""
+    """Where the pages of one block sit in a rank's registered memory (vLLM's ``KVCacheLayout`` outer
+    axes)."""
 
     LAYER_OUTER = "layer_outer"  # LBHNC, LBNHC: one region per layer slot
     BLOCK_OUTER = "block_outer"  # BLHNC, BLNHC: one region, a block holds every slot's page
@@ -124,22 +125,31 @@ class RankLayout:
                 raise ValueError(f"RankLayout: {name} ({units}) is not divisible by tp_size {self.tp_size}")
         if self.model.num_attention_layers and self.ssm_state_bytes > self.attention_page_bytes:
             raise ValueError(
-                f"RankLayout: block_size {self.model.block_size} gives an attention page of {self.attention_page_bytes} B, "
-                f"smaller than the SSM state of {self.ssm_state_bytes} B; vLLM would raise the block size (see hybrid_block_size)"
+                f"RankLayout: block_size {self.model.block_size} gives an attention page of "
+                f"{self.attention_page_bytes} B, "
+                f"smaller than the SSM state of {self.ssm_state_bytes} B; vLLM would raise the block size "
+                "(see hybrid_block_size)"
             )
 
     def _check_placement(self) -> None:
         model = self.model
         if self.placement is not BlockPlacement.LAYER_OUTER and model.physical_blocks_per_logical != 1:
             raise ValueError(
-                f"RankLayout: {self.placement} blocks hold other layers' pages, so vLLM never splits them into kernel blocks; "
+                f"RankLayout: {self.placement} blocks hold other layers' pages, so vLLM never splits them "
+                "into kernel blocks; "
                 f"kernel_block_size {model.kernel_block_size} != block_size {model.block_size}"
             )
         if self.placement is BlockPlacement.HEAD_OUTER:
             if model.num_ssm_layers:
-                raise ValueError("RankLayout: head_outer (BHLNC) places attention heads only; a model with SSM layers needs block_outer (BLHNC)")
+                raise ValueError(
+                    "RankLayout: head_outer (BHLNC) places attention heads only; a model with SSM layers "
+                    "needs block_outer (BLHNC)"
+                )
             if model.attention is not None and model.attention.layout is not AttentionLayout.PACKED_HND:
-                raise ValueError(f"RankLayout: head_outer (BHLNC) pages are head-major; attention layout {model.attention.layout} is not")
+                raise ValueError(
+                    "RankLayout: head_outer (BHLNC) pages are head-major; attention layout "
+                    f"{model.attention.layout} is not"
+                )
 
     def _shard_units(self) -> dict[str, int]:
         units: dict[str, int] = {}
@@ -206,7 +216,11 @@ class RankLayout:
     @cached_property
     def block_stride(self) -> int:
         """Bytes from one block to the next inside a region."""
-        return self.page_bytes if self.placement is BlockPlacement.LAYER_OUTER else self.num_slots * self.page_bytes
+        return (
+            self.page_bytes
+            if self.placement is BlockPlacement.LAYER_OUTER
+            else self.num_slots * self.page_bytes
+        )
 
     @cached_property
     def regions(self) -> tuple[Region, ...]:
@@ -215,7 +229,8 @@ class RankLayout:
 
     @cached_property
     def layer_slots(self) -> dict[int, int]:
-        """Slot of each KV-holding layer (an index into ``KVModel.layers``): layers of one slot alias the same bytes."""
+        """Slot of each KV-holding layer (an index into ``KVModel.layers``): layers of one slot alias the same
+        bytes."""
         return {layer: slot for g in self.groups for slot, layer in enumerate(g.layers)}
 
     @cached_property
@@ -225,11 +240,17 @@ class RankLayout:
             return 0
         return int(self.attention_schema.sizes[0]) // (self.model.attention.num_kv_heads // self.tp_size)
 
-    def locate(self, kind: LayerKind, slots: np.ndarray, units: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(region, byte offset) of page offset ``offsets[q]`` of unit ``units[u]`` (a kernel block for attention, a
-        logical block for SSM) of slot ``slots[r]``, broadcast to shape ``(R, U, Q)``. Under head-outer placement an
-        offset must be the start of a run that stays inside one head."""
-        s, u, q = slots.astype(np.int64)[:, None, None], units.astype(np.int64)[None, :, None], offsets.astype(np.int64)[None, None, :]
+    def locate(
+        self, kind: LayerKind, slots: np.ndarray, units: np.ndarray, offsets: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(region, byte offset) of page offset ``offsets[q]`` of unit ``units[u]`` (a kernel block for
+        attention, a logical block for SSM) of slot ``slots[r]``, broadcast to shape ``(R, U, Q)``. Under
+        head-outer placement an offset must be the start of a run that stays inside one head."""
+        s, u, q = (
+            slots.astype(np.int64)[:, None, None],
+            units.astype(np.int64)[None, :, None],
+            offsets.astype(np.int64)[None, None, :],
+        )
         shape = (s.shape[0], u.shape[1], q.shape[2])
         match self.placement:
             case BlockPlacement.LAYER_OUTER:

@@ -32,9 +32,10 @@ _WORD = (1 << 64) - 1
 class _Backend:
     """Arrays where the pools live: numpy on the host, or torch on ``device``.
 
-    Words are 64 bits: numpy ``uint64``, torch ``int64`` (torch's unsigned types lack arithmetic). Multiplication wraps
-    alike and constants go in as their two's-complement value; only right shifts differ (arithmetic in int64), so the
-    mixing masks every shift to make it logical and both compute the same bits."""
+    Words are 64 bits: numpy ``uint64``, torch ``int64`` (torch's unsigned types lack arithmetic).
+    Multiplication wraps alike and constants go in as their two's-complement value; only right shifts differ
+    (arithmetic in int64), so the mixing masks every shift to make it logical and both compute the same
+    bits."""
 
     torch: Any = None
     device: Any = None
@@ -49,7 +50,11 @@ class _Backend:
 
     def ints(self, values: np.ndarray) -> Any:
         """An int64 index array."""
-        return values if self.torch is None else self.torch.as_tensor(values, dtype=self.torch.int64, device=self.device)
+        return (
+            values
+            if self.torch is None
+            else self.torch.as_tensor(values, dtype=self.torch.int64, device=self.device)
+        )
 
     def words(self, values: Any) -> Any:
         if self.torch is None:
@@ -79,7 +84,8 @@ def allocate_pools(layout: RankLayout, fill: int = 0) -> list[np.ndarray]:
 def tagged_shard(schema: PageSchema, tp_rank: int, region: int, tags: Any) -> Any:
     """``(len(tags), schema.nbytes)`` bytes: this rank's shard of the tagged global pages.
 
-    ``tags``: integers (numpy or a list: the result is a numpy array) or a torch tensor (the result is on its device)."""
+    ``tags``: integers (numpy or a list: the result is a numpy array) or a torch tensor (the result is on its
+    device)."""
     xp = _Backend.of(tags)
     tags = xp.words(tags)
     out = xp.empty_bytes(int(tags.shape[0]), schema.nbytes)
@@ -123,7 +129,9 @@ def write_tagged_blocks(
             unit_tags = unit_tags + (1 << 40)
         index = xp.ints(ids)
         for slot in group.slots:
-            _unit_pages(layout, group.kind, pools, slot)[index] = _unit_shape(layout, tagged_shard(schema, layout.tp_rank, slot, xp.words(unit_tags)))
+            _unit_pages(layout, group.kind, pools, slot)[index] = _unit_shape(
+                layout, tagged_shard(schema, layout.tp_rank, slot, xp.words(unit_tags))
+            )
 
 
 def _unit_pages(layout: RankLayout, kind: LayerKind, pools: Sequence[Any], slot: int) -> Any:
@@ -137,7 +145,9 @@ def _unit_pages(layout: RankLayout, kind: LayerKind, pools: Sequence[Any], slot:
             start = slot * layout.page_bytes
             return pools[0].reshape(-1, layout.block_stride)[:, start : start + nbytes]
         case BlockPlacement.HEAD_OUTER:
-            return pools[0].reshape(layout.num_blocks, nbytes // layout.head_bytes, layout.num_slots, layout.head_bytes)[:, :, slot, :]
+            return pools[0].reshape(
+                layout.num_blocks, nbytes // layout.head_bytes, layout.num_slots, layout.head_bytes
+            )[:, :, slot, :]
 
 
 def _unit_shape(layout: RankLayout, content: Any) -> Any:
@@ -150,6 +160,11 @@ def _unit_shape(layout: RankLayout, content: Any) -> Any:
 def apply_plan(plan: TransferPlan, src_pools: Sequence[np.ndarray], dst_pools: Sequence[np.ndarray]) -> None:
     """Copy every run of ``plan`` from the source pools into the destination pools (a local transport)."""
     for sr, so, dr, do, n in zip(
-        plan.src_region.tolist(), plan.src_offset.tolist(), plan.dst_region.tolist(), plan.dst_offset.tolist(), plan.length.tolist(), strict=True
+        plan.src_region.tolist(),
+        plan.src_offset.tolist(),
+        plan.dst_region.tolist(),
+        plan.dst_offset.tolist(),
+        plan.length.tolist(),
+        strict=True,
     ):
         dst_pools[dr][do : do + n] = src_pools[sr][so : so + n]

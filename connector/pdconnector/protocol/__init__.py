@@ -1,4 +1,5 @@
-"""The push/pull transfer protocol, pure logic shared by the transfer worker, the vLLM connector and the mock engine.
+"""The push/pull transfer protocol, pure logic shared by the transfer worker, the vLLM connector and the mock
+engine.
 
 ``params`` (router <-> engine request parameters), ``messages`` (wire format of the
 notifications), ``rendezvous`` (prefill side: pairing, attempts, leases), ``completion`` (decode

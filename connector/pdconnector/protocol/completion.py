@@ -1,5 +1,5 @@
-"""Decode-side completion counting and the fence: a transfer is received when every prefill rank that writes it
-said so, and a failed one is reported only once no prefill rank can still write into its blocks.
+"""Decode-side completion counting and the fence: a transfer is received when every prefill rank that writes
+it said so, and a failed one is reported only once no prefill rank can still write into its blocks.
 
 One tracker per decode TP rank. ``expect`` is called when this rank registers an attempt, with the prefill
 ranks that will write into it (``layout.plan.writers_for``) and a deadline. Completions count distinct
@@ -8,10 +8,13 @@ that belonged to an attempt decode already replaced never completes the new one.
 
 States of one transfer (its blocks stay registered, and the engine keeps them, until it is reported)::
 
-    RECEIVING --every writer completed--------------------------------------> reported finished
+    RECEIVING --every writer completed-------------------------------------------> reported finished
         |  a writer's FailureMessage, the deadline, a local cancel or failure
         v
-    FENCED (aborts sent to the writers not yet quiet) --every writer quiet or the fence passed--> reported failed
+    FENCED (aborts sent to the writers not yet quiet)
+        |  every writer quiet, or the fence passed
+        v
+    reported failed
 
 A writer is *quiet* once it can no longer touch the blocks: its completion arrived (the WRITE landed), or
 its ``FailureMessage`` did (prefill sends one only when nothing of the transfer is in flight, and answers
@@ -99,7 +102,8 @@ class CompletionTracker:
         self._finished: list[ReceivedTransfer] = []
         self._failed: list[TransferFailure] = []
         self._aborts: list[AbortWriters] = []
-        self._fenced: set[str] = set()  # the pending transfers that failed and wait for their writers to be quiet
+        # the pending transfers that failed and wait for their writers to be quiet
+        self._fenced: set[str] = set()
         self._deadlines: DeadlineQueue[str] = DeadlineQueue()
 
     def __len__(self) -> int:
@@ -121,15 +125,20 @@ class CompletionTracker:
     def expect(self, transfer_id: str, attempt: int, writer_ranks: Iterable[int], deadline: float) -> None:
         """Wait for one completion from each of ``writer_ranks`` for ``attempt`` by ``deadline``.
 
-        A higher attempt replaces a receiving one (its counts start over); re-expecting a lower or equal attempt,
-        or any attempt of a fenced transfer, is a caller bug.
+        A higher attempt replaces a receiving one (its counts start over); re-expecting a lower or equal
+        attempt, or any attempt of a fenced transfer, is a caller bug.
         """
         writers = frozenset(writer_ranks)
         if not writers or min(writers) < 0:
-            raise ValueError(f"{transfer_id}: writer ranks must be a non-empty set of non-negative ranks, got {sorted(writers)}")
+            raise ValueError(
+                f"{transfer_id}: writer ranks must be a non-empty set of non-negative ranks, got "
+                f"{sorted(writers)}"
+            )
         current = self._pending.get(transfer_id)
         if current is not None and (attempt <= current.attempt or current.failure is not None):
-            raise ValueError(f"{transfer_id}: attempt {attempt} does not supersede pending attempt {current.attempt}")
+            raise ValueError(
+                f"{transfer_id}: attempt {attempt} does not supersede pending attempt {current.attempt}"
+            )
         if current is None and len(self._pending) >= self.max_pending:
             raise ValueError(f"{transfer_id}: {self.max_pending} transfers already pending")
         self._pending[transfer_id] = _Expectation(attempt, writers, deadline)
@@ -155,19 +164,28 @@ class CompletionTracker:
         expectation.bytes_written += message.bytes_written
         if expectation.failure is None and expectation.arrived == expectation.writers:
             del self._pending[message.transfer_id]
-            self._finished.append(ReceivedTransfer(message.transfer_id, message.attempt, expectation.bytes_written))
+            self._finished.append(
+                ReceivedTransfer(message.transfer_id, message.attempt, expectation.bytes_written)
+            )
         else:
             self._release_if_quiet(message.transfer_id, expectation)
         return True
 
     def on_failure(self, message: FailureMessage, now: float) -> bool:
-        """A writer of the current attempt gave up (and is quiet): fence the transfer; returns whether it counted."""
+        """A writer of the current attempt gave up (and is quiet): fence the transfer; returns whether it
+        counted."""
         expectation = self._pending.get(message.transfer_id)
-        if expectation is None or message.attempt != expectation.attempt or message.rank not in expectation.writers:
+        if (
+            expectation is None
+            or message.attempt != expectation.attempt
+            or message.rank not in expectation.writers
+        ):
             return False
         expectation.quiet.add(message.rank)
         if expectation.failure is None:
-            failure = TransferFailure(message.transfer_id, message.attempt, message.side, message.reason, message.detail)
+            failure = TransferFailure(
+                message.transfer_id, message.attempt, message.side, message.reason, message.detail
+            )
             self._fence(message.transfer_id, expectation, failure, now)
         else:
             self._release_if_quiet(message.transfer_id, expectation)
@@ -179,12 +197,18 @@ class CompletionTracker:
         expectation = self._pending.get(transfer_id)
         if expectation is None or expectation.failure is not None:
             return False
-        self._fence(transfer_id, expectation, TransferFailure(transfer_id, expectation.attempt, EngineRole.DECODE, reason, detail), now)
+        self._fence(
+            transfer_id,
+            expectation,
+            TransferFailure(transfer_id, expectation.attempt, EngineRole.DECODE, reason, detail),
+            now,
+        )
         return True
 
     def writers_gone(self, transfer_id: str, now: float, *, grace_s: float) -> bool:
         """The writers' engine is known gone (nobody listens, or a new incarnation does): a dead process posts
-        nothing, so the fence ends ``grace_s`` from now (for bytes already on the wire). Returns whether it was fenced."""
+        nothing, so the fence ends ``grace_s`` from now (for bytes already on the wire). Returns whether it
+        was fenced."""
         expectation = self._pending.get(transfer_id)
         if expectation is None or expectation.failure is None:
             return False
@@ -194,7 +218,8 @@ class CompletionTracker:
         return True
 
     def poll(self, now: float) -> PollResult:
-        """Transfers that ended since the last poll, and the aborts to send: deadlines and fences ``<= now`` apply first."""
+        """Transfers that ended since the last poll, and the aborts to send: deadlines and fences ``<= now``
+        apply first."""
         for transfer_id in self._deadlines.due(now):
             expectation = self._pending.get(transfer_id)
             if expectation is None or expectation.due() > now:
@@ -202,10 +227,16 @@ class CompletionTracker:
             if expectation.failure is None:
                 missing = sorted(expectation.writers - expectation.arrived)
                 detail = f"no completion from prefill ranks {missing} by the deadline"
-                failure = TransferFailure(transfer_id, expectation.attempt, EngineRole.DECODE, FailureReason.TIMEOUT, detail)
+                failure = TransferFailure(
+                    transfer_id, expectation.attempt, EngineRole.DECODE, FailureReason.TIMEOUT, detail
+                )
                 self._fence(transfer_id, expectation, failure, now)
             else:
-                self._release(transfer_id, expectation, unconfirmed=tuple(sorted(expectation.writers - expectation.quiet)))
+                self._release(
+                    transfer_id,
+                    expectation,
+                    unconfirmed=tuple(sorted(expectation.writers - expectation.quiet)),
+                )
         self._deadlines.compact(self._pending.__contains__, len(self._pending))
         result = PollResult(tuple(self._finished), tuple(self._failed), tuple(self._aborts))
         self._finished.clear()
@@ -213,14 +244,18 @@ class CompletionTracker:
         self._aborts.clear()
         return result
 
-    def _fence(self, transfer_id: str, expectation: _Expectation, failure: TransferFailure, now: float) -> None:
+    def _fence(
+        self, transfer_id: str, expectation: _Expectation, failure: TransferFailure, now: float
+    ) -> None:
         expectation.failure = failure
         self._fenced.add(transfer_id)
         # A live writer may post until the registration's lifetime ends, which decode's deadline marks.
         expectation.fence_until = max(now, expectation.deadline) + self.fence_s
         noisy = tuple(sorted(expectation.writers - expectation.quiet))
         if noisy:
-            self._aborts.append(AbortWriters(transfer_id, expectation.attempt, noisy, f"{failure.reason}: {failure.detail}"))
+            self._aborts.append(
+                AbortWriters(transfer_id, expectation.attempt, noisy, f"{failure.reason}: {failure.detail}")
+            )
             self._deadlines.push(expectation.fence_until, transfer_id)
         self._release_if_quiet(transfer_id, expectation)
 
@@ -233,4 +268,13 @@ class CompletionTracker:
         del self._pending[transfer_id]
         self._fenced.discard(transfer_id)
         failure = expectation.failure
-        self._failed.append(TransferFailure(failure.transfer_id, failure.attempt, failure.side, failure.reason, failure.detail, unconfirmed))
+        self._failed.append(
+            TransferFailure(
+                failure.transfer_id,
+                failure.attempt,
+                failure.side,
+                failure.reason,
+                failure.detail,
+                unconfirmed,
+            )
+        )

@@ -33,7 +33,8 @@ class DeadlineQueue(Generic[K]):
         return self._heap[0][0] if self._heap else None
 
     def compact(self, is_live: Callable[[K], bool], live_count: int) -> None:
-        """Drop items of dead keys once they outnumber the live ones, so the heap stays proportional to the table."""
+        """Drop items of dead keys once they outnumber the live ones, so the heap stays proportional to the
+        table."""
         if len(self._heap) > 4 * live_count + 64:
             self._heap = [item for item in self._heap if is_live(item[2])]
             heapq.heapify(self._heap)

@@ -7,9 +7,9 @@ told so plainly instead of failing on some field. ``decode`` refuses frames abov
 malformed or hostile notification ends in a ``ProtocolError`` naming the field
 and never in a crash or an oversized allocation.
 
-Directions: decode sends ``RegistrationMessage``, ``AbortMessage`` and (pull, as its READ's
-notification) ``ReadDoneMessage`` to prefill; prefill sends ``CompletionMessage`` (as the notification of its WRITE, so it lands
-after the data) and ``FailureMessage`` to decode.
+Directions: decode sends ``RegistrationMessage``, ``AbortMessage`` and (pull, as its READ's notification)
+``ReadDoneMessage`` to prefill; prefill sends ``CompletionMessage`` (as the notification of its WRITE, so it
+lands after the data) and ``FailureMessage`` to decode.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ EngineId = Annotated[str, msgspec.Meta(pattern=ENGINE_ID_PATTERN)]
 Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-DoorbellPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: the rank has no doorbell (pdconnector.worker.doorbell)
-# Where a rank's block pages sit (pdconnector.layout.BlockPlacement's values; the protocol does not import the layout).
+# 0: the rank has no doorbell (pdconnector.worker.doorbell)
+DoorbellPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# Where a rank's block pages sit (pdconnector.layout.BlockPlacement's values; the protocol does not import the
+# layout).
 Placement = Literal["layer_outer", "block_outer", "head_outer"]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
@@ -56,7 +58,8 @@ DeviceId = Annotated[int, msgspec.Meta(ge=0, le=MAX_DEVICE_ID)]
 
 
 class ProtocolError(ValueError):
-    """An unusable protocol message; ``field`` names where it went wrong (``payload`` for the frame as a whole)."""
+    """An unusable protocol message; ``field`` names where it went wrong (``payload`` for the frame as a
+    whole)."""
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
@@ -89,17 +92,17 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     registered region in the layout's order, the pool size that bounds block ids,
     and a layout fingerprint prefill compares with its own.
 
-    ``cached_blocks``: how many leading blocks of every attention KV group decode
-    already holds (its prefix cache); ``block_ids`` list only the blocks after them,
-    so prefill skips as many of its own. SSM groups always move their one state block.
-    ``device_id``: the device the decode rank's regions live on (``cuda:device_id``), named in every remote descriptor.
-    ``lifetime_ms``: how long after prefill receives it the registration may still be written (0: prefill's default);
-    decode keeps the blocks at least that long plus its fence, so a WRITE posted within the lifetime lands in them.
-    ``doorbell_port``: the decode rank's doorbell on ``decode_host``, rung after every notification sent to it.
-    ``placement``: where the decode rank's block pages sit in its regions (``pdconnector.layout.BlockPlacement``).
-    Fields at their default are left out of the frame: a registration without a
-    prefix hit reads the same to a peer that predates ``cached_blocks``, and one with
-    a hit is refused by such a peer (unknown field) instead of written at the wrong offset.
+    ``cached_blocks``: how many leading blocks of every attention KV group decode already holds (its prefix
+    cache); ``block_ids`` list only the blocks after them, so prefill skips as many of its own. SSM groups
+    always move their one state block. ``device_id``: the device the decode rank's regions live on
+    (``cuda:device_id``), named in every remote descriptor. ``lifetime_ms``: how long after prefill receives
+    it the registration may still be written (0: prefill's default); decode keeps the blocks at least that
+    long plus its fence, so a WRITE posted within the lifetime lands in them. ``doorbell_port``: the decode
+    rank's doorbell on ``decode_host``, rung after every notification sent to it. ``placement``: where the
+    decode rank's block pages sit in its regions (``pdconnector.layout.BlockPlacement``). Fields at their
+    default are left out of the frame: a registration without a prefix hit reads the same to a peer that
+    predates ``cached_blocks``, and one with a hit is refused by such a peer (unknown field) instead of
+    written at the wrong offset.
     """
 
     decode_engine_id: EngineId
@@ -122,11 +125,16 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:
-            raise ProtocolError("decode_tp_rank", f"{self.decode_tp_rank} is not below decode_tp_size {self.decode_tp_size}")
+            raise ProtocolError(
+                "decode_tp_rank", f"{self.decode_tp_rank} is not below decode_tp_size {self.decode_tp_size}"
+            )
         for group_index, group in enumerate(self.block_ids):
             if group and max(group) >= self.num_blocks:
                 position = next(i for i, block in enumerate(group) if block >= self.num_blocks)
-                raise ProtocolError(f"block_ids[{group_index}][{position}]", f"block {group[position]} is not below num_blocks {self.num_blocks}")
+                raise ProtocolError(
+                    f"block_ids[{group_index}][{position}]",
+                    f"block {group[position]} is not below num_blocks {self.num_blocks}",
+                )
         if self.cached_blocks:
             # A group's cached blocks are pool blocks besides the ones it registers.
             registered = [len(set(group)) for group in self.block_ids]
@@ -134,7 +142,8 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
             if self.cached_blocks + registered[widest] > self.num_blocks:
                 raise ProtocolError(
                     "cached_blocks",
-                    f"{self.cached_blocks} cached plus {registered[widest]} registered blocks of KV group {widest} "
+                    f"{self.cached_blocks} cached plus {registered[widest]} registered blocks of KV group "
+                    f"{widest} "
                     f"exceed the decode pool of num_blocks {self.num_blocks}",
                 )
 
@@ -148,14 +157,17 @@ class CompletionMessage(_Message, tag="complete"):
 
     def __post_init__(self) -> None:
         if self.prefill_rank >= self.prefill_tp_size:
-            raise ProtocolError("prefill_rank", f"{self.prefill_rank} is not below prefill_tp_size {self.prefill_tp_size}")
+            raise ProtocolError(
+                "prefill_rank", f"{self.prefill_rank} is not below prefill_tp_size {self.prefill_tp_size}"
+            )
 
 
 class FailureMessage(_Message, tag="fail"):
     """Either side -> the other: this transfer attempt will not complete; fail it now.
 
     From prefill it also says this rank has no WRITE in flight for the attempt and will post none, so decode
-    may free the blocks it registered (it is sent only once the rank's writes drained, and answers every abort)."""
+    may free the blocks it registered (it is sent only once the rank's writes drained, and answers every
+    abort)."""
 
     side: EngineRole
     rank: TpRank
@@ -180,7 +192,9 @@ class ReadDoneMessage(_Message, tag="read_done"):
 
     def __post_init__(self) -> None:
         if self.decode_rank >= self.decode_tp_size:
-            raise ProtocolError("decode_rank", f"{self.decode_rank} is not below decode_tp_size {self.decode_tp_size}")
+            raise ProtocolError(
+                "decode_rank", f"{self.decode_rank} is not below decode_tp_size {self.decode_tp_size}"
+            )
 
 
 Message = RegistrationMessage | CompletionMessage | FailureMessage | AbortMessage | ReadDoneMessage
@@ -232,7 +246,9 @@ def decode(data: bytes) -> Message:
         raise ProtocolError("magic", "not a pdconnector protocol frame")
     version = view[len(MAGIC)]
     if version != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            "version", f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
     try:
         return _decoder.decode(view[len(_HEADER) :])
     except msgspec.ValidationError as error:
@@ -244,7 +260,8 @@ def decode(data: bytes) -> Message:
 
 
 def rejection_notice(data: bytes, error: ProtocolError, *, rank: int) -> FailureMessage | None:
-    """The failure to send back for a registration ``decode`` refused, so its sender fails now instead of at its deadline.
+    """The failure to send back for a registration ``decode`` refused, so its sender fails now instead of at
+    its deadline.
 
     NIXL tells the receiver which agent a notification came from; this reads the transfer id
     and attempt the refused frame claims. None when the frame is not a registration of this

@@ -32,7 +32,8 @@ TRANSFER_MODE_KEY = "transfer_mode"
 RECEIVED_KEY = "pd_received"
 # What our connector's prefill side answers (HTTP 200) in kv_transfer_params when it keeps no KV for decode.
 ERROR_KEY = "pd_error"
-# Pull: how long (ms) prefill holds the blocks it returned; decode READs them only within that time of its arrival.
+# Pull: how long (ms) prefill holds the blocks it returned; decode READs them only within that time of its
+# arrival.
 REMOTE_HOLD_KEY = "remote_hold_ms"
 
 # Shared with the wire messages: ids travel in NIXL notifications and log lines, so keep them short and plain.
@@ -120,7 +121,9 @@ class TransferRequest:
     transfer_id: str
     remote: PrefillCoordinates | None = None
     remote_block_ids: tuple[tuple[int, ...], ...] | None = None
-    remote_hold_s: float | None = None  # pull: how long prefill holds the blocks after it answered (None: not said)
+    remote_hold_s: float | None = (
+        None  # pull: how long prefill holds the blocks after it answered (None: not said)
+    )
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:
@@ -174,12 +177,16 @@ def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
     remote_decode = _flag(params, "do_remote_decode")
     remote_prefill = _flag(params, "do_remote_prefill")
     if remote_decode == remote_prefill:
-        raise TransferParamsError("do_remote_prefill", "exactly one of do_remote_prefill and do_remote_decode must be true")
+        raise TransferParamsError(
+            "do_remote_prefill", "exactly one of do_remote_prefill and do_remote_decode must be true"
+        )
     raw_mode = params.get(TRANSFER_MODE_KEY, TransferMode.PULL.value)
     try:
         mode = TransferMode(raw_mode)
     except ValueError:
-        raise TransferParamsError(TRANSFER_MODE_KEY, f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}") from None
+        raise TransferParamsError(
+            TRANSFER_MODE_KEY, f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}"
+        ) from None
     transfer_id = _matching_str(params, TRANSFER_ID_KEY, TRANSFER_ID_PATTERN)
     if remote_decode:
         return TransferRequest(mode=mode, role=EngineRole.PREFILL, transfer_id=transfer_id)
@@ -202,13 +209,14 @@ def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
     )
 
 
-# --- Engine answers the router reads (router <-> engine) ---------------------------------------------------------
-# Verification, streaming: the engine puts ``kv_transfer_params`` (with RECEIVED_KEY) as a top-level field of the
-# final chunk, the one carrying ``finish_reason``; the router counts the request as verified if any chunk has it.
-# Non-streaming: the same field of the response body. The value of RECEIVED_KEY is a truthy object describing the
-# arrival (the mock engine sends ``{"transfer_id", "bytes", "blocks"}``).
-# Failure: an engine that gives up on a transfer answers an OpenAI error whose ``error.code`` is one of these, so the
-# router reports it as a transfer failure (502 ``kv_transfer_failed``) rather than a generic engine error.
+# --- Engine answers the router reads (router <-> engine)
+# --------------------------------------------------------- Verification, streaming: the engine puts
+# ``kv_transfer_params`` (with RECEIVED_KEY) as a top-level field of the final chunk, the one carrying
+# ``finish_reason``; the router counts the request as verified if any chunk has it. Non-streaming: the same
+# field of the response body. The value of RECEIVED_KEY is a truthy object describing the arrival (the mock
+# engine sends ``{"transfer_id", "bytes", "blocks"}``). Failure: an engine that gives up on a transfer answers
+# an OpenAI error whose ``error.code`` is one of these, so the router reports it as a transfer failure (502
+# ``kv_transfer_failed``) rather than a generic engine error.
 TRANSFER_FAILED_CODE = "kv_transfer_failed"
 TRANSFER_TIMEOUT_CODE = "kv_transfer_timeout"
 TRANSFER_FAILED_CODES = frozenset({TRANSFER_FAILED_CODE, TRANSFER_TIMEOUT_CODE})

@@ -33,7 +33,8 @@ class Released:
     outcome: Outcome
     detail: str
     blocks: PrefillBlocks
-    stages: dict[str, float] = field(default_factory=dict)  # pdconnector.protocol.timeline: where its time went
+    # pdconnector.protocol.timeline: where its time went
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,7 +49,9 @@ Notice = ReadDoneMessage | AbortMessage
 
 
 class PullHolds:
-    def __init__(self, *, prefill_rank: int, prefill_tp_size: int, lease_s: float, max_early: int = 4096) -> None:
+    def __init__(
+        self, *, prefill_rank: int, prefill_tp_size: int, lease_s: float, max_early: int = 4096
+    ) -> None:
         self.prefill_rank = prefill_rank
         self.prefill_tp_size = prefill_tp_size
         self.lease_s = lease_s
@@ -109,11 +112,15 @@ class PullHolds:
         if message.decode_rank in readers:
             hold.readers_done.add(message.decode_rank)
         if hold.readers_done >= readers:
-            return self._release(message.transfer_id, Outcome.WRITTEN, f"read by decode ranks {sorted(readers)}", now)
+            return self._release(
+                message.transfer_id, Outcome.WRITTEN, f"read by decode ranks {sorted(readers)}", now
+            )
         return None
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> Released | None:
-        return self._release(transfer_id, Outcome.CANCELLED, detail, now) if transfer_id in self._holds else None
+        return (
+            self._release(transfer_id, Outcome.CANCELLED, detail, now) if transfer_id in self._holds else None
+        )
 
     def expire(self, now: float) -> list[Released]:
         released = []

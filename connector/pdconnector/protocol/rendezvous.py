@@ -52,7 +52,13 @@ from enum import StrEnum
 
 from pdconnector.layout.plan import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
-from pdconnector.protocol.messages import MAX_DETAIL_CHARS, AbortMessage, FailureMessage, FailureReason, RegistrationMessage
+from pdconnector.protocol.messages import (
+    MAX_DETAIL_CHARS,
+    AbortMessage,
+    FailureMessage,
+    FailureReason,
+    RegistrationMessage,
+)
 from pdconnector.protocol.params import EngineRole
 from pdconnector.protocol.timeline import Milestone, Timeline
 
@@ -85,7 +91,9 @@ class PairingError(ValueError):
         self.reason = reason
 
 
-def paired_blocks(prefill: PrefillBlocks, registration: RegistrationMessage, *, block_size: int, ssm_groups: frozenset[int]) -> PrefillBlocks:
+def paired_blocks(
+    prefill: PrefillBlocks, registration: RegistrationMessage, *, block_size: int, ssm_groups: frozenset[int]
+) -> PrefillBlocks:
     """The part of ``prefill`` that goes into ``registration``'s blocks, with the tokens those blocks hold.
 
     Attention groups skip the ``cached_blocks`` decode already holds; SSM groups (``ssm_groups``,
@@ -94,7 +102,10 @@ def paired_blocks(prefill: PrefillBlocks, registration: RegistrationMessage, *, 
     """
     rank, skip = registration.decode_tp_rank, registration.cached_blocks
     if len(registration.block_ids) != len(prefill.block_ids):
-        detail = f"block_ids: decode rank {rank} registered {len(registration.block_ids)} KV groups, prefill has {len(prefill.block_ids)}"
+        detail = (
+            f"block_ids: decode rank {rank} registered {len(registration.block_ids)} KV groups, "
+            f"prefill has {len(prefill.block_ids)}"
+        )
         raise PairingError(FailureReason.INCOMPATIBLE, detail)
     paired: list[tuple[int, ...]] = []
     for group, (ours, theirs) in enumerate(zip(prefill.block_ids, registration.block_ids, strict=True)):
@@ -102,16 +113,24 @@ def paired_blocks(prefill: PrefillBlocks, registration: RegistrationMessage, *, 
             source, held = ours, f"{len(ours)} state blocks"
         else:
             if skip > len(ours):
-                detail = f"cached_blocks: decode rank {rank} holds {skip} blocks of KV group {group}, prefill has only {len(ours)}"
+                detail = (
+                    f"cached_blocks: decode rank {rank} holds {skip} blocks of KV group {group}, "
+                    f"prefill has only {len(ours)}"
+                )
                 raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
             source, held = ours[skip:], f"{len(ours)} blocks of which decode holds the first {skip}"
         if len(source) != len(theirs):
-            detail = f"block_ids[{group}]: decode rank {rank} registered {len(theirs)} blocks, prefill has {held}"
+            detail = (
+                f"block_ids[{group}]: decode rank {rank} registered {len(theirs)} blocks, prefill has {held}"
+            )
             raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
         paired.append(source)
     num_tokens = prefill.num_tokens - skip * block_size
     if num_tokens <= 0 < skip:
-        detail = f"cached_blocks: decode rank {rank} holds {skip * block_size} tokens, prefill computed only {prefill.num_tokens}"
+        detail = (
+            f"cached_blocks: decode rank {rank} holds {skip * block_size} tokens, prefill computed "
+            f"only {prefill.num_tokens}"
+        )
         raise PairingError(FailureReason.INVALID_REGISTRATION, detail)
     return PrefillBlocks(prefill.transfer_id, tuple(paired), num_tokens)
 
@@ -138,7 +157,8 @@ class Outcome(StrEnum):
 
 @dataclass(frozen=True)
 class StartWrite:
-    """Post the WRITE of ``prefill`` into ``registration``'s blocks; report its end with ``write_done`` / ``write_failed``.
+    """Post the WRITE of ``prefill`` into ``registration``'s blocks; report its end with ``write_done`` /
+    ``write_failed``.
 
     ``prefill`` is already paired with the registration (:func:`paired_blocks`): group for group, its blocks
     and the registered ones correspond one for one."""
@@ -159,7 +179,8 @@ class AbandonWrite:
 
 @dataclass(frozen=True)
 class NotifyDecode:
-    """Send ``message`` to the decode agent ``agent``: this rank has nothing in flight for the transfer any more."""
+    """Send ``message`` to the decode agent ``agent``: this rank has nothing in flight for the transfer any
+    more."""
 
     agent: str
     message: FailureMessage
@@ -173,7 +194,8 @@ class Closed:
     outcome: Outcome
     detail: str
     blocks: PrefillBlocks | None
-    stages: dict[str, float] = field(default_factory=dict)  # pdconnector.protocol.timeline: where its time went
+    # pdconnector.protocol.timeline: where its time went
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 Event = StartWrite | AbandonWrite | NotifyDecode | Closed
@@ -201,9 +223,11 @@ class _Entry:
     written: set[int] = field(default_factory=set)
     inflight: dict[WriteKey, float] = field(default_factory=dict)
     cancelling: set[WriteKey] = field(default_factory=set)  # past their deadline, cancel asked for
-    valid_until: dict[int, float] = field(default_factory=dict)  # decode rank -> end of its registration's lifetime
+    # decode rank -> end of its registration's lifetime
+    valid_until: dict[int, float] = field(default_factory=dict)
     ending: tuple[Outcome, str] | None = None  # decided, waiting for in-flight writes to drain
-    notices: dict[tuple[str, int], FailureMessage] = field(default_factory=dict)  # sent once the writes drained
+    # sent once the writes drained
+    notices: dict[tuple[str, int], FailureMessage] = field(default_factory=dict)
     timeline: Timeline = field(default_factory=Timeline)
 
     def waiting(self) -> bool:
@@ -221,7 +245,8 @@ class RendezvousTable:
         limits: RendezvousLimits | None = None,
         layout_fingerprint: str = "",
     ) -> None:
-        """``block_size``: tokens per attention block; ``ssm_groups``: the KV groups holding SSM state (see :func:`paired_blocks`)."""
+        """``block_size``: tokens per attention block; ``ssm_groups``: the KV groups holding SSM state (see
+        :func:`paired_blocks`)."""
         if not 0 <= prefill_rank < prefill_tp_size:
             raise ValueError(f"prefill rank {prefill_rank} outside TP size {prefill_tp_size}")
         if block_size <= 0:
@@ -248,19 +273,43 @@ class RendezvousTable:
 
     # --- inputs -------------------------------------------------------------------------------
 
-    def prefill_finished(self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int, now: float) -> list[Event]:
-        """This rank's prefill of ``transfer_id`` finished; the table holds ``block_ids`` until a ``Closed`` releases them."""
+    def prefill_finished(
+        self, transfer_id: str, block_ids: tuple[tuple[int, ...], ...], num_tokens: int, now: float
+    ) -> list[Event]:
+        """This rank's prefill of ``transfer_id`` finished; the table holds ``block_ids`` until a ``Closed``
+        releases them."""
         blocks = PrefillBlocks(transfer_id, tuple(tuple(group) for group in block_ids), num_tokens)
         tombstone = self._tombstone(transfer_id, now)
         if tombstone is not None:
             if tombstone.had_prefill:
                 raise ValueError(f"prefill of {transfer_id} reported finished twice")
-            self._bury(transfer_id, tombstone.outcome, tombstone.detail, attempt=tombstone.attempt, had_prefill=True, now=now)
-            return [Closed(transfer_id, tombstone.outcome, f"prefill finished after the transfer ended ({tombstone.detail})", blocks)]
+            self._bury(
+                transfer_id,
+                tombstone.outcome,
+                tombstone.detail,
+                attempt=tombstone.attempt,
+                had_prefill=True,
+                now=now,
+            )
+            return [
+                Closed(
+                    transfer_id,
+                    tombstone.outcome,
+                    f"prefill finished after the transfer ended ({tombstone.detail})",
+                    blocks,
+                )
+            ]
         entry = self._entries.get(transfer_id)
         if entry is None:
             if len(self._entries) >= self.limits.max_entries:
-                return [Closed(transfer_id, Outcome.REJECTED, f"rendezvous table full ({self.limits.max_entries} transfers)", blocks)]
+                return [
+                    Closed(
+                        transfer_id,
+                        Outcome.REJECTED,
+                        f"rendezvous table full ({self.limits.max_entries} transfers)",
+                        blocks,
+                    )
+                ]
             entry = self._add(transfer_id, now + self.limits.registration_lease_s)
         elif entry.prefill is not None:
             raise ValueError(f"prefill of {transfer_id} reported finished twice")
@@ -279,14 +328,29 @@ class RendezvousTable:
             if refusal is not None:
                 return refusal
             entry = self._add(message.transfer_id, now + self.limits.prefill_lease_s)
-        if message.attempt < entry.attempt or (message.attempt == entry.attempt and (entry.ending or message.decode_tp_rank in entry.registrations)):
+        if message.attempt < entry.attempt or (
+            message.attempt == entry.attempt
+            and (entry.ending or message.decode_tp_rank in entry.registrations)
+        ):
             return []  # stale attempt or duplicate
         if entry.ending is not None:
-            failure = self._failure(message.transfer_id, message.attempt, FailureReason.ALREADY_CLOSED, f"transfer is ending: {entry.ending[1]}")
+            failure = self._failure(
+                message.transfer_id,
+                message.attempt,
+                FailureReason.ALREADY_CLOSED,
+                f"transfer is ending: {entry.ending[1]}",
+            )
             entry.notices.setdefault((message.agent_name, message.attempt), failure)
             return []
-        if problem is None and message.attempt == entry.attempt and message.decode_tp_size != entry.decode_tp_size:
-            detail = f"decode TP size {message.decode_tp_size} differs from the other ranks' {entry.decode_tp_size}"
+        if (
+            problem is None
+            and message.attempt == entry.attempt
+            and message.decode_tp_size != entry.decode_tp_size
+        ):
+            detail = (
+                f"decode TP size {message.decode_tp_size} differs from the other ranks' "
+                f"{entry.decode_tp_size}"
+            )
             problem = FailureReason.INVALID_REGISTRATION, detail
         if problem is not None:
             return self._end(entry, Outcome.FAILED, *problem, now=now, also_notify=message)
@@ -311,8 +375,8 @@ class RendezvousTable:
         return self._settle(entry, now)
 
     def write_failed(self, key: WriteKey, detail: str, now: float) -> list[Event]:
-        """The WRITE for ``key`` failed, or was cancelled and the transport confirmed it; either way it no longer
-        touches decode's memory. A failure of the current attempt ends the transfer."""
+        """The WRITE for ``key`` failed, or was cancelled and the transport confirmed it; either way it no
+        longer touches decode's memory. A failure of the current attempt ends the transfer."""
         entry = self._entries.get(key.transfer_id)
         if entry is None or entry.inflight.pop(key, None) is None:
             return []
@@ -322,15 +386,24 @@ class RendezvousTable:
         return self._settle(entry, now)
 
     def abort_received(self, message: AbortMessage, now: float, *, sender: str) -> list[Event]:
-        """Decode (agent ``sender``) gave up on ``message.attempt``: stop, free, and answer once nothing is in flight
-        (decode keeps its blocks until that answer or its fence)."""
-        ack = self._failure(message.transfer_id, message.attempt, FailureReason.CANCELLED, "abort received; nothing in flight")
+        """Decode (agent ``sender``) gave up on ``message.attempt``: stop, free, and answer once nothing is in
+        flight (decode keeps its blocks until that answer or its fence)."""
+        ack = self._failure(
+            message.transfer_id, message.attempt, FailureReason.CANCELLED, "abort received; nothing in flight"
+        )
         entry = self._entries.get(message.transfer_id)
         if entry is None:
             # Remember it so a prefill finishing later is freed at once and a late registration is answered.
             if self._tombstone(message.transfer_id, now) is None:
                 detail = f"decode aborted: {message.detail}"
-                self._bury(message.transfer_id, Outcome.CANCELLED, detail, attempt=message.attempt, had_prefill=False, now=now)
+                self._bury(
+                    message.transfer_id,
+                    Outcome.CANCELLED,
+                    detail,
+                    attempt=message.attempt,
+                    had_prefill=False,
+                    now=now,
+                )
             return [NotifyDecode(sender, ack)]
         entry.notices.setdefault((sender, message.attempt), ack)
         if message.attempt >= entry.attempt and entry.ending is None:
@@ -338,7 +411,8 @@ class RendezvousTable:
         return self._settle(entry, now)
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> list[Event]:
-        """This side gave up on the transfer (e.g. the prefill request was aborted); tells known decode ranks."""
+        """This side gave up on the transfer (e.g. the prefill request was aborted); tells known decode
+        ranks."""
         entry = self._entries.get(transfer_id)
         if entry is None:
             if self._tombstone(transfer_id, now) is None:
@@ -382,36 +456,60 @@ class RendezvousTable:
         entry.valid_until = {}
         entry.started = set()
         entry.written = set()
-        entry.destinations = frozenset(targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size))
+        entry.destinations = frozenset(
+            targets_for(self.prefill_rank, self.prefill_tp_size, message.decode_tp_size)
+        )
         if entry.prefill is not None:
             # Decode is alive and retrying: give the new attempt a full lease on the held blocks.
             self._set_lease(entry, now + self.limits.registration_lease_s)
 
-    def _refuse_new(self, message: RegistrationMessage, problem: tuple[FailureReason, str] | None, now: float) -> list[Event] | None:
+    def _refuse_new(
+        self, message: RegistrationMessage, problem: tuple[FailureReason, str] | None, now: float
+    ) -> list[Event] | None:
         """The answer to a registration that would open a new entry, or None to open it."""
         tombstone = self._tombstone(message.transfer_id, now)
         if tombstone is not None:
             if tombstone.outcome is Outcome.WRITTEN and message.attempt <= tombstone.attempt:
                 return []  # a resent registration of a transfer that succeeded: nothing to tell
-            return [self._notify(message, FailureReason.ALREADY_CLOSED, f"transfer ended: {tombstone.outcome} ({tombstone.detail})")]
+            return [
+                self._notify(
+                    message,
+                    FailureReason.ALREADY_CLOSED,
+                    f"transfer ended: {tombstone.outcome} ({tombstone.detail})",
+                )
+            ]
         if problem is not None:
             return [self._notify(message, *problem)]
         if len(self._entries) >= self.limits.max_entries:
-            return [self._notify(message, FailureReason.CAPACITY, f"rendezvous table full ({self.limits.max_entries} transfers)")]
+            return [
+                self._notify(
+                    message,
+                    FailureReason.CAPACITY,
+                    f"rendezvous table full ({self.limits.max_entries} transfers)",
+                )
+            ]
         return None
 
     def _pair(self, entry: _Entry, now: float) -> list[Event]:
         """Start the writes whose both halves are known, unless the halves do not fit together."""
         if entry.prefill is None:
             return []
-        pending = [(rank, registration) for rank, registration in sorted(entry.registrations.items()) if rank not in entry.started]
+        pending = [
+            (rank, registration)
+            for rank, registration in sorted(entry.registrations.items())
+            if rank not in entry.started
+        ]
         lapsed = [rank for rank, _ in pending if entry.valid_until[rank] <= now]
         if lapsed:
-            return self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now)
+            return self._end(
+                entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now
+            )
         writes: list[tuple[int, RegistrationMessage, PrefillBlocks]] = []
         for rank, registration in pending:
             try:
-                source = paired_blocks(entry.prefill, registration, block_size=self.block_size, ssm_groups=self.ssm_groups)
+                source = paired_blocks(
+                    entry.prefill, registration, block_size=self.block_size, ssm_groups=self.ssm_groups
+                )
             except PairingError as error:
                 return self._end(entry, Outcome.FAILED, error.reason, str(error), now=now)
             writes.append((rank, registration, source))
@@ -428,7 +526,9 @@ class RendezvousTable:
         return events
 
     def _expire_entry(self, entry: _Entry, now: float) -> list[Event]:
-        timed_out = [key for key, deadline in entry.inflight.items() if deadline <= now and key not in entry.cancelling]
+        timed_out = [
+            key for key, deadline in entry.inflight.items() if deadline <= now and key not in entry.cancelling
+        ]
         events: list[Event] = []
         for key in timed_out:
             entry.cancelling.add(key)
@@ -437,12 +537,24 @@ class RendezvousTable:
             if any(key.attempt == entry.attempt for key in timed_out):
                 detail = f"WRITE not done within {self.limits.write_timeout_s}s"
                 return events + self._end(entry, Outcome.FAILED, FailureReason.WRITE_TIMEOUT, detail, now=now)
-            lapsed = [rank for rank in entry.registrations if rank not in entry.started and entry.valid_until[rank] <= now]
+            lapsed = [
+                rank
+                for rank in entry.registrations
+                if rank not in entry.started and entry.valid_until[rank] <= now
+            ]
             if lapsed:
-                return events + self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now)
+                return events + self._end(
+                    entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, self._lapsed_detail(lapsed), now=now
+                )
             if entry.waiting() and entry.lease_deadline <= now:
                 missing = "prefill did not finish" if entry.prefill is None else "decode did not register"
-                return events + self._end(entry, Outcome.EXPIRED, FailureReason.LEASE_EXPIRED, f"{missing} before the lease ran out", now=now)
+                return events + self._end(
+                    entry,
+                    Outcome.EXPIRED,
+                    FailureReason.LEASE_EXPIRED,
+                    f"{missing} before the lease ran out",
+                    now=now,
+                )
         return events + self._settle(entry, now)
 
     def _end(
@@ -467,12 +579,22 @@ class RendezvousTable:
 
     def _settle(self, entry: _Entry, now: float) -> list[Event]:
         if entry.ending is None and entry.destinations and entry.written >= entry.destinations:
-            entry.ending = (Outcome.WRITTEN, f"attempt {entry.attempt} written to decode ranks {sorted(entry.written)}")
+            entry.ending = (
+                Outcome.WRITTEN,
+                f"attempt {entry.attempt} written to decode ranks {sorted(entry.written)}",
+            )
         if entry.ending is None or entry.inflight:
             return []
         del self._entries[entry.transfer_id]
         outcome, detail = entry.ending
-        self._bury(entry.transfer_id, outcome, detail, attempt=entry.attempt, had_prefill=entry.prefill is not None, now=now)
+        self._bury(
+            entry.transfer_id,
+            outcome,
+            detail,
+            attempt=entry.attempt,
+            had_prefill=entry.prefill is not None,
+            now=now,
+        )
         notices: list[Event] = [NotifyDecode(agent, message) for (agent, _), message in entry.notices.items()]
         entry.timeline.mark(Milestone.RELEASED, now)
         return [*notices, Closed(entry.transfer_id, outcome, detail, entry.prefill, entry.timeline.stages())]
@@ -481,16 +603,27 @@ class RendezvousTable:
 
     def _notify(self, destination: RegistrationMessage, reason: FailureReason, detail: str) -> NotifyDecode:
         """An answer to a registration that opened nothing (so nothing of it is in flight)."""
-        return NotifyDecode(destination.agent_name, self._failure(destination.transfer_id, destination.attempt, reason, detail))
+        return NotifyDecode(
+            destination.agent_name,
+            self._failure(destination.transfer_id, destination.attempt, reason, detail),
+        )
 
     def _failure(self, transfer_id: str, attempt: int, reason: FailureReason, detail: str) -> FailureMessage:
         return FailureMessage(
-            transfer_id=transfer_id, attempt=attempt, side=EngineRole.PREFILL, rank=self.prefill_rank, reason=reason, detail=detail[:MAX_DETAIL_CHARS]
+            transfer_id=transfer_id,
+            attempt=attempt,
+            side=EngineRole.PREFILL,
+            rank=self.prefill_rank,
+            reason=reason,
+            detail=detail[:MAX_DETAIL_CHARS],
         )
 
     @staticmethod
     def _lapsed_detail(ranks: list[int]) -> str:
-        return f"the registrations of decode ranks {sorted(ranks)} outlived their lifetime before prefill could write them"
+        return (
+            f"the registrations of decode ranks {sorted(ranks)} outlived their lifetime before prefill "
+            "could write them"
+        )
 
     def _incompatibility(self, message: RegistrationMessage) -> tuple[FailureReason, str] | None:
         try:
@@ -498,9 +631,20 @@ class RendezvousTable:
         except ValueError as error:
             return FailureReason.INCOMPATIBLE, str(error)
         if message.decode_tp_rank not in destinations:
-            return FailureReason.INVALID_REGISTRATION, f"decode rank {message.decode_tp_rank} is not written by prefill rank {self.prefill_rank}"
-        if self.layout_fingerprint and message.layout_fingerprint and message.layout_fingerprint != self.layout_fingerprint:
-            return FailureReason.INCOMPATIBLE, f"layout fingerprint {message.layout_fingerprint!r} differs from prefill's {self.layout_fingerprint!r}"
+            return (
+                FailureReason.INVALID_REGISTRATION,
+                f"decode rank {message.decode_tp_rank} is not written by prefill rank {self.prefill_rank}",
+            )
+        if (
+            self.layout_fingerprint
+            and message.layout_fingerprint
+            and message.layout_fingerprint != self.layout_fingerprint
+        ):
+            return (
+                FailureReason.INCOMPATIBLE,
+                f"layout fingerprint {message.layout_fingerprint!r} differs from prefill's "
+                f"{self.layout_fingerprint!r}",
+            )
         return None
 
     def _tombstone(self, transfer_id: str, now: float) -> _Tombstone | None:
@@ -509,8 +653,12 @@ class RendezvousTable:
             return None
         return tombstone
 
-    def _bury(self, transfer_id: str, outcome: Outcome, detail: str, *, attempt: int, had_prefill: bool, now: float) -> None:
+    def _bury(
+        self, transfer_id: str, outcome: Outcome, detail: str, *, attempt: int, had_prefill: bool, now: float
+    ) -> None:
         self._tombstones.pop(transfer_id, None)
-        self._tombstones[transfer_id] = _Tombstone(outcome, detail, attempt, had_prefill, now + self.limits.tombstone_ttl_s)
+        self._tombstones[transfer_id] = _Tombstone(
+            outcome, detail, attempt, had_prefill, now + self.limits.tombstone_ttl_s
+        )
         while len(self._tombstones) > self.limits.max_tombstones:
             self._tombstones.popitem(last=False)

@@ -61,8 +61,8 @@ STAGES: Final[dict[Stage, tuple[tuple[Milestone, ...], Milestone]]] = {
     Stage.HOLD: ((Milestone.PREFILLED,), Milestone.RELEASED),
 }
 
-# Milestones a transfer passes once per decode rank it writes (one registration and one WRITE each): the last counts,
-# so ``post`` and ``write`` are those of the rank that came last.
+# Milestones a transfer passes once per decode rank it writes (one registration and one WRITE each): the last
+# counts, so ``post`` and ``write`` are those of the rank that came last.
 _LAST: Final = frozenset({Milestone.REGISTERED, Milestone.POSTED, Milestone.WRITTEN})
 
 
@@ -75,7 +75,8 @@ class Timeline:
             self.marks[milestone] = now
 
     def stages(self) -> dict[str, float]:
-        """Seconds spent in each stage whose milestones were all passed (a stage that ended before it began: 0)."""
+        """Seconds spent in each stage whose milestones were all passed (a stage that ended before it began:
+        0)."""
         out = {}
         for stage, (starts, end) in STAGES.items():
             if end in self.marks and all(start in self.marks for start in starts):

@@ -1,4 +1,5 @@
-"""The router's aiohttp application: OpenAI endpoints, probes, metrics and status, plus its background loops."""
+"""The router's aiohttp application: OpenAI endpoints, probes, metrics and status, plus its background
+loops."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def dispatch_settings(config: RouterConfig, options: RouterOptions) -> DispatchS
     return DispatchSettings(
         dispatch=options.dispatch or Dispatch(config.mode),
         prefill_timeout_s=config.timeouts.prefill_s,
-        decode_first_byte_timeout_s=config.timeouts.prefill_s + config.timeouts.transfer_s + config.timeouts.decode_first_token_s,
+        decode_first_byte_timeout_s=config.timeouts.prefill_s
+        + config.timeouts.transfer_s
+        + config.timeouts.decode_first_token_s,
         total_timeout_s=options.total_timeout_s,
         connector=config.connector,
         retry_after_s=max(1, math.ceil(options.health.interval_s)),
@@ -84,7 +87,14 @@ class Router:
             policy = _POLICIES[config.policy]
             if self.dispatcher.selectors[EngineRole.PREFILL].policy is not policy:
                 self.dispatcher.selectors = {role: Selector(policy) for role in EngineRole}
-        log.info("router config applied", extra={"prefill": len(config.prefill.backends), "decode": len(config.decode.backends), "mode": config.mode})
+        log.info(
+            "router config applied",
+            extra={
+                "prefill": len(config.prefill.backends),
+                "decode": len(config.decode.backends),
+                "mode": config.mode,
+            },
+        )
 
     async def refresh(self, watcher: ConfigWatcher | None) -> None:
         if watcher is not None:
@@ -93,7 +103,9 @@ class Router:
         self.pool.replace(backend_specs(self.config, self.addresses.addresses))
 
     async def background(self) -> None:
-        watcher = ConfigWatcher(self.options.config_path, self.apply_config) if self.options.config_path else None
+        watcher = (
+            ConfigWatcher(self.options.config_path, self.apply_config) if self.options.config_path else None
+        )
         if watcher is not None:
             watcher.check()  # records the current stamp so only later edits count as changes
         assert self.session is not None
@@ -110,7 +122,9 @@ class Router:
 ROUTER_KEY = web.AppKey("router", Router)
 
 
-def _openai_error_middleware(router: Router) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _openai_error_middleware(
+    router: Router,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         incoming = request.headers.get(REQUEST_ID_HEADER, "")
@@ -125,7 +139,12 @@ def _openai_error_middleware(router: Router) -> Callable[[web.Request, Handler],
         except web.HTTPException as http_error:
             if http_error.status < 400:
                 raise
-            response = errors.RouterError(http_error.status, http_error.reason, "invalid_request_error", "http_" + str(http_error.status)).response()
+            response = errors.RouterError(
+                http_error.status,
+                http_error.reason,
+                "invalid_request_error",
+                "http_" + str(http_error.status),
+            ).response()
         if not response.prepared:
             response.headers[REQUEST_ID_HEADER] = request_id
         return response
@@ -142,12 +161,16 @@ def _check_api_key(request: web.Request, api_key: str) -> None:
 def create_app(config: RouterConfig, options: RouterOptions | None = None) -> web.Application:
     options = options or RouterOptions()
     router = Router(config, options)
-    app = web.Application(middlewares=[_openai_error_middleware(router)], client_max_size=config.max_request_body_bytes)
+    app = web.Application(
+        middlewares=[_openai_error_middleware(router)], client_max_size=config.max_request_body_bytes
+    )
     app[ROUTER_KEY] = router
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=router.config.timeouts.connect_s)
-        router.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        router.session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
+        )
         policy = _POLICIES[config.policy]
         router.dispatcher = Dispatcher(
             pool=router.pool,
@@ -173,14 +196,21 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
             except web.HTTPRequestEntityTooLarge:
                 raise errors.body_too_large(router.config.max_request_body_bytes) from None
             config = router.config
-            client_request = validate_request(endpoint, parse_body(raw), config.served_model_name, max_model_len=config.max_model_len)
+            client_request = validate_request(
+                endpoint, parse_body(raw), config.served_model_name, max_model_len=config.max_model_len
+            )
             assert router.dispatcher is not None
             return await router.dispatcher.serve(request, client_request, request[REQUEST_ID_KEY])
 
         return handle
 
     async def models(_: web.Request) -> web.Response:
-        model = {"id": router.config.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "pd-operator"}
+        model = {
+            "id": router.config.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pd-operator",
+        }
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(_: web.Request) -> web.Response:
@@ -195,7 +225,9 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
 
     async def status(_: web.Request) -> web.Response:
         mode = (options.dispatch or Dispatch(router.config.mode)).value
-        return web.json_response(build_status(router.pool, router.ledger, mode, router.config.served_model_name))
+        return web.json_response(
+            build_status(router.pool, router.ledger, mode, router.config.served_model_name)
+        )
 
     app.router.add_post(Endpoint.COMPLETIONS.value, completion_handler(Endpoint.COMPLETIONS))
     app.router.add_post(Endpoint.CHAT.value, completion_handler(Endpoint.CHAT))

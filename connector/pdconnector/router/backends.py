@@ -1,4 +1,5 @@
-"""The router's view of its engines: what each backend is, and its live state (health, outstanding requests)."""
+"""The router's view of its engines: what each backend is, and its live state (health, outstanding
+requests)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ class BackendSpec:
     def prefill_coordinates(self) -> PrefillCoordinates:
         if self.role is not EngineRole.PREFILL or self.side_channel_port is None:
             raise ValueError(f"backend {self.name} is not a prefill engine with a side-channel port")
-        return PrefillCoordinates(engine_id=self.engine_id, host=self.host, side_channel_port=self.side_channel_port, tp_size=self.tp_size)
+        return PrefillCoordinates(
+            engine_id=self.engine_id,
+            host=self.host,
+            side_channel_port=self.side_channel_port,
+            tp_size=self.tp_size,
+        )
 
 
 @dataclass
@@ -89,8 +95,11 @@ class BackendPool:
             if known is not None and known.spec == spec:
                 fresh[key] = known
             elif known is not None:
-                # Same instance, new address or coordinates: keep counters, health is re-checked on the next probe.
-                fresh[key] = Backend(spec=spec, healthy=known.healthy, outstanding=known.outstanding, served=known.served)
+                # Same instance, new address or coordinates: keep counters, health is re-checked on the next
+                # probe.
+                fresh[key] = Backend(
+                    spec=spec, healthy=known.healthy, outstanding=known.outstanding, served=known.served
+                )
             else:
                 fresh[key] = Backend(spec=spec)
         self._backends = fresh

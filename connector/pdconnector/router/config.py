@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 ROUTER_CONFIG_FILENAME = "router.yaml"
 DEFAULT_API_KEY_ENV = "PD_ROUTER_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-# The largest spec.model.maxModelLen the operator accepts: with no model length configured, no request may ask for more.
+# The largest spec.model.maxModelLen the operator accepts: with no model length configured, no request may ask
+# for more.
 MAX_MODEL_LEN_CEILING = 10_485_760
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -37,14 +38,21 @@ class EngineBackend(_ConfigModel):
     """One engine pod of a role."""
 
     name: Annotated[str, Field(min_length=1, description="Pod name, e.g. tiny-prefill-0.")]
-    host: Annotated[str, Field(min_length=1, description="Stable DNS name of the pod (resolves while the pod is ready).")]
-    engine_id: Annotated[str, Field(min_length=1, description="The engine id the pod's KV connector runs with.")]
+    host: Annotated[
+        str, Field(min_length=1, description="Stable DNS name of the pod (resolves while the pod is ready).")
+    ]
+    engine_id: Annotated[
+        str, Field(min_length=1, description="The engine id the pod's KV connector runs with.")
+    ]
 
 
 class RoleBackends(_ConfigModel):
     """The engines of one role (prefill or decode) and how to reach them."""
 
-    service: Annotated[str, Field(min_length=1, description="DNS name of the role's headless Service (A records of ready pods).")]
+    service: Annotated[
+        str,
+        Field(min_length=1, description="DNS name of the role's headless Service (A records of ready pods)."),
+    ]
     namespace: Annotated[str, Field(min_length=1)]
     http_port: Port = 8000
     side_channel_port: Port = 5600
@@ -63,9 +71,15 @@ class Timeouts(_ConfigModel):
     """Per-phase deadlines of one request, in seconds; each phase starts when the previous one ends."""
 
     connect_s: Annotated[float, Field(gt=0, description="TCP connect to a backend.")] = 5.0
-    prefill_s: Annotated[float, Field(gt=0, description="Prefill leg, from sending it to its response.")] = 120.0
-    transfer_s: Annotated[float, Field(gt=0, description="KV transfer (spec.engine.transferTimeoutSeconds), after prefill.")] = 60.0
-    decode_first_token_s: Annotated[float, Field(gt=0, description="Decode's first token, after the KV arrived.")] = 60.0
+    prefill_s: Annotated[float, Field(gt=0, description="Prefill leg, from sending it to its response.")] = (
+        120.0
+    )
+    transfer_s: Annotated[
+        float, Field(gt=0, description="KV transfer (spec.engine.transferTimeoutSeconds), after prefill.")
+    ] = 60.0
+    decode_first_token_s: Annotated[
+        float, Field(gt=0, description="Decode's first token, after the KV arrived.")
+    ] = 60.0
 
 
 class RouterConfig(_ConfigModel):
@@ -80,7 +94,8 @@ class RouterConfig(_ConfigModel):
         Field(
             ge=2,
             le=MAX_MODEL_LEN_CEILING,
-            description="Context length of the served model (spec.model.maxModelLen); null: unknown, requests are bounded by the ceiling.",
+            description="Context length of the served model (spec.model.maxModelLen); null: unknown, "
+            "requests are bounded by the ceiling.",
         ),
     ] = None
     policy: Literal["least-loaded", "round-robin"] = "least-loaded"
@@ -94,7 +109,11 @@ class RouterConfig(_ConfigModel):
     max_request_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_REQUEST_BODY_BYTES
     api_key_env: Annotated[
         str | None,
-        Field(min_length=1, description="Environment variable holding the Bearer API key clients must send; null disables auth."),
+        Field(
+            min_length=1,
+            description="Environment variable holding the Bearer API key clients must send; null disables "
+            "auth.",
+        ),
     ] = None
 
 
@@ -104,7 +123,8 @@ def dump_router_config(config: RouterConfig) -> str:
 
 
 def parse_router_config(text: str) -> RouterConfig:
-    """Parse YAML text; raises ``ValueError`` (pydantic's ``ValidationError`` or a YAML error) on bad input."""
+    """Parse YAML text; raises ``ValueError`` (pydantic's ``ValidationError`` or a YAML error) on bad
+    input."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:

@@ -1,8 +1,9 @@
 """Backends from the router config file: pod DNS names resolved to pod addresses, and live reload on change.
 
-The config lists each engine pod by its stable DNS name (``<pod>.<headless service>.<namespace>.svc``). Prefill
-coordinates must carry the pod IP (the side channel binds to it), so names are resolved on every refresh; a name
-that does not resolve (pod not ready, not in a cluster) keeps its last known address and health checks decide.
+The config lists each engine pod by its stable DNS name (``<pod>.<headless service>.<namespace>.svc``).
+Prefill coordinates must carry the pod IP (the side channel binds to it), so names are resolved on every
+refresh; a name that does not resolve (pod not ready, not in a cluster) keeps its last known address and
+health checks decide.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ async def resolve_address(host: str) -> str | None:
     return str(infos[0][4][0]) if infos else None
 
 
-def _role_specs(role: EngineRole, backends: RoleBackends, compat_hash: str, addresses: dict[str, str]) -> list[BackendSpec]:
+def _role_specs(
+    role: EngineRole, backends: RoleBackends, compat_hash: str, addresses: dict[str, str]
+) -> list[BackendSpec]:
     return [
         BackendSpec(
             name=entry.name,
@@ -93,7 +96,10 @@ class ConfigWatcher:
         try:
             config = load_router_config(self.path)
         except (ValueError, OSError) as error:
-            log.error("router config reload failed; keeping the previous config", extra={"path": str(self.path), "error": str(error)})
+            log.error(
+                "router config reload failed; keeping the previous config",
+                extra={"path": str(self.path), "error": str(error)},
+            )
             return False
         self.on_change(config)
         return True

@@ -9,7 +9,14 @@ class RouterError(Exception):
     """A failure to report to the client as ``{"error": {"message", "type", "code"}}``."""
 
     def __init__(
-        self, status: int, message: str, error_type: str, code: str, param: str | None = None, *, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        code: str,
+        param: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -20,7 +27,14 @@ class RouterError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.error_type, "code": self.code, "param": self.param}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status, headers=self.headers)
@@ -31,19 +45,33 @@ def bad_request(message: str, param: str | None = None) -> RouterError:
 
 
 def model_not_found(model: str) -> RouterError:
-    return RouterError(404, f"The model '{model}' does not exist on this router", "invalid_request_error", "model_not_found", "model")
+    return RouterError(
+        404,
+        f"The model '{model}' does not exist on this router",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
 
 
 def unauthorized() -> RouterError:
-    return RouterError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'", "authentication_error", "invalid_api_key")
+    return RouterError(
+        401,
+        "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+        "authentication_error",
+        "invalid_api_key",
+    )
 
 
 def body_too_large(limit: int) -> RouterError:
-    return RouterError(413, f"Request body exceeds the limit of {limit} bytes", "invalid_request_error", "request_too_large")
+    return RouterError(
+        413, f"Request body exceeds the limit of {limit} bytes", "invalid_request_error", "request_too_large"
+    )
 
 
 def no_backend(role: str, reasons: list[str], retry_after_s: int) -> RouterError:
-    """``reasons``: why each backend of the role cannot take the request, so the client (and its operator) sees what is wrong."""
+    """``reasons``: why each backend of the role cannot take the request, so the client (and its operator)
+    sees what is wrong."""
     why = "; ".join(reasons) if reasons else f"no {role} backend is configured"
     return RouterError(
         503,
@@ -55,7 +83,12 @@ def no_backend(role: str, reasons: list[str], retry_after_s: int) -> RouterError
 
 
 def upstream_failed(role: str, backend: str, transfer_id: str, detail: str) -> RouterError:
-    return RouterError(502, f"The {role} leg failed on {backend} for transfer {transfer_id}: {detail}", "upstream_error", f"{role}_failed")
+    return RouterError(
+        502,
+        f"The {role} leg failed on {backend} for transfer {transfer_id}: {detail}",
+        "upstream_error",
+        f"{role}_failed",
+    )
 
 
 def transfer_failed(detail: str) -> RouterError:
@@ -63,4 +96,9 @@ def transfer_failed(detail: str) -> RouterError:
 
 
 def timed_out(phase: str, seconds: float) -> RouterError:
-    return RouterError(504, f"Timed out after {seconds:g} s waiting for {phase}", "timeout", f"{phase.replace(' ', '_')}_timeout")
+    return RouterError(
+        504,
+        f"Timed out after {seconds:g} s waiting for {phase}",
+        "timeout",
+        f"{phase.replace(' ', '_')}_timeout",
+    )

@@ -25,7 +25,10 @@ def record_failure(backend: Backend, error: str, failures_to_eject: int) -> None
     backend.last_error = error
     if backend.healthy and backend.consecutive_failures >= failures_to_eject:
         backend.healthy = False
-        log.warning("backend ejected", extra={"backend": backend.name, "role": backend.spec.role.value, "error": error})
+        log.warning(
+            "backend ejected",
+            extra={"backend": backend.name, "role": backend.spec.role.value, "error": error},
+        )
 
 
 def record_success(backend: Backend) -> None:
@@ -55,14 +58,18 @@ async def _advertised_compat(resp: aiohttp.ClientResponse) -> str | None:
 
 async def probe(session: aiohttp.ClientSession, backend: Backend, settings: HealthSettings) -> None:
     try:
-        async with session.get(backend.spec.base_url + "/health", timeout=aiohttp.ClientTimeout(total=settings.timeout_s)) as resp:
+        async with session.get(
+            backend.spec.base_url + "/health", timeout=aiohttp.ClientTimeout(total=settings.timeout_s)
+        ) as resp:
             if resp.status == 200:
                 backend.advertised_compat = await _advertised_compat(resp)
                 record_success(backend)
             else:
                 record_failure(backend, f"/health answered {resp.status}", settings.failures_to_eject)
     except TimeoutError:  # before ClientError: aiohttp's timeouts are both
-        record_failure(backend, f"/health gave no answer in {settings.timeout_s:g} s", settings.failures_to_eject)
+        record_failure(
+            backend, f"/health gave no answer in {settings.timeout_s:g} s", settings.failures_to_eject
+        )
     except aiohttp.ClientConnectorError as exc:
         record_failure(backend, f"/health: cannot connect: {exc.os_error or exc}", settings.failures_to_eject)
     except (aiohttp.ClientError, OSError) as exc:

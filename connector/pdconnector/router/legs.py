@@ -1,4 +1,5 @@
-"""One leg = one HTTP request to one engine. Failures become ``LegError`` with a kind the dispatcher can act on."""
+"""One leg = one HTTP request to one engine. Failures become ``LegError`` with a kind the dispatcher can act
+on."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ class FailureKind(StrEnum):
 
 
 class LegError(Exception):
-    def __init__(self, backend: Backend, kind: FailureKind, detail: str, status: int | None = None, body: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        kind: FailureKind,
+        detail: str,
+        status: int | None = None,
+        body: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(f"{backend.name}: {kind.value}: {detail}")
         self.backend = backend
         self.kind = kind
@@ -56,7 +64,8 @@ def _translate(backend: Backend, exc: BaseException) -> LegError:
 async def call_json(
     session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[dict[str, Any], bytes]:
-    """POST and read a whole JSON answer; returns the parsed body and its raw bytes (to pass through unchanged)."""
+    """POST and read a whole JSON answer; returns the parsed body and its raw bytes (to pass through
+    unchanged)."""
     try:
         async with session.post(backend.spec.base_url + path, json=body, headers=headers) as resp:
             raw = await resp.read()
@@ -122,7 +131,9 @@ class EventStream:
         self.response.close()
 
 
-async def open_stream(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]) -> EventStream:
+async def open_stream(
+    session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> EventStream:
     try:
         response = await session.post(backend.spec.base_url + path, json=body, headers=headers)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:

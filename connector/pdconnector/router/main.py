@@ -21,16 +21,29 @@ log = logging.getLogger("pdconnector.router")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-router", description=__doc__)
-    parser.add_argument("--config", type=Path, required=True, help="router.yaml written by the operator (watched for changes)")
+    parser.add_argument(
+        "--config", type=Path, required=True, help="router.yaml written by the operator (watched for changes)"
+    )
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=None, help="listen port (default: the config's listen_port)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="listen port (default: the config's listen_port)"
+    )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
     parser.add_argument(
-        "--dispatch", choices=[d.value for d in Dispatch], default=None, help="override the config's mode (push-sequential: benchmarks only)"
+        "--dispatch",
+        choices=[d.value for d in Dispatch],
+        default=None,
+        help="override the config's mode (push-sequential: benchmarks only)",
     )
-    parser.add_argument("--total-timeout", type=float, default=600.0, help="deadline of a whole request, seconds")
-    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between active health checks")
-    parser.add_argument("--refresh-interval", type=float, default=2.0, help="seconds between config/DNS refreshes")
+    parser.add_argument(
+        "--total-timeout", type=float, default=600.0, help="deadline of a whole request, seconds"
+    )
+    parser.add_argument(
+        "--health-interval", type=float, default=2.0, help="seconds between active health checks"
+    )
+    parser.add_argument(
+        "--refresh-interval", type=float, default=2.0, help="seconds between config/DNS refreshes"
+    )
     return parser
 
 
@@ -46,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if config.api_key_env is not None:
         api_key = os.environ.get(config.api_key_env)
         if not api_key:
-            print(f"pd-router: the config requires an API key but ${config.api_key_env} is empty", file=sys.stderr)
+            print(
+                f"pd-router: the config requires an API key but ${config.api_key_env} is empty",
+                file=sys.stderr,
+            )
             return 2
     options = RouterOptions(
         config_path=args.config,
@@ -58,9 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     port = args.port if args.port is not None else config.listen_port
     log.info(
-        "pd-router starting", extra={"host": args.host, "port": port, "model": config.served_model_name, "mode": options.dispatch or config.mode}
+        "pd-router starting",
+        extra={
+            "host": args.host,
+            "port": port,
+            "model": config.served_model_name,
+            "mode": options.dispatch or config.mode,
+        },
     )
-    web.run_app(create_app(config, options), host=args.host, port=port, handler_cancellation=True, print=None, access_log=None)
+    web.run_app(
+        create_app(config, options),
+        host=args.host,
+        port=port,
+        handler_cancellation=True,
+        print=None,
+        access_log=None,
+    )
     return 0
 
 

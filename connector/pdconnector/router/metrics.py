@@ -6,7 +6,24 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class RequestOutcome(StrEnum):
@@ -22,12 +39,25 @@ class RequestOutcome(StrEnum):
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("pd_router_requests", "Client requests by transfer mode and outcome", ["mode", "outcome"], registry=self.registry)
+        self.requests = Counter(
+            "pd_router_requests",
+            "Client requests by transfer mode and outcome",
+            ["mode", "outcome"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
-            "pd_router_ttft_seconds", "Time to first token seen by the client", ["mode"], buckets=LATENCY_BUCKETS, registry=self.registry
+            "pd_router_ttft_seconds",
+            "Time to first token seen by the client",
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "pd_router_request_duration_seconds", "End-to-end request latency", ["mode"], buckets=LATENCY_BUCKETS, registry=self.registry
+            "pd_router_request_duration_seconds",
+            "End-to-end request latency",
+            ["mode"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.legs = Histogram(
             "pd_router_leg_seconds",
@@ -36,13 +66,30 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.in_flight = Gauge("pd_router_backend_in_flight", "Requests outstanding per backend", ["role", "backend"], registry=self.registry)
-        self.leg_errors = Counter("pd_router_leg_errors", "Failed prefill or decode legs", ["role", "kind"], registry=self.registry)
-        self.transfer_failures = Counter("pd_router_transfer_failures", "Requests failed by a KV transfer", registry=self.registry)
-        self.transfers = Counter(
-            "pd_router_transfers", "Successful requests by whether decode confirmed KV arrived by transfer", ["result"], registry=self.registry
+        self.in_flight = Gauge(
+            "pd_router_backend_in_flight",
+            "Requests outstanding per backend",
+            ["role", "backend"],
+            registry=self.registry,
         )
-        self.retries = Counter("pd_router_retries", "Legs retried on another backend after a connect error", ["role"], registry=self.registry)
+        self.leg_errors = Counter(
+            "pd_router_leg_errors", "Failed prefill or decode legs", ["role", "kind"], registry=self.registry
+        )
+        self.transfer_failures = Counter(
+            "pd_router_transfer_failures", "Requests failed by a KV transfer", registry=self.registry
+        )
+        self.transfers = Counter(
+            "pd_router_transfers",
+            "Successful requests by whether decode confirmed KV arrived by transfer",
+            ["result"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "pd_router_retries",
+            "Legs retried on another backend after a connect error",
+            ["role"],
+            registry=self.registry,
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

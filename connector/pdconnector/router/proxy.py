@@ -1,9 +1,9 @@
 """The request path: pick a prefill and a decode engine, run both legs, relay decode's answer to the client.
 
 Pull and push-sequential run the legs one after the other; push runs them concurrently so decode registers its
-blocks while prefill computes. Connect errors are retried on other backends as long as no byte reached the client;
-everything else becomes an OpenAI-style error (or, mid-stream, an SSE error event). A cancelled client request
-cancels both legs, which closes their connections so the engines abort and free their blocks.
+blocks while prefill computes. Connect errors are retried on other backends as long as no byte reached the
+client; everything else becomes an OpenAI-style error (or, mid-stream, an SSE error event). A cancelled client
+request cancels both legs, which closes their connections so the engines abort and free their blocks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,15 @@ from pdconnector.protocol.params import (
 from pdconnector.router import errors
 from pdconnector.router.backends import Backend, BackendPool
 from pdconnector.router.health import eject_now
-from pdconnector.router.legs import EventStream, FailureKind, LegError, SseEvent, call_json, cancel_and_wait, open_stream
+from pdconnector.router.legs import (
+    EventStream,
+    FailureKind,
+    LegError,
+    SseEvent,
+    call_json,
+    cancel_and_wait,
+    open_stream,
+)
 from pdconnector.router.metrics import RequestOutcome, RouterMetrics
 from pdconnector.router.selection import NoBackend, Selector, pick_backend
 from pdconnector.router.status import Evidence, TransferLedger
@@ -56,7 +64,8 @@ class DispatchSettings:
     decode_first_byte_timeout_s: float = 120.0
     total_timeout_s: float = 600.0
     max_attempts: int = 3
-    # "vllm": the engines run upstream vLLM's NIXL connectors, whose push decode leg names the prefill request.
+    # "vllm": the engines run upstream vLLM's NIXL connectors, whose push decode leg names the prefill
+    # request.
     connector: Literal["builtin", "vllm"] = "builtin"
     # Retry-After of a 503: an ejected backend is re-admitted by the first health check it passes.
     retry_after_s: int = 2
@@ -85,7 +94,8 @@ class Exchange:
     transfer_id: str = ""
     failed: set[str] = field(default_factory=set)
     pending_prefill: asyncio.Task[Any] | None = None
-    legs: dict[str, float] = field(default_factory=dict)  # role -> seconds to the answer (decode: to its first byte)
+    # role -> seconds to the answer (decode: to its first byte)
+    legs: dict[str, float] = field(default_factory=dict)
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Request-Id": self.request_id}
@@ -115,7 +125,11 @@ def _prefill_error(answer: dict[str, Any]) -> str | None:
 
 
 def _prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    body = {k: v for k, v in client_body.items() if k not in ("stream", "stream_options", "min_tokens", "max_completion_tokens")}
+    body = {
+        k: v
+        for k, v in client_body.items()
+        if k not in ("stream", "stream_options", "min_tokens", "max_completion_tokens")
+    }
     body["max_tokens"] = 1
     body["stream"] = False
     body["kv_transfer_params"] = params
@@ -127,10 +141,11 @@ def _decode_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[st
 
 
 def _transfer_report(payload: dict[str, Any] | None) -> Evidence | None:
-    """What one decode answer (a JSON body or a stream event) says about its KV; None when it has no kv_transfer_params.
+    """What one decode answer (a JSON body or a stream event) says about its KV; None when it has no
+    kv_transfer_params.
 
-    vLLM's whole answers always carry the field (null when no KV arrived), so its absence proves nothing: vLLM's streams
-    never carry it, while the mock engine's put it in their final event."""
+    vLLM's whole answers always carry the field (null when no KV arrived), so its absence proves nothing:
+    vLLM's streams never carry it, while the mock engine's put it in their final event."""
     if not payload or "kv_transfer_params" not in payload:
         return None
     params = payload["kv_transfer_params"]
@@ -138,7 +153,8 @@ def _transfer_report(payload: dict[str, Any] | None) -> Evidence | None:
 
 
 def _stronger(a: Evidence | None, b: Evidence | None) -> Evidence | None:
-    """A stream's report: one event with the receipt verifies it, one with the field and no receipt leaves it unverified."""
+    """A stream's report: one event with the receipt verifies it, one with the field and no receipt leaves it
+    unverified."""
     return Evidence.VERIFIED if Evidence.VERIFIED in (a, b) else a or b
 
 
@@ -169,7 +185,7 @@ class Dispatcher:
         self.metrics = metrics
         self.ledger = ledger
 
-    # --- selection -------------------------------------------------------------------------------------------
+    # --- selection ------------------------------------------------------------------------------------------
     def _pick(self, role: EngineRole, exchange: Exchange, partner: Backend | None = None) -> Backend:
         try:
             return pick_backend(self.pool, self.selectors, role, exchange.failed, partner)
@@ -192,18 +208,31 @@ class Dispatcher:
         finally:
             self._leave(backend)
 
-    # --- legs --------------------------------------------------------------------------------------------------
-    async def _prefill_leg(self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange) -> dict[str, Any]:
+    # --- legs -----------------------------------------------------------------------------------------------
+    async def _prefill_leg(
+        self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange
+    ) -> dict[str, Any]:
         body = _prefill_body(request.body, params)
         sent = asyncio.get_running_loop().time()
         with self._occupy(backend):
             try:
                 async with asyncio.timeout(self.settings.prefill_timeout_s):
-                    answer, _ = await call_json(self.session, backend, request.endpoint.value, body, {"X-Request-Id": exchange.request_id})
+                    answer, _ = await call_json(
+                        self.session,
+                        backend,
+                        request.endpoint.value,
+                        body,
+                        {"X-Request-Id": exchange.request_id},
+                    )
             except TimeoutError as exc:
-                raise LegError(backend, FailureKind.TIMEOUT, f"prefill gave no answer in {self.settings.prefill_timeout_s:g} s") from exc
+                raise LegError(
+                    backend,
+                    FailureKind.TIMEOUT,
+                    f"prefill gave no answer in {self.settings.prefill_timeout_s:g} s",
+                ) from exc
         if (reported := _prefill_error(answer)) is not None:
-            # In push mode decode would otherwise wait out its transfer deadline for KV that will never be written.
+            # In push mode decode would otherwise wait out its transfer deadline for KV that will never be
+            # written.
             raise LegError(backend, FailureKind.REPORTED, f"it kept no KV for decode: {reported}")
         backend.served += 1
         self._leg_answered(EngineRole.PREFILL, exchange, sent)
@@ -215,7 +244,12 @@ class Dispatcher:
         self.metrics.legs.labels(self.settings.dispatch.value, role.value).observe(seconds)
 
     async def _decode_leg(
-        self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange, deadline: float
+        self,
+        backend: Backend,
+        request: ClientRequest,
+        params: dict[str, Any],
+        exchange: Exchange,
+        deadline: float,
     ) -> DecodeStarted:
         body = _decode_body(request.body, params)
         headers = {"X-Request-Id": exchange.request_id}
@@ -225,7 +259,9 @@ class Dispatcher:
             try:
                 with self._occupy(backend):
                     async with asyncio.timeout_at(deadline):
-                        answer, raw = await call_json(self.session, backend, request.endpoint.value, body, headers)
+                        answer, raw = await call_json(
+                            self.session, backend, request.endpoint.value, body, headers
+                        )
             except TimeoutError as exc:
                 raise LegError(backend, FailureKind.TIMEOUT, "decode gave no answer in time") from exc
             self._leg_answered(EngineRole.DECODE, exchange, sent)
@@ -262,24 +298,30 @@ class Dispatcher:
         if task.done() and not task.cancelled() and task.exception() is None:
             self._finish_stream(task.result())
 
-    # --- orchestration -----------------------------------------------------------------------------------------
+    # --- orchestration --------------------------------------------------------------------------------------
     def _note_failure(self, error: LegError, role: EngineRole) -> None:
         self.metrics.leg_errors.labels(role.value, error.kind.value).inc()
         if error.kind is FailureKind.CONNECT:
             eject_now(error.backend, error.detail)
 
     def _retryable(self, error: LegError, exchange: Exchange) -> bool:
-        """Connect errors (nothing reached the engine) are retried elsewhere; other failures end the request."""
+        """Connect errors (nothing reached the engine) are retried elsewhere; other failures end the
+        request."""
         if error.kind is not FailureKind.CONNECT:
             return False
         role = error.backend.spec.role
         self._note_failure(error, role)
         exchange.failed.add(error.backend.name)
         self.metrics.retries.labels(role.value).inc()
-        log.warning("retrying on another backend", extra={"request_id": exchange.request_id, "backend": error.backend.name, "role": role.value})
+        log.warning(
+            "retrying on another backend",
+            extra={"request_id": exchange.request_id, "backend": error.backend.name, "role": role.value},
+        )
         return True
 
-    async def _with_retries(self, role: EngineRole, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]) -> Any:
+    async def _with_retries(
+        self, role: EngineRole, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]
+    ) -> Any:
         for _ in range(self.settings.max_attempts):
             try:
                 return await attempt()
@@ -290,7 +332,10 @@ class Dispatcher:
 
     def _exhausted(self, what: str) -> errors.RouterError:
         return errors.RouterError(
-            502, f"Could not connect to a {what} backend in {self.settings.max_attempts} attempts", "upstream_error", "connect_retries_exhausted"
+            502,
+            f"Could not connect to a {what} backend in {self.settings.max_attempts} attempts",
+            "upstream_error",
+            "connect_retries_exhausted",
         )
 
     async def _sequential(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
@@ -304,18 +349,23 @@ class Dispatcher:
                 exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
             else:
                 exchange.prefill = self._pick(EngineRole.PREFILL, exchange)
-            return await self._prefill_leg(exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange)
+            return await self._prefill_leg(
+                exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
+            )
 
         answer = await self._with_retries(EngineRole.PREFILL, exchange, run_prefill)
         assert exchange.prefill is not None
         if push:
-            decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
+            decode_params = push_decode_leg_params(
+                exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
+            )
         else:
             returned = answer.get("kv_transfer_params")
             if not isinstance(returned, dict):
                 self.metrics.transfer_failures.inc()
                 raise errors.transfer_failed(
-                    f"prefill engine {exchange.prefill.name} returned no kv_transfer_params (is its KV connector configured?)"
+                    f"prefill engine {exchange.prefill.name} returned no kv_transfer_params (is its KV "
+                    "connector configured?)"
                 )
             decode_params = pull_decode_leg_params(returned, exchange.transfer_id)
 
@@ -331,17 +381,29 @@ class Dispatcher:
             exchange.decode = self._pick(EngineRole.DECODE, exchange)
             exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
             exchange.transfer_id = mint_transfer_id()
-            decode_params = push_decode_leg_params(exchange.transfer_id, exchange.prefill.spec.prefill_coordinates())
-            if self.settings.connector == "vllm":
-                decode_params["remote_request_id"] = upstream_engine_request_id(request.endpoint, exchange.request_id)
-            prefill = asyncio.create_task(
-                self._prefill_leg(exchange.prefill, request, prefill_leg_params(TransferMode.PUSH, exchange.transfer_id), exchange)
+            decode_params = push_decode_leg_params(
+                exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
             )
-            decode = asyncio.create_task(self._decode_leg(exchange.decode, request, decode_params, exchange, deadline))
+            if self.settings.connector == "vllm":
+                decode_params["remote_request_id"] = upstream_engine_request_id(
+                    request.endpoint, exchange.request_id
+                )
+            prefill = asyncio.create_task(
+                self._prefill_leg(
+                    exchange.prefill,
+                    request,
+                    prefill_leg_params(TransferMode.PUSH, exchange.transfer_id),
+                    exchange,
+                )
+            )
+            decode = asyncio.create_task(
+                self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
+            )
             try:
                 started = await self._first_decode_answer(prefill, decode)
             except BaseException as exc:
-                # If one leg fails the other is aborted: decode would wait for KV in vain, prefill would hold blocks.
+                # If one leg fails the other is aborted: decode would wait for KV in vain, prefill would hold
+                # blocks.
                 await cancel_and_wait(prefill, decode)
                 self._discard(decode)
                 if isinstance(exc, LegError) and self._retryable(exc, exchange):
@@ -351,8 +413,11 @@ class Dispatcher:
             return started
         raise self._exhausted("prefill/decode pair")
 
-    async def _first_decode_answer(self, prefill: asyncio.Task[Any], decode: asyncio.Task[DecodeStarted]) -> DecodeStarted:
-        """Wait for decode to start answering; a prefill failure in the meantime ends the request (decode would wait for KV in vain)."""
+    async def _first_decode_answer(
+        self, prefill: asyncio.Task[Any], decode: asyncio.Task[DecodeStarted]
+    ) -> DecodeStarted:
+        """Wait for decode to start answering; a prefill failure in the meantime ends the request (decode
+        would wait for KV in vain)."""
         pending: set[asyncio.Task[Any]] = {prefill, decode}
         while decode in pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -360,8 +425,10 @@ class Dispatcher:
                 raise prefill.exception()  # type: ignore[misc]
         return decode.result()
 
-    # --- the client-facing part --------------------------------------------------------------------------------
-    async def serve(self, http_request: web.Request, request: ClientRequest, request_id: str) -> web.StreamResponse:
+    # --- the client-facing part -----------------------------------------------------------------------------
+    async def serve(
+        self, http_request: web.Request, request: ClientRequest, request_id: str
+    ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         exchange = Exchange(request_id=request_id, started_at=loop.time())
         deadline = exchange.started_at + self.settings.total_timeout_s
@@ -376,10 +443,18 @@ class Dispatcher:
                     started = await self._sequential(request, exchange, deadline)
             except LegError as error:
                 router_error = self._classify(error, exchange)
-                outcome = RequestOutcome.CLIENT_ERROR if router_error.status < 500 else RequestOutcome.UPSTREAM_ERROR
+                outcome = (
+                    RequestOutcome.CLIENT_ERROR
+                    if router_error.status < 500
+                    else RequestOutcome.UPSTREAM_ERROR
+                )
                 return self._error_response(router_error, exchange)
             except errors.RouterError as router_error:
-                outcome = RequestOutcome.UNAVAILABLE if router_error.status == 503 else RequestOutcome.UPSTREAM_ERROR
+                outcome = (
+                    RequestOutcome.UNAVAILABLE
+                    if router_error.status == 503
+                    else RequestOutcome.UPSTREAM_ERROR
+                )
                 return self._error_response(router_error, exchange)
             if started.stream is None:
                 response, outcome = self._reply_whole(started, exchange)
@@ -420,18 +495,34 @@ class Dispatcher:
             phase = "the prefill leg" if role is EngineRole.PREFILL else "decode's answer"
             return errors.RouterError(
                 504,
-                f"Timed out waiting for {phase} on {engine} for transfer {exchange.transfer_id}: {error.detail}",
+                f"Timed out waiting for {phase} on {engine} for transfer {exchange.transfer_id}: "
+                f"{error.detail}",
                 "timeout",
                 f"{role.value}_timeout",
             )
-        engine_code = (error.body or {}).get("error", {}).get("code") if isinstance((error.body or {}).get("error"), dict) else None
+        engine_code = (
+            (error.body or {}).get("error", {}).get("code")
+            if isinstance((error.body or {}).get("error"), dict)
+            else None
+        )
         if engine_code in TRANSFER_FAILED_CODES:
             self.metrics.transfer_failures.inc()
-            return errors.transfer_failed(f"{role.value} engine {engine} for transfer {exchange.transfer_id}: {error.detail}")
-        if error.kind is FailureKind.STATUS and error.status is not None and 400 <= error.status < 500 and error.status not in (401, 403, 404):
-            # The engine judged the request itself (e.g. prompt longer than the context): that is the client's to fix.
+            return errors.transfer_failed(
+                f"{role.value} engine {engine} for transfer {exchange.transfer_id}: {error.detail}"
+            )
+        if (
+            error.kind is FailureKind.STATUS
+            and error.status is not None
+            and 400 <= error.status < 500
+            and error.status not in (401, 403, 404)
+        ):
+            # The engine judged the request itself (e.g. prompt longer than the context): that is the client's
+            # to fix.
             return errors.RouterError(
-                error.status, f"Rejected by the {role.value} engine: {error.detail}", "invalid_request_error", f"{role.value}_rejected"
+                error.status,
+                f"Rejected by the {role.value} engine: {error.detail}",
+                "invalid_request_error",
+                f"{role.value}_rejected",
             )
         return errors.upstream_failed(role.value, engine, exchange.transfer_id, error.detail)
 
@@ -451,7 +542,10 @@ class Dispatcher:
     ) -> tuple[web.StreamResponse, RequestOutcome]:
         assert started.first_event is not None and started.events is not None
         loop = asyncio.get_running_loop()
-        response = web.StreamResponse(status=200, headers={**exchange.headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            status=200,
+            headers={**exchange.headers(), "Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+        )
         await response.prepare(http_request)
         report: Evidence | None = None
         finished = False
@@ -462,7 +556,8 @@ class Dispatcher:
             report = _stronger(report, _transfer_report(event.data))
             error_seen = error_seen or _stream_error(event.data) is not None
             if event.is_done and not finished and not error_seen:
-                # Count the request before the client sees [DONE]: /status must never lag what a client was told.
+                # Count the request before the client sees [DONE]: /status must never lag what a client was
+                # told.
                 self._record_transfer(report)
             finished = finished or event.is_done
             await response.write(event.raw + b"\n" if not event.raw.endswith(b"\n\n") else event.raw)
@@ -479,7 +574,9 @@ class Dispatcher:
         except LegError as error:
             failure = self._classify(error, exchange)
         if failure is None and not finished and not error_seen:
-            failure = errors.upstream_failed("decode", started.backend.describe(), exchange.transfer_id, "the stream ended without [DONE]")
+            failure = errors.upstream_failed(
+                "decode", started.backend.describe(), exchange.transfer_id, "the stream ended without [DONE]"
+            )
         if failure is not None:
             await response.write(_sse(failure.body()))
         await response.write_eof()

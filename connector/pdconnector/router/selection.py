@@ -46,17 +46,24 @@ def peer_role(role: EngineRole) -> EngineRole:
     return EngineRole.DECODE if role is EngineRole.PREFILL else EngineRole.PREFILL
 
 
-def candidates(pool: BackendPool, role: EngineRole, refused: Collection[str], partner: Backend | None = None) -> list[Backend]:
-    """Healthy backends of ``role`` that did not refuse this request (by name) and can pair with ``partner``."""
+def candidates(
+    pool: BackendPool, role: EngineRole, refused: Collection[str], partner: Backend | None = None
+) -> list[Backend]:
+    """Healthy backends of ``role`` that did not refuse this request (by name) and can pair with
+    ``partner``."""
     found = [b for b in pool.healthy(role) if b.name not in refused]
     return [b for b in found if partner is None or b.compatible_with(partner)]
 
 
 def pick_backend(
-    pool: BackendPool, selectors: Mapping[EngineRole, Selector], role: EngineRole, refused: Collection[str], partner: Backend | None = None
+    pool: BackendPool,
+    selectors: Mapping[EngineRole, Selector],
+    role: EngineRole,
+    refused: Collection[str],
+    partner: Backend | None = None,
 ) -> Backend:
-    """The backend of ``role`` for a request; without a ``partner`` yet, only one that has a compatible partner can
-    serve the whole request. Raises :class:`NoBackend` naming why each backend is out."""
+    """The backend of ``role`` for a request; without a ``partner`` yet, only one that has a compatible
+    partner can serve the whole request. Raises :class:`NoBackend` naming why each backend is out."""
     found = candidates(pool, role, refused, partner)
     if partner is None and found:
         found = [b for b in found if candidates(pool, peer_role(role), refused, b)]
@@ -68,7 +75,9 @@ def pick_backend(
     return chosen
 
 
-def _reasons(pool: BackendPool, role: EngineRole, refused: Collection[str], partner: Backend | None) -> list[str]:
+def _reasons(
+    pool: BackendPool, role: EngineRole, refused: Collection[str], partner: Backend | None
+) -> list[str]:
     reasons = []
     for backend in sorted(pool.by_role(role), key=lambda b: b.name):
         if not backend.healthy:
@@ -76,7 +85,10 @@ def _reasons(pool: BackendPool, role: EngineRole, refused: Collection[str], part
         elif backend.name in refused:
             why = "refused this request's connection"
         elif partner is not None and not backend.compatible_with(partner):
-            why = f"engine generation {backend.compat_hash} cannot pair with {partner.name}'s {partner.compat_hash}"
+            why = (
+                f"engine generation {backend.compat_hash} cannot pair with {partner.name}'s "
+                f"{partner.compat_hash}"
+            )
         else:
             why = f"no healthy {peer_role(role).value} backend it can pair with"
         reasons.append(f"{backend.name}: {why}")

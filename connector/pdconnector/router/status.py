@@ -1,4 +1,5 @@
-"""``GET /status``: backends, their health, and how many requests decode confirmed were served by a KV transfer."""
+"""``GET /status``: backends, their health, and how many requests decode confirmed were served by a KV
+transfer."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ class Evidence(StrEnum):
     """What a successful request's decode answer says about its KV."""
 
     VERIFIED = "verified"  # decode confirmed KV arrived by transfer
-    UNVERIFIED = "unverified"  # the answer reports on its KV and no receipt is in it: decode computed the prompt itself
-    UNCONFIRMABLE = "unconfirmable"  # the answer says nothing either way (upstream vLLM connectors; vLLM's streams)
+    # the answer reports on its KV and no receipt is in it: decode computed the prompt itself
+    UNVERIFIED = "unverified"
+    UNCONFIRMABLE = (
+        "unconfirmable"  # the answer says nothing either way (upstream vLLM connectors; vLLM's streams)
+    )
 
 
 @dataclass
@@ -28,11 +32,17 @@ class TransferLedger:
         setattr(self, evidence.value, getattr(self, evidence.value) + 1)
 
 
-def build_status(pool: BackendPool, ledger: TransferLedger, mode: str, served_model: str) -> dict[str, object]:
+def build_status(
+    pool: BackendPool, ledger: TransferLedger, mode: str, served_model: str
+) -> dict[str, object]:
     return {
         "mode": mode,
         "model": served_model,
         "ready": pool.is_ready(),
         "backends": [backend.status() for backend in pool.all()],
-        "transfers": {"verified": ledger.verified, "unverified": ledger.unverified, "unconfirmable": ledger.unconfirmable},
+        "transfers": {
+            "verified": ledger.verified,
+            "unverified": ledger.unverified,
+            "unconfirmable": ledger.unconfirmable,
+        },
     }

@@ -1,7 +1,9 @@
-"""A P/D deployment as real processes on loopback: mock engines and routers, for end-to-end tests and benchmarks.
+"""A P/D deployment as real processes on loopback: mock engines and routers, for end-to-end tests and
+benchmarks.
 
-Each role's engines share one HTTP port and one side-channel port on distinct loopback addresses (127.0.0.x), as
-pods of a StatefulSet share ports on distinct pod IPs, so the router config has the same shape as in a cluster.
+Each role's engines share one HTTP port and one side-channel port on distinct loopback addresses (127.0.0.x),
+as pods of a StatefulSet share ports on distinct pod IPs, so the router config has the same shape as in a
+cluster.
 """
 
 from __future__ import annotations
@@ -51,18 +53,31 @@ class Process:
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **self.env})
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **self.env},
+            )
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.popen is not None and self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}: {self.log_path.read_text()[-2000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=1) as response:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode}: {self.log_path.read_text()[-2000:]}"
+                )
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=1) as response,
+            ):
                 if response.status == 200:
                     return
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s} s: {self.log_path.read_text()[-2000:]}")
+        raise TimeoutError(
+            f"{self.name} not healthy after {timeout_s} s: {self.log_path.read_text()[-2000:]}"
+        )
 
     def kill(self) -> None:
         """SIGKILL: the process gets no chance to close connections gracefully (a crash)."""
@@ -124,7 +139,8 @@ def metric_samples(url: str) -> dict[str, float]:
 
 @dataclass
 class LocalCluster:
-    """Mock engines (and optionally a co-located reference engine) plus any number of routers in front of them."""
+    """Mock engines (and optionally a co-located reference engine) plus any number of routers in front of
+    them."""
 
     workdir: Path
     model: str = "tiny"
@@ -147,11 +163,45 @@ class LocalCluster:
 
     def _engine(self, name: str, role: str, host: str, port: int, side_channel_port: int) -> Engine:
         engine_id = f"{name}-{self.compat_hash}"
-        argv = [*self.engine_command, "--role", role, "--host", host, "--port", str(port), "--model", self.model]
-        argv += ["--engine-id", engine_id, "--side-channel-host", host, "--side-channel-port", str(side_channel_port)]
-        argv += ["--transport", self.transport, "--compat-hash", self.compat_hash, "--log-format", "json", *self.engine_args]
+        argv = [
+            *self.engine_command,
+            "--role",
+            role,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--model",
+            self.model,
+        ]
+        argv += [
+            "--engine-id",
+            engine_id,
+            "--side-channel-host",
+            host,
+            "--side-channel-port",
+            str(side_channel_port),
+        ]
+        argv += [
+            "--transport",
+            self.transport,
+            "--compat-hash",
+            self.compat_hash,
+            "--log-format",
+            "json",
+            *self.engine_args,
+        ]
         log_path = self.workdir / f"{name}.log"
-        return Engine(name, argv, f"http://{host}:{port}", log_path, env=dict(self.engine_env), role=role, host=host, engine_id=engine_id)
+        return Engine(
+            name,
+            argv,
+            f"http://{host}:{port}",
+            log_path,
+            env=dict(self.engine_env),
+            role=role,
+            host=host,
+            engine_id=engine_id,
+        )
 
     def start(self, colocated: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -161,9 +211,13 @@ class LocalCluster:
             self.ports[f"{role}-side"] = common_free_port(hosts)
             for index, host in enumerate(hosts):
                 name = f"{role}-{index}"
-                self.engines[name] = self._engine(name, role, host, self.ports[role], self.ports[f"{role}-side"])
+                self.engines[name] = self._engine(
+                    name, role, host, self.ports[role], self.ports[f"{role}-side"]
+                )
         if colocated:
-            self.engines["colocated"] = self._engine("colocated", "both", "127.0.0.1", common_free_port(["127.0.0.1"]), 1)
+            self.engines["colocated"] = self._engine(
+                "colocated", "both", "127.0.0.1", common_free_port(["127.0.0.1"]), 1
+            )
         self._launch(list(self.engines.values()))
 
     def _launch(self, processes: list[Process]) -> None:
@@ -198,12 +252,27 @@ class LocalCluster:
         return RouterConfig.model_validate(data)
 
     def start_router(
-        self, name: str, mode: str, extra_args: list[str] | None = None, env: dict[str, str] | None = None, **overrides: object
+        self,
+        name: str,
+        mode: str,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        **overrides: object,
     ) -> Process:
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(dump_router_config(self.router_config(mode, **overrides)))
         port = common_free_port(["127.0.0.1"])
-        argv = [sys.executable, "-m", "pdconnector.router.main", "--config", str(config_path), "--host", "127.0.0.1", "--port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdconnector.router.main",
+            "--config",
+            str(config_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         argv += ["--health-interval", "0.2", "--refresh-interval", "1", *(extra_args or [])]
         router = Process(name, argv, f"http://127.0.0.1:{port}", self.workdir / f"{name}.log", env=env or {})
         router.start()

@@ -1,11 +1,12 @@
 """The mock engine's request logic for each role: local, prefill leg, decode leg (push or pull).
 
 Blocks are allocated per request and freed on every path: after a local or decode request, by the mover once a
-prefill's blocks were taken or their lease ended, and immediately whenever the request is cancelled (the client or
-router closed the connection) or fails.
+prefill's blocks were taken or their lease ended, and immediately whenever the request is cancelled (the
+client or router closed the connection) or fails.
 
-Nothing here holds the event loop for long: prefill computes its KV a chunk of blocks at a time and generation one
-token per step, yielding in between, so health checks are answered and a cancelled request stops while others run.
+Nothing here holds the event loop for long: prefill computes its KV a chunk of blocks at a time and generation
+one token per step, yielding in between, so health checks are answered and a cancelled request stops while
+others run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pdconnector.sim.model import generate, kv_digest, prefill_chunks, token_at
 from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool
 
-# vLLM's --max-model-len of the tiny example (spec.model.maxModelLen): prompt plus output tokens of one request.
+# vLLM's --max-model-len of the tiny example (spec.model.maxModelLen): prompt plus output tokens of one
+# request.
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -68,8 +70,8 @@ class EngineSettings:
 class Generation:
     """Output of one request: token ids, produced one by one, plus what the transfer delivered (if any).
 
-    Whoever runs the request closes it exactly once, however the request ended (done, failed, cancelled, even before
-    its first token): closing stops the generation and frees the request's blocks.
+    Whoever runs the request closes it exactly once, however the request ended (done, failed, cancelled, even
+    before its first token): closing stops the generation and frees the request's blocks.
     """
 
     prompt_tokens: int
@@ -84,7 +86,9 @@ class Generation:
 
 
 class MockEngine:
-    def __init__(self, settings: EngineSettings, pool: KVPool, mover: KVMover | None, metrics: EngineMetrics) -> None:
+    def __init__(
+        self, settings: EngineSettings, pool: KVPool, mover: KVMover | None, metrics: EngineMetrics
+    ) -> None:
         if settings.role is not None and mover is None:
             raise ValueError(f"a {settings.role.value} engine needs a KV mover")
         self.settings = settings
@@ -97,7 +101,8 @@ class MockEngine:
             return
         if self.settings.role is not transfer.role:
             raise RoleMismatch(
-                f"this engine runs as {self.settings.role or COLOCATED} and cannot serve a {transfer.role.value} leg (kv_transfer_params)"
+                f"this engine runs as {self.settings.role or COLOCATED} and cannot serve a "
+                f"{transfer.role.value} leg (kv_transfer_params)"
             )
 
     async def run(self, prompt: list[int], max_tokens: int, transfer: TransferRequest | None) -> Generation:
@@ -116,12 +121,21 @@ class MockEngine:
                     if error.blocks_kept:
                         blocks = []
                     raise
-                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens), receipt, _received(receipt), free)
+                return Generation(
+                    len(prompt),
+                    self._decode(blocks, len(prompt), max_tokens),
+                    receipt,
+                    _received(receipt),
+                    free,
+                )
             await self.settings.latency.prefill(len(prompt))
             for _ in prefill_chunks(self.pool, blocks, prompt):
-                await asyncio.sleep(0)  # between chunks: other requests and health checks run, a cancellation lands
+                # between chunks: other requests and health checks run, a cancellation lands
+                await asyncio.sleep(0)
             if transfer is None:
-                return Generation(len(prompt), self._decode(blocks, len(prompt), max_tokens), None, None, free)
+                return Generation(
+                    len(prompt), self._decode(blocks, len(prompt), max_tokens), None, None, free
+                )
             first = generate(self.pool.token_bytes(blocks, len(prompt)), 1)
             self.metrics.generation_tokens.inc()
             params = self._export(transfer, blocks, len(prompt))
@@ -132,7 +146,9 @@ class MockEngine:
                 self.pool.free(blocks)
             raise
 
-    async def _import(self, transfer: TransferRequest, blocks: list[int], num_tokens: int, free: Callable[[], None]) -> Receipt:
+    async def _import(
+        self, transfer: TransferRequest, blocks: list[int], num_tokens: int, free: Callable[[], None]
+    ) -> Receipt:
         assert self.mover is not None and transfer.remote is not None
         try:
             if transfer.mode is TransferMode.PUSH:
@@ -172,7 +188,9 @@ class MockEngine:
             self.metrics.transfers.labels("export", outcome.value).inc()
             self.pool.free(blocks)
 
-        self.mover.export_blocks(transfer.transfer_id, mode=transfer.mode, block_ids=blocks, num_tokens=num_tokens, release=release)
+        self.mover.export_blocks(
+            transfer.transfer_id, mode=transfer.mode, block_ids=blocks, num_tokens=num_tokens, release=release
+        )
         if transfer.mode is TransferMode.PUSH:
             return None
         here = self.mover.side_channel()
@@ -191,7 +209,8 @@ class MockEngine:
 
     async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int) -> AsyncGenerator[int, None]:
         for step in range(max_tokens):
-            # Every step reads the prompt's KV again, as attention does: a byte landing late in these blocks shows.
+            # Every step reads the prompt's KV again, as attention does: a byte landing late in these blocks
+            # shows.
             token = token_at(kv_digest(self.pool.token_bytes(blocks, num_tokens)), step)
             await self.settings.latency.decode_step()
             self.metrics.generation_tokens.inc()
@@ -204,8 +223,11 @@ async def _iterate(tokens: list[int]) -> AsyncGenerator[int, None]:
 
 
 def _nothing_to_free() -> None:
-    """A prefill leg's blocks belong to the mover once exported: it frees them when they are taken or their lease ends."""
+    """A prefill leg's blocks belong to the mover once exported: it frees them when they are taken or their
+    lease ends."""
 
 
 def _received(receipt: Receipt) -> dict[str, Any]:
-    return {RECEIVED_KEY: {"transfer_id": receipt.transfer_id, "bytes": receipt.bytes, "blocks": receipt.blocks}}
+    return {
+        RECEIVED_KEY: {"transfer_id": receipt.transfer_id, "bytes": receipt.bytes, "blocks": receipt.blocks}
+    }

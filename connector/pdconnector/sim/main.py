@@ -1,4 +1,5 @@
-"""``pd-mock-engine``: a vLLM stand-in (OpenAI endpoints, kv_transfer_params, KV pools in host or GPU memory, no model)."""
+"""``pd-mock-engine``: a vLLM stand-in (OpenAI endpoints, kv_transfer_params, KV pools in host or GPU memory,
+no model)."""
 
 from __future__ import annotations
 
@@ -27,34 +28,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--engine-id", required=True)
-    parser.add_argument("--side-channel-host", default="127.0.0.1", help="address peers use for KV transfers (the pod IP)")
+    parser.add_argument(
+        "--side-channel-host", default="127.0.0.1", help="address peers use for KV transfers (the pod IP)"
+    )
     parser.add_argument("--side-channel-port", type=int, default=5600)
     parser.add_argument("--transport", choices=["mock", "nixl"], default="mock")
     parser.add_argument(
         "--kv-device",
         choices=[d.value for d in KVDevice],
         default=KVDevice.CPU.value,
-        help="where the KV pools live: host memory, or GPU memory (rank r on cuda:r modulo the GPUs; needs --transport nixl)",
+        help="where the KV pools live: host memory, or GPU memory (rank r on cuda:r modulo the GPUs; needs "
+        "--transport nixl)",
     )
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--compat-hash", default=None, help="advertised on /health so the router pairs only compatible engines")
+    parser.add_argument(
+        "--compat-hash",
+        default=None,
+        help="advertised on /health so the router pairs only compatible engines",
+    )
     parser.add_argument("--num-blocks", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--max-model-len",
         type=int,
         default=DEFAULT_MAX_MODEL_LEN,
-        help="most tokens one request spans, prompt plus output (vLLM's --max-model-len); longer requests get a 400",
+        help="most tokens one request spans, prompt plus output (vLLM's --max-model-len); longer requests "
+        "get a 400",
     )
     parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0)
     parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
-    parser.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV")
-    parser.add_argument("--lease", type=float, default=30.0, help="seconds a prefill holds exported blocks for a decode engine")
+    parser.add_argument(
+        "--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV"
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=30.0,
+        help="seconds a prefill holds exported blocks for a decode engine",
+    )
     parser.add_argument(
         "--fence",
         type=float,
         default=None,
-        help="seconds decode keeps a failed push's blocks for a prefill that never answers (default: from --transfer-timeout)",
+        help="seconds decode keeps a failed push's blocks for a prefill that never answers (default: from "
+        "--transfer-timeout)",
     )
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
     return parser
@@ -63,10 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _context_problem(max_model_len: int, num_blocks: int, block_size: int) -> str | None:
     """Like vLLM, refuse a context length that the KV pool could not hold for even one request."""
     if max_model_len < 2:
-        return f"--max-model-len {max_model_len}: a request needs room for at least one prompt and one output token"
+        return (
+            f"--max-model-len {max_model_len}: a request needs room for at least one prompt and one "
+            "output token"
+        )
     if max_model_len > num_blocks * block_size:
         return (
-            f"--max-model-len {max_model_len} is more than the KV pool holds (--num-blocks {num_blocks} x --block-size {block_size} = "
+            f"--max-model-len {max_model_len} is more than the KV pool holds (--num-blocks {num_blocks} x "
+            f"--block-size {block_size} = "
             f"{num_blocks * block_size} tokens): one request could not fit"
         )
     return None
@@ -96,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             host=args.side_channel_host,
             side_channel_port=args.side_channel_port,
             lease_s=args.lease,
-            fence_s=args.fence if args.fence is not None else fence_seconds(args.transfer_timeout, LivenessProbe()),
+            fence_s=args.fence
+            if args.fence is not None
+            else fence_seconds(args.transfer_timeout, LivenessProbe()),
         )
     settings = EngineSettings(
         role=role,
@@ -108,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool, mover))
     log.info(
         "pd-mock-engine starting",
-        extra={"role": args.role, "port": args.port, "engine_id": args.engine_id, "transport": args.transport, "kv_device": kv_device.value},
+        extra={
+            "role": args.role,
+            "port": args.port,
+            "engine_id": args.engine_id,
+            "transport": args.transport,
+            "kv_device": kv_device.value,
+        },
     )
     web.run_app(
         create_engine_app(engine, args.model, args.compat_hash),

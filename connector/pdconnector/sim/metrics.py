@@ -1,4 +1,5 @@
-"""The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak), transfer, request and token counters."""
+"""The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak), transfer, request
+and token counters."""
 
 from __future__ import annotations
 
@@ -15,17 +16,40 @@ class EngineMetrics:
         total.set(pool.num_blocks)
         free = Gauge("pd_mock_kv_blocks_free", "Free blocks in the KV pool", registry=self.registry)
         free.set_function(lambda: pool.free_blocks)
-        self.held_blocks = Gauge("pd_mock_kv_blocks_held_for_transfer", "Prefill blocks waiting for a decode engine", registry=self.registry)
-        self.transfers = Counter("pd_mock_transfers", "KV transfers by direction and outcome", ["direction", "outcome"], registry=self.registry)
-        self.transfer_bytes = Counter("pd_mock_transfer_bytes", "KV bytes moved", ["direction"], registry=self.registry)
+        self.held_blocks = Gauge(
+            "pd_mock_kv_blocks_held_for_transfer",
+            "Prefill blocks waiting for a decode engine",
+            registry=self.registry,
+        )
+        self.transfers = Counter(
+            "pd_mock_transfers",
+            "KV transfers by direction and outcome",
+            ["direction", "outcome"],
+            registry=self.registry,
+        )
+        self.transfer_bytes = Counter(
+            "pd_mock_transfer_bytes", "KV bytes moved", ["direction"], registry=self.registry
+        )
         # outcome: ok, error, or cancelled (the client went away before the answer was complete)
-        self.requests = Counter("pd_mock_requests", "Requests by kind and outcome", ["kind", "outcome"], registry=self.registry)
+        self.requests = Counter(
+            "pd_mock_requests", "Requests by kind and outcome", ["kind", "outcome"], registry=self.registry
+        )
         # Stops growing when a request's client goes away: proof that the engine stopped working for it.
-        self.generation_tokens = Counter("pd_mock_generation_tokens", "Output tokens generated", registry=self.registry)
+        self.generation_tokens = Counter(
+            "pd_mock_generation_tokens", "Output tokens generated", registry=self.registry
+        )
         if mover is not None:
-            agents = Gauge("pd_mock_peer_agents", "Peer agents the transports hold (restarted peers' are dropped)", registry=self.registry)
+            agents = Gauge(
+                "pd_mock_peer_agents",
+                "Peer agents the transports hold (restarted peers' are dropped)",
+                registry=self.registry,
+            )
             agents.set_function(mover.peer_agents)
-            fenced = Gauge("pd_mock_fenced_transfers", "Failed imports whose blocks wait until no peer can write them", registry=self.registry)
+            fenced = Gauge(
+                "pd_mock_fenced_transfers",
+                "Failed imports whose blocks wait until no peer can write them",
+                registry=self.registry,
+            )
             fenced.set_function(mover.fenced)
 
     def exposition(self) -> bytes:

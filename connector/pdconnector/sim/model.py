@@ -1,9 +1,11 @@
-"""The mock model: deterministic KV from a prompt, and output tokens computed from the KV bytes an engine holds.
+"""The mock model: deterministic KV from a prompt, and output tokens computed from the KV bytes an engine
+holds.
 
-Prefill writes each block's pages as content tagged by a hash of the prompt up to the end of that block (so blocks of
-a shared prefix are identical, as real KV is); the connector core's layout decides where every byte goes. Output
-tokens are a hash of the K/V bytes of the prompt's tokens as read back from the engine's own pools, so a transfer
-that delivers wrong or missing bytes changes the text, and a correct one gives exactly the tokens of a co-located run.
+Prefill writes each block's pages as content tagged by a hash of the prompt up to the end of that block (so
+blocks of a shared prefix are identical, as real KV is); the connector core's layout decides where every byte
+goes. Output tokens are a hash of the K/V bytes of the prompt's tokens as read back from the engine's own
+pools, so a transfer that delivers wrong or missing bytes changes the text, and a correct one gives exactly
+the tokens of a co-located run.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from pdconnector.sim.pool import KVPool
 VOCAB_SIZE = 1024
 _WORD = re.compile(r"\S+")
 _TOKEN_WORD = re.compile(r"^t(\d+)$")
-# Prefill computes and stores this many blocks at a time, so an engine can serve other requests between chunks.
+# Prefill computes and stores this many blocks at a time, so an engine can serve other requests between
+# chunks.
 PREFILL_CHUNK_BLOCKS = 16
 
 
 def tokenize(text: str, limit: int | None = None) -> list[int]:
     """Words to ids: ``t<N>`` words map to N (so generated text round-trips), other words to a stable hash.
 
-    With ``limit``, stops after that many tokens: enough to refuse an over-long prompt without tokenizing all of it.
+    With ``limit``, stops after that many tokens: enough to refuse an over-long prompt without tokenizing all
+    of it.
     """
     ids = []
     for found in itertools.islice(_WORD.finditer(text), limit):
@@ -37,7 +41,9 @@ def tokenize(text: str, limit: int | None = None) -> list[int]:
         if match and int(match.group(1)) < VOCAB_SIZE:
             ids.append(int(match.group(1)))
         else:
-            ids.append(int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little") % VOCAB_SIZE)
+            ids.append(
+                int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little") % VOCAB_SIZE
+            )
     return ids
 
 
@@ -63,16 +69,17 @@ def block_tags(tokens: Sequence[int], block_size: int) -> list[int]:
     for start in range(0, len(tokens), block_size):
         for token in tokens[start : start + block_size]:
             digest.update(token.to_bytes(4, "little"))
-        tags.append(int.from_bytes(digest.copy().digest(), "little") >> 24)  # 40 bits: what the layout's tagging expects
+        # 40 bits: what the layout's tagging expects
+        tags.append(int.from_bytes(digest.copy().digest(), "little") >> 24)
     return tags
 
 
 def prefill_chunks(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> Iterator[None]:
     """Compute the prompt's KV into ``blocks`` on every TP rank, :data:`PREFILL_CHUNK_BLOCKS` blocks per step.
 
-    The pages are computed on the host, as if each chunk were blocks 0..n-1 of a pool of their own, then stored
-    wherever the pool lives (host or GPU); the mock model's pages are written whole, so nothing else is lost. A block's
-    content depends only on its tag, so chunks write exactly the bytes one pass would.
+    The pages are computed on the host, as if each chunk were blocks 0..n-1 of a pool of their own, then
+    stored wherever the pool lives (host or GPU); the mock model's pages are written whole, so nothing else is
+    lost. A block's content depends only on its tag, so chunks write exactly the bytes one pass would.
     """
     tags = block_tags(tokens, pool.block_size)
     for start in range(0, len(blocks), PREFILL_CHUNK_BLOCKS):
@@ -81,7 +88,9 @@ def prefill_chunks(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -
         chunk_tokens = min(len(tokens) - start * pool.block_size, len(chunk) * pool.block_size)
         for rank, layout in enumerate(pool.layouts):
             pages = [np.zeros((len(chunk), layout.page_bytes), dtype=np.uint8) for _ in layout.regions]
-            write_tagged_blocks(layout, pages, [staged], [tags[start : start + len(chunk)]], num_tokens=chunk_tokens)
+            write_tagged_blocks(
+                layout, pages, [staged], [tags[start : start + len(chunk)]], num_tokens=chunk_tokens
+            )
             for region, region_pages in enumerate(pages):
                 pool.write_pages(rank, region, chunk, region_pages)
         yield
@@ -94,7 +103,8 @@ def prefill(pool: KVPool, blocks: Sequence[int], tokens: Sequence[int]) -> None:
 
 
 def output_tokens(kv: bytes) -> Iterator[int]:
-    """The output token ids determined by the prompt's KV bytes, one per step (2**32 of them): callers take what they need."""
+    """The output token ids determined by the prompt's KV bytes, one per step (2**32 of them): callers take
+    what they need."""
     digest = kv_digest(kv)
     for step in range(1 << 32):
         yield token_at(digest, step)
@@ -106,7 +116,10 @@ def kv_digest(kv: bytes) -> bytes:
 
 def token_at(digest: bytes, step: int) -> int:
     """Output token ``step`` of a prompt whose KV bytes hash to ``digest`` (:func:`kv_digest`)."""
-    return int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little") % VOCAB_SIZE
+    return (
+        int.from_bytes(hashlib.blake2b(digest + step.to_bytes(4, "little"), digest_size=4).digest(), "little")
+        % VOCAB_SIZE
+    )
 
 
 def generate(kv: bytes, count: int) -> list[int]:
@@ -115,7 +128,8 @@ def generate(kv: bytes, count: int) -> list[int]:
 
 
 def reference_tokens(tokens: Sequence[int], count: int, block_size: int = 16) -> list[int]:
-    """What any correct engine answers for this prompt (computed in a scratch pool, as a co-located engine would)."""
+    """What any correct engine answers for this prompt (computed in a scratch pool, as a co-located engine
+    would)."""
     pool = KVPool(num_blocks=-(-len(tokens) // block_size), block_size=block_size)
     blocks = pool.allocate(len(tokens))
     prefill(pool, blocks, tokens)

@@ -1,8 +1,9 @@
 """How the mock engine moves KV blocks between engines: the seam where the connector core's worker plugs in.
 
-A prefill engine *exports* the blocks of a finished prompt (held until a decode engine has them, or a lease ends);
-a decode engine *imports* them into blocks it allocated, either by registering and waiting for prefill's WRITE
-(push) or by READing the block ids prefill returned through the router (pull). Every import has a deadline.
+A prefill engine *exports* the blocks of a finished prompt (held until a decode engine has them, or a lease
+ends); a decode engine *imports* them into blocks it allocated, either by registering and waiting for
+prefill's WRITE (push) or by READing the block ids prefill returned through the router (pull). Every import
+has a deadline.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from pdconnector.protocol.params import TRANSFER_FAILED_CODE, TRANSFER_TIMEOUT_CODE, PrefillCoordinates, TransferMode
+from pdconnector.protocol.params import (
+    TRANSFER_FAILED_CODE,
+    TRANSFER_TIMEOUT_CODE,
+    PrefillCoordinates,
+    TransferMode,
+)
 
 
 class TransferFailed(Exception):
@@ -22,7 +28,9 @@ class TransferFailed(Exception):
         super().__init__(detail)
         self.detail = detail
         self.code = TRANSFER_TIMEOUT_CODE if timed_out else TRANSFER_FAILED_CODE
-        self.blocks_kept = blocks_kept  # the mover frees the destination blocks itself, once nothing can land in them
+        self.blocks_kept = (
+            blocks_kept  # the mover frees the destination blocks itself, once nothing can land in them
+        )
 
 
 class ExportOutcome(StrEnum):
@@ -60,18 +68,34 @@ class KVMover(Protocol):
     async def close(self) -> None: ...
 
     def export_blocks(
-        self, transfer_id: str, *, mode: TransferMode, block_ids: list[int], num_tokens: int, release: Callable[[ExportOutcome], None]
+        self,
+        transfer_id: str,
+        *,
+        mode: TransferMode,
+        block_ids: list[int],
+        num_tokens: int,
+        release: Callable[[ExportOutcome], None],
     ) -> None:
-        """Prefill: hold ``block_ids`` for a decode engine; call ``release`` exactly once when taken or when the mover's lease ends."""
+        """Prefill: hold ``block_ids`` for a decode engine; call ``release`` exactly once when taken or when
+        the mover's lease ends."""
         ...
 
     async def import_pushed(
-        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float, free: Callable[[], None]
+        self,
+        transfer_id: str,
+        *,
+        remote: PrefillCoordinates,
+        block_ids: list[int],
+        num_tokens: int,
+        deadline_s: float,
+        free: Callable[[], None],
     ) -> Receipt:
-        """Push decode: register ``block_ids`` with ``remote`` and wait for its WRITE; raises ``TransferFailed``.
+        """Push decode: register ``block_ids`` with ``remote`` and wait for its WRITE; raises
+        ``TransferFailed``.
 
-        ``free`` frees ``block_ids``. If the import is cancelled, or fails with ``blocks_kept``, the mover calls it
-        once nothing can land in the blocks any more, and the caller must not; otherwise the caller frees them."""
+        ``free`` frees ``block_ids``. If the import is cancelled, or fails with ``blocks_kept``, the mover
+        calls it once nothing can land in the blocks any more, and the caller must not; otherwise the caller
+        frees them."""
         ...
 
     async def import_pulled(
@@ -85,6 +109,6 @@ class KVMover(Protocol):
         deadline_s: float,
         free: Callable[[], None],
     ) -> Receipt:
-        """Pull decode: READ ``remote_block_ids`` of ``remote`` into ``block_ids``; raises ``TransferFailed``; ``free``
-        as for :meth:`import_pushed`."""
+        """Pull decode: READ ``remote_block_ids`` of ``remote`` into ``block_ids``; raises ``TransferFailed``;
+        ``free`` as for :meth:`import_pushed`."""
         ...

@@ -15,15 +15,31 @@ class MoverUnavailable(RuntimeError):
 
 
 def create_mover(
-    transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float, fence_s: float = 60.0
+    transport: str,
+    *,
+    pool: KVPool,
+    engine_id: str,
+    host: str,
+    side_channel_port: int,
+    lease_s: float,
+    fence_s: float = 60.0,
 ) -> KVMover:
-    """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``: NIXL)."""
+    """A mover over the connector core's transfer worker with the named transport (``mock``: TCP, ``nixl``:
+    NIXL)."""
     reason = mover_unavailable_reason(transport, pool.device)
     if reason is not None:
         raise MoverUnavailable(reason)
     from pdconnector.sim.worker_mover import WorkerMover  # noqa: PLC0415 - checked importable above
 
-    return WorkerMover(transport, pool=pool, engine_id=engine_id, host=host, side_channel_port=side_channel_port, lease_s=lease_s, fence_s=fence_s)
+    return WorkerMover(
+        transport,
+        pool=pool,
+        engine_id=engine_id,
+        host=host,
+        side_channel_port=side_channel_port,
+        lease_s=lease_s,
+        fence_s=fence_s,
+    )
 
 
 def mover_unavailable_reason(transport: str, kv_device: KVDevice = KVDevice.CPU) -> str | None:

@@ -1,12 +1,15 @@
-"""The mock engine's KV pools: one buffer per registered region per TP rank, shaped by the connector core's layout.
+"""The mock engine's KV pools: one buffer per registered region per TP rank, shaped by the connector core's
+layout.
 
-The memory is laid out exactly as :class:`pdconnector.layout.RankLayout` says (the same model the real connector plans
-transfers with), so the transfer worker moves these bytes with the same descriptors it would use inside vLLM. Blocks
-are handed out by a free-list allocator; one block id means the same page in every region of every rank.
+The memory is laid out exactly as :class:`pdconnector.layout.RankLayout` says (the same model the real
+connector plans transfers with), so the transfer worker moves these bytes with the same descriptors it would
+use inside vLLM. Blocks are handed out by a free-list allocator; one block id means the same page in every
+region of every rank.
 
-The buffers live in host memory (numpy) or in GPU memory (torch CUDA tensors, rank r on ``cuda:{r % device count}``),
-as ``--kv-device`` says. Everything above the pool sees pages as host numpy arrays through :meth:`KVPool.read_pages`
-and :meth:`KVPool.write_pages`; only the buffers know where the bytes are. torch is imported for CUDA pools only.
+The buffers live in host memory (numpy) or in GPU memory (torch CUDA tensors, rank r on ``cuda:{r % device
+count}``), as ``--kv-device`` says. Everything above the pool sees pages as host numpy arrays through
+:meth:`KVPool.read_pages` and :meth:`KVPool.write_pages`; only the buffers know where the bytes are. torch is
+imported for CUDA pools only.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ MOCK_DTYPE_BYTES = 2
 
 
 def mock_model(block_size: int) -> KVModel:
-    attention = AttentionSpec(num_kv_heads=MOCK_KV_HEADS, head_dim=MOCK_HEAD_DIM, dtype_bytes=MOCK_DTYPE_BYTES)
+    attention = AttentionSpec(
+        num_kv_heads=MOCK_KV_HEADS, head_dim=MOCK_HEAD_DIM, dtype_bytes=MOCK_DTYPE_BYTES
+    )
     return KVModel((LayerKind.ATTENTION,) * MOCK_LAYERS, block_size=block_size, attention=attention)
 
 
@@ -61,7 +66,8 @@ def kv_device_unavailable_reason(device: KVDevice) -> str | None:
 
 
 class PageBuffer(Protocol):
-    """One region of one rank: ``num_blocks`` pages of ``page_bytes``; reads and writes go through host arrays."""
+    """One region of one rank: ``num_blocks`` pages of ``page_bytes``; reads and writes go through host
+    arrays."""
 
     nbytes: int
     address: int  # what the transport registers; stable for the buffer's lifetime
@@ -72,7 +78,8 @@ class PageBuffer(Protocol):
         ...
 
     def write(self, blocks: np.ndarray, pages: np.ndarray) -> None:
-        """Store ``pages`` (host, ``(len(blocks), page_bytes)``) at ``blocks``; visible to peers when this returns."""
+        """Store ``pages`` (host, ``(len(blocks), page_bytes)``) at ``blocks``; visible to peers when this
+        returns."""
         ...
 
 
@@ -96,7 +103,9 @@ class CudaPages:
         import torch  # noqa: PLC0415 (only CUDA pools need torch)
 
         self._torch = torch
-        self.tensor: torch.Tensor = torch.zeros(num_blocks * page_bytes, dtype=torch.uint8, device=f"cuda:{device_id}")
+        self.tensor: torch.Tensor = torch.zeros(
+            num_blocks * page_bytes, dtype=torch.uint8, device=f"cuda:{device_id}"
+        )
         self._pages = self.tensor.view(num_blocks, page_bytes)
         self.nbytes = self.tensor.numel()
         self.address = self.tensor.data_ptr()
@@ -109,7 +118,8 @@ class CudaPages:
     def write(self, blocks: np.ndarray, pages: np.ndarray) -> None:
         index = self._torch.from_numpy(blocks).to(self.tensor.device)
         self._pages.index_copy_(0, index, self._torch.from_numpy(pages).to(self.tensor.device))
-        # NIXL reads these pages outside torch's streams: the copy must have landed before a transfer is announced.
+        # NIXL reads these pages outside torch's streams: the copy must have landed before a transfer is
+        # announced.
         self._torch.cuda.synchronize(self.tensor.device)
 
 
@@ -121,7 +131,9 @@ def cuda_device_for(rank: int) -> int:
 
 
 class KVPool:
-    def __init__(self, num_blocks: int, block_size: int, tp_size: int = 1, device: KVDevice = KVDevice.CPU) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, tp_size: int = 1, device: KVDevice = KVDevice.CPU
+    ) -> None:
         if num_blocks < 1 or block_size < 1 or tp_size < 1:
             raise ValueError("num_blocks, block_size and tp_size must be positive")
         if MOCK_KV_HEADS % tp_size:
@@ -135,7 +147,8 @@ class KVPool:
         self.model = mock_model(block_size)
         self.layouts = [RankLayout(self.model, tp_size, rank, num_blocks) for rank in range(tp_size)]
         self.buffers: list[list[PageBuffer]] = [
-            [self._buffer(rank, layout.page_bytes) for _ in layout.regions] for rank, layout in enumerate(self.layouts)
+            [self._buffer(rank, layout.page_bytes) for _ in layout.regions]
+            for rank, layout in enumerate(self.layouts)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
         self._allocated: set[int] = set()
@@ -173,7 +186,9 @@ class KVPool:
 
     def write_pages(self, rank: int, region: int, blocks: Sequence[int], pages: np.ndarray) -> None:
         """Store host ``pages`` (``(len(blocks), page_bytes)``) at ``blocks`` in one region of one rank."""
-        self.buffers[rank][region].write(np.asarray(blocks, dtype=np.int64), np.ascontiguousarray(pages, dtype=np.uint8))
+        self.buffers[rank][region].write(
+            np.asarray(blocks, dtype=np.int64), np.ascontiguousarray(pages, dtype=np.uint8)
+        )
 
     def token_bytes(self, blocks: Sequence[int], num_tokens: int) -> bytes:
         """K and V of the first ``num_tokens`` tokens held in ``blocks``, in a TP-independent order.
@@ -191,7 +206,9 @@ class KVPool:
             for rank in range(self.tp_size):
                 pages = self.read_pages(rank, region, blocks)
                 shards.append(
-                    pages[:, : heads_per_rank * self.block_size * token_row].reshape(len(blocks), heads_per_rank, self.block_size, token_row)
+                    pages[:, : heads_per_rank * self.block_size * token_row].reshape(
+                        len(blocks), heads_per_rank, self.block_size, token_row
+                    )
                 )
             whole = np.concatenate(shards, axis=1)  # (blocks, heads, block_size, row)
             tokens = whole.transpose(1, 0, 2, 3).reshape(MOCK_KV_HEADS, -1, token_row)[:, :num_tokens]

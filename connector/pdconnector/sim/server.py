@@ -1,8 +1,8 @@
 """The mock engine's HTTP face: vLLM's OpenAI endpoints with ``kv_transfer_params`` handled like vLLM does.
 
-A request spans at most the engine's ``max_model_len`` tokens, prompt and output together, and is refused with a 400
-naming the field otherwise, as vLLM does. A client that goes away stops its generation: pd-mock-engine serves this app
-with aiohttp's handler cancellation, and every request closes its generation however it ends.
+A request spans at most the engine's ``max_model_len`` tokens, prompt and output together, and is refused with
+a 400 naming the field otherwise, as vLLM does. A client that goes away stops its generation: pd-mock-engine
+serves this app with aiohttp's handler cancellation, and every request closes its generation however it ends.
 """
 
 from __future__ import annotations
@@ -43,17 +43,22 @@ def _is_int(value: object) -> bool:
 
 
 def _prompt_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
-    """The prompt's token ids; refused when they leave no room for an output token within ``max_model_len``."""
+    """The prompt's token ids; refused when they leave no room for an output token within
+    ``max_model_len``."""
     field = "messages" if chat else "prompt"
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise EngineError(400, "'messages' must be a non-empty list of objects", "invalid_messages", field)
+            raise EngineError(
+                400, "'messages' must be a non-empty list of objects", "invalid_messages", field
+            )
         source: str | list[Any] = chat_prompt(messages)
     else:
         source = body.get("prompt")
         if not (isinstance(source, str) or (isinstance(source, list) and source)):
-            raise EngineError(400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field)
+            raise EngineError(
+                400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field
+            )
     # Text is tokenized only as far as the limit, so a huge prompt is refused without tokenizing all of it.
     tokens = tokenize(source, limit=max_model_len) if isinstance(source, str) else source
     if not tokens:
@@ -62,30 +67,38 @@ def _prompt_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> list
         count = f"at least {max_model_len}" if isinstance(source, str) else str(len(tokens))
         raise EngineError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains {count} input tokens, "
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{count} input tokens, "
             f"which leaves no room for any output token. Please reduce the length of the {field}.",
             "context_length_exceeded",
             field,
         )
     if not all(_is_int(t) and t >= 0 for t in tokens):
-        raise EngineError(400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field)
+        raise EngineError(
+            400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field
+        )
     return list(tokens)
 
 
 def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, prompt_field: str) -> int:
-    """How many tokens to generate: the request's output budget, which must fit in the context after the prompt."""
+    """How many tokens to generate: the request's output budget, which must fit in the context after the
+    prompt."""
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(field)
     room = max_model_len - prompt_tokens
     if value is None:
         return min(DEFAULT_MAX_TOKENS, room)
     if not _is_int(value) or value < 1:
-        raise EngineError(400, f"'{field}' must be a positive integer, got {value!r}", "invalid_max_tokens", field)
+        raise EngineError(
+            400, f"'{field}' must be a positive integer, got {value!r}", "invalid_max_tokens", field
+        )
     if value > room:
         raise EngineError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {prompt_tokens + value} tokens "
-            f"({prompt_tokens} in the {prompt_field}, {value} in '{field}'). Please reduce the length of the {prompt_field} or '{field}'.",
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + value} tokens "
+            f"({prompt_tokens} in the {prompt_field}, {value} in '{field}'). Please reduce the length of "
+            f"the {prompt_field} or '{field}'.",
             "context_length_exceeded",
             field,
         )
@@ -112,18 +125,31 @@ class _Formatter:
         self.created = int(time.time())
 
     def _envelope(self, stream: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if stream and self.chat else ""
+        )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, token_ids: list[int], prompt_tokens: int, transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    def whole(
+        self, text: str, token_ids: list[int], prompt_tokens: int, transfer_params: dict[str, Any] | None
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["token_ids"] = token_ids
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids), "total_tokens": prompt_tokens + len(token_ids)}
-        return {**self._envelope(False), "choices": [choice], "usage": usage, "kv_transfer_params": transfer_params}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "total_tokens": prompt_tokens + len(token_ids),
+        }
+        return {
+            **self._envelope(False),
+            "choices": [choice],
+            "usage": usage,
+            "kv_transfer_params": transfer_params,
+        }
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
@@ -137,7 +163,11 @@ class _Formatter:
         return {**self._envelope(True), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
         return {**self._envelope(True), "choices": [], "usage": usage}
 
 
@@ -145,8 +175,15 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def _stream(request: web.Request, response: web.StreamResponse, generation: Generation, formatter: _Formatter, include_usage: bool) -> None:
-    """Sends the generation as server-sent events, one chunk per token as it is generated (nothing accumulates)."""
+async def _stream(
+    request: web.Request,
+    response: web.StreamResponse,
+    generation: Generation,
+    formatter: _Formatter,
+    include_usage: bool,
+) -> None:
+    """Sends the generation as server-sent events, one chunk per token as it is generated (nothing
+    accumulates)."""
     await response.prepare(request)
     if formatter.chat:
         await response.write(_sse(formatter.chunk(None, None, first=True)))
@@ -195,7 +232,9 @@ def _parse(raw: bytes, model: str) -> dict[str, Any]:
     return body
 
 
-async def handle_completion(request: web.Request, engine: MockEngine, model: str, chat: bool) -> web.StreamResponse:
+async def handle_completion(
+    request: web.Request, engine: MockEngine, model: str, chat: bool
+) -> web.StreamResponse:
     kind = "chat" if chat else "completion"
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id, "x-pd-engine": engine.settings.engine_id}
@@ -207,12 +246,17 @@ async def handle_completion(request: web.Request, engine: MockEngine, model: str
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}
-                response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await _stream(request, response, generation, formatter, bool(options.get("include_usage")))
             else:
                 token_ids = [token async for token in generation.tokens]
                 text = "".join(detokenize(t) for t in token_ids)
-                response = web.json_response(formatter.whole(text, token_ids, generation.prompt_tokens, generation.transfer_params), headers=headers)
+                response = web.json_response(
+                    formatter.whole(text, token_ids, generation.prompt_tokens, generation.transfer_params),
+                    headers=headers,
+                )
         finally:
             # Stops generating and frees the request's blocks on every path, the client going away included.
             await generation.aclose()
@@ -224,7 +268,8 @@ async def handle_completion(request: web.Request, engine: MockEngine, model: str
         engine.metrics.requests.labels(kind, "cancelled").inc()
         raise
     except ConnectionResetError:
-        # The client disconnected mid-stream and a write noticed first; aiohttp expects the broken response back.
+        # The client disconnected mid-stream and a write noticed first; aiohttp expects the broken response
+        # back.
         engine.metrics.requests.labels(kind, "cancelled").inc()
         if response is None:
             raise
@@ -244,7 +289,12 @@ def create_engine_app(engine: MockEngine, model: str, compat_hash: str | None = 
         return handle
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pd-mock-engine"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pd-mock-engine"}],
+            }
+        )
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response(

@@ -72,11 +72,17 @@ HYBRID_CONFIG: dict[str, Any] = {
     "layer_norm_epsilon": 1e-5,
 }
 
-MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {TinyModel.DENSE: DENSE_CONFIG, TinyModel.HYBRID: HYBRID_CONFIG}
+MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {
+    TinyModel.DENSE: DENSE_CONFIG,
+    TinyModel.HYBRID: HYBRID_CONFIG,
+}
 
 
-def write_tiny_model(model_dir: Path, kind: TinyModel, *, seed: int = 0, initializer_range: float = WEIGHT_INIT_STD) -> Path:
-    """Write a tiny model (config.json, seeded random safetensors weights, word-level tokenizer) into ``model_dir``.
+def write_tiny_model(
+    model_dir: Path, kind: TinyModel, *, seed: int = 0, initializer_range: float = WEIGHT_INIT_STD
+) -> Path:
+    """Write a tiny model (config.json, seeded random safetensors weights, word-level tokenizer) into
+    ``model_dir``.
 
     vLLM's ``--load-format dummy`` draws weights from U(-1e-3, 1e-3): every logit is ~0, all
     1024 tokens tie at logprob -6.93 and a corrupted KV transfer would go unnoticed. Weights
@@ -85,14 +91,20 @@ def write_tiny_model(model_dir: Path, kind: TinyModel, *, seed: int = 0, initial
     """
     model_dir.mkdir(parents=True, exist_ok=True)
     config_path = model_dir / "config.json"
-    config_path.write_text(json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2))
+    config_path.write_text(
+        json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2)
+    )
     import torch  # noqa: PLC0415 - engine extra; importing this module must not need it
     import transformers  # noqa: PLC0415
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    )
     model.save_pretrained(model_dir)
     # save_pretrained rewrites config.json in transformers' own dialect; keep ours (what vLLM is tested with).
-    config_path.write_text(json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2))
+    config_path.write_text(
+        json.dumps({**MODEL_CONFIGS[kind], "initializer_range": initializer_range}, indent=2)
+    )
     write_word_tokenizer(model_dir)
     return model_dir

@@ -1,4 +1,5 @@
-"""A word-level tokenizer over ``t0 .. t{vocab-1}``: the mock model's words, and a real tokenizer for tiny vLLM models.
+"""A word-level tokenizer over ``t0 .. t{vocab-1}``: the mock model's words, and a real tokenizer for tiny
+vLLM models.
 
 Real clients (``vllm bench serve``, the OpenAI SDK) need a Hugging Face tokenizer directory. With one word per
 token id, random token prompts round-trip exactly through text, so a benchmark's input lengths are exact.
@@ -23,7 +24,9 @@ def words(token_ids: Sequence[int]) -> str:
     return " ".join(word(i) for i in token_ids)
 
 
-def write_word_tokenizer(directory: Path, vocab_size: int = DEFAULT_VOCAB_SIZE, model_max_length: int = 4096) -> Path:
+def write_word_tokenizer(
+    directory: Path, vocab_size: int = DEFAULT_VOCAB_SIZE, model_max_length: int = 4096
+) -> Path:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``; returns it."""
     from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415 - a dev/engine dependency, not the router's
 
@@ -32,6 +35,10 @@ def write_word_tokenizer(directory: Path, vocab_size: int = DEFAULT_VOCAB_SIZE, 
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
     # No special tokens: an added token such as "t1" would also match inside "t10" and split it.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -1,8 +1,9 @@
-"""The KV mover over the connector core: one :class:`pdconnector.worker.EngineTransfers` (a transfer worker per TP
-rank plus the side channel) on the engine's pools, bridged to asyncio.
+"""The KV mover over the connector core: one :class:`pdconnector.worker.EngineTransfers` (a transfer worker
+per TP rank plus the side channel) on the engine's pools, bridged to asyncio.
 
-Worker calls never block (they enqueue); the worker reports each transfer's end once per rank through ``results()``,
-and pokes us through ``on_result`` from its own thread. A transfer has ended when every rank has reported it.
+Worker calls never block (they enqueue); the worker reports each transfer's end once per rank through
+``results()``, and pokes us through ``on_result`` from its own thread. A transfer has ended when every rank
+has reported it.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ from pdconnector.worker.identity import agent_name
 
 log = logging.getLogger(__name__)
 
-# How long past an import's deadline the worker may take to report it (its fence) before we stop waiting for it.
+# How long past an import's deadline the worker may take to report it (its fence) before we stop waiting for
+# it.
 REPORT_GRACE_S = 300.0
 # Decode failures that mean "it did not arrive in time": the request fails with the timeout code (HTTP 504).
 _TIMED_OUT = frozenset({FailureReason.TIMEOUT, FailureReason.LEASE_EXPIRED, FailureReason.WRITE_TIMEOUT})
 
 
 def memory_regions(pool: KVPool) -> list[list[MemoryRegion]]:
-    """Per rank, the pool's buffers as regions to register (their addresses stay valid: the buffers never move)."""
+    """Per rank, the pool's buffers as regions to register (their addresses stay valid: the buffers never
+    move)."""
     return [[_memory_region(buffer) for buffer in buffers] for buffers in pool.buffers]
 
 
@@ -56,7 +59,15 @@ class _Pending:
 
 class WorkerMover:
     def __init__(
-        self, transport: str, *, pool: KVPool, engine_id: str, host: str, side_channel_port: int, lease_s: float, fence_s: float = 60.0
+        self,
+        transport: str,
+        *,
+        pool: KVPool,
+        engine_id: str,
+        host: str,
+        side_channel_port: int,
+        lease_s: float,
+        fence_s: float = 60.0,
     ) -> None:
         self.pool = pool
         config = WorkerConfig(
@@ -88,7 +99,8 @@ class WorkerMover:
         self._drainer: asyncio.Task[None] | None = None
 
     def peer_agents(self) -> int:
-        """Peer agents the ranks' transports hold now (one per live peer rank: restarted peers' agents are dropped)."""
+        """Peer agents the ranks' transports hold now (one per live peer rank: restarted peers' agents are
+        dropped)."""
         return sum(worker.peer_agents() for worker in self.transfers.workers)
 
     def fenced(self) -> int:
@@ -110,7 +122,7 @@ class WorkerMover:
                 await self._drainer
         await asyncio.to_thread(self.transfers.close)
 
-    # --- results from the worker threads -------------------------------------------------------------------------
+    # --- results from the worker threads --------------------------------------------------------------------
     def _poke(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -128,7 +140,10 @@ class WorkerMover:
     def _collect(self, result: TransferResult) -> None:
         pending = self._pending.get(result.transfer_id)
         if pending is None:
-            log.warning("transfer result for an unknown transfer", extra={"transfer_id": result.transfer_id, "outcome": result.outcome})
+            log.warning(
+                "transfer result for an unknown transfer",
+                extra={"transfer_id": result.transfer_id, "outcome": result.outcome},
+            )
             return
         pending.results.append(result)
         if len(pending.results) < pending.ranks:
@@ -139,7 +154,9 @@ class WorkerMover:
         if pending.done is not None and not pending.done.done():
             pending.done.set_result(pending.results)
 
-    def _expect(self, transfer_id: str, on_done: Callable[[list[TransferResult]], None] | None = None) -> _Pending:
+    def _expect(
+        self, transfer_id: str, on_done: Callable[[list[TransferResult]], None] | None = None
+    ) -> _Pending:
         if transfer_id in self._pending:
             raise TransferFailed(f"transfer {transfer_id} is already in progress on this engine")
         pending = _Pending(ranks=len(self.transfers.workers), on_done=on_done)
@@ -148,9 +165,16 @@ class WorkerMover:
         self._pending[transfer_id] = pending
         return pending
 
-    # --- prefill ---------------------------------------------------------------------------------------------------
+    # --- prefill
+    # ---------------------------------------------------------------------------------------------------
     def export_blocks(
-        self, transfer_id: str, *, mode: TransferMode, block_ids: list[int], num_tokens: int, release: Callable[[ExportOutcome], None]
+        self,
+        transfer_id: str,
+        *,
+        mode: TransferMode,
+        block_ids: list[int],
+        num_tokens: int,
+        release: Callable[[ExportOutcome], None],
     ) -> None:
 
         def finished(results: list[TransferResult]) -> None:
@@ -167,20 +191,31 @@ class WorkerMover:
         for worker in self.transfers.workers:
             worker.prefill_finished(transfer_id, [block_ids], num_tokens, pull=mode is TransferMode.PULL)
 
-    # --- decode ----------------------------------------------------------------------------------------------------
-    async def _received(self, transfer_id: str, pending: _Pending, block_ids: list[int], deadline_s: float, free: Callable[[], None]) -> Receipt:
+    # --- decode
+    # ----------------------------------------------------------------------------------------------------
+    async def _received(
+        self,
+        transfer_id: str,
+        pending: _Pending,
+        block_ids: list[int],
+        deadline_s: float,
+        free: Callable[[], None],
+    ) -> Receipt:
         assert pending.done is not None
         try:
-            # The worker enforces deadline_s (and its fence) itself; our own bound only catches a worker that stopped reporting.
+            # The worker enforces deadline_s (and its fence) itself; our own bound only catches a worker that
+            # stopped reporting.
             results = await asyncio.wait_for(asyncio.shield(pending.done), deadline_s + REPORT_GRACE_S)
         except (asyncio.CancelledError, TimeoutError) as error:
-            # The request is gone (or the worker is stuck): cancel, and keep the blocks until the workers report the
-            # transfer ended, which they do only once nothing can be written into them any more.
+            # The request is gone (or the worker is stuck): cancel, and keep the blocks until the workers
+            # report the transfer ended, which they do only once nothing can be written into them any more.
             for worker in self.transfers.workers:
                 worker.cancel(transfer_id, "the decode request was cancelled")
             pending.done.add_done_callback(lambda _: free())
             if isinstance(error, TimeoutError):
-                raise TransferFailed(f"transfer {transfer_id}: the transfer workers did not report it", blocks_kept=True) from None
+                raise TransferFailed(
+                    f"transfer {transfer_id}: the transfer workers did not report it", blocks_kept=True
+                ) from None
             raise
         failures = [r for r in results if r.kind is not ResultKind.FINISHED_RECVING]
         if failures:
@@ -190,7 +225,14 @@ class WorkerMover:
         return Receipt(transfer_id=transfer_id, bytes=sum(r.nbytes for r in results), blocks=len(block_ids))
 
     async def import_pushed(
-        self, transfer_id: str, *, remote: PrefillCoordinates, block_ids: list[int], num_tokens: int, deadline_s: float, free: Callable[[], None]
+        self,
+        transfer_id: str,
+        *,
+        remote: PrefillCoordinates,
+        block_ids: list[int],
+        num_tokens: int,
+        deadline_s: float,
+        free: Callable[[], None],
     ) -> Receipt:
         pending = self._expect(transfer_id)
         for worker in self.transfers.workers:
@@ -210,5 +252,7 @@ class WorkerMover:
     ) -> Receipt:
         pending = self._expect(transfer_id)
         for worker in self.transfers.workers:
-            worker.read(transfer_id, remote, [remote_block_ids], [block_ids], num_tokens, timeout_s=deadline_s)
+            worker.read(
+                transfer_id, remote, [remote_block_ids], [block_ids], num_tokens, timeout_s=deadline_s
+            )
         return await self._received(transfer_id, pending, block_ids, deadline_s, free)

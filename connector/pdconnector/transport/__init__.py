@@ -1,4 +1,5 @@
-"""Transports: one contract (:mod:`.base`), NIXL (:class:`NixlTransport`) and TCP (:class:`MockTransport`) implementations."""
+"""Transports: one contract (:mod:`.base`), NIXL (:class:`NixlTransport`) and TCP (:class:`MockTransport`)
+implementations."""
 
 from pdconnector.transport.base import (
     MAX_NOTIFICATION_BYTES,

@@ -34,7 +34,8 @@ MAX_NOTIFICATION_BYTES = 1 << 20
 
 
 class TransportError(Exception):
-    """A transport call that cannot be carried out: unknown peer, invalid descriptors, wrong thread, closed agent."""
+    """A transport call that cannot be carried out: unknown peer, invalid descriptors, wrong thread, closed
+    agent."""
 
 
 class Device(StrEnum):
@@ -142,7 +143,9 @@ class Transport(ABC):
         if not name or len(name) > 256:
             raise TransportError(f"agent name must be 1..256 characters, got {name!r}")
         if not 0 < notification_limit <= MAX_NOTIFICATION_BYTES:
-            raise TransportError(f"notification limit must be in (0, {MAX_NOTIFICATION_BYTES}], got {notification_limit}")
+            raise TransportError(
+                f"notification limit must be in (0, {MAX_NOTIFICATION_BYTES}], got {notification_limit}"
+            )
         self.name = name
         self.notification_limit = notification_limit
         self._owner = threading.get_ident()
@@ -155,7 +158,8 @@ class Transport(ABC):
     def _check_usable(self, method: str) -> None:
         if threading.get_ident() != self._owner:
             raise TransportError(
-                f"{type(self).__name__} {self.name!r}: {method}() called from thread {threading.get_ident()} but the agent is confined "
+                f"{type(self).__name__} {self.name!r}: {method}() called from thread "
+                f"{threading.get_ident()} but the agent is confined "
                 f"to thread {self._owner}; hand it over with bind_to_current_thread()"
             )
         if self._closed:
@@ -179,7 +183,9 @@ class Transport(ABC):
         """Forget a peer and disconnect from it; its in-flight transfers end FAILED."""
 
     @abstractmethod
-    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         """Post one WRITE of every ``local`` descriptor into the matching ``remote`` descriptor.
 
         Descriptors are ``(N, 3)`` int64 rows ``[addr, nbytes, device_id]``; row ``i`` of both
@@ -191,7 +197,9 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def read(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         """Post one READ of every ``remote`` descriptor into the matching ``local`` descriptor;
         ``notification`` reaches the peer once the bytes were read. Same rules as :meth:`write`."""
 
@@ -231,5 +239,7 @@ def check_notification(message: bytes, limit: int = MAX_NOTIFICATION_BYTES) -> b
     if not isinstance(message, bytes | bytearray | memoryview):
         raise TransportError(f"notification must be bytes, got {type(message).__name__}")
     if len(message) > limit:
-        raise TransportError(f"notification of {len(message)} bytes exceeds the transport's limit of {limit} bytes")
+        raise TransportError(
+            f"notification of {len(message)} bytes exceeds the transport's limit of {limit} bytes"
+        )
     return bytes(message)

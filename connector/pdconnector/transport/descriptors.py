@@ -19,7 +19,9 @@ def as_descriptors(descriptors: np.ndarray, field: str) -> np.ndarray:
     """Validate the shape and values of one side's descriptors; returns them as C-contiguous int64."""
     array = np.asarray(descriptors)
     if array.ndim != 2 or array.shape[1] != 3:
-        raise TransportError(f"{field}: descriptors must have shape (N, 3) [addr, nbytes, device_id], got {array.shape}")
+        raise TransportError(
+            f"{field}: descriptors must have shape (N, 3) [addr, nbytes, device_id], got {array.shape}"
+        )
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise TransportError(f"{field}: descriptors must be integers, got dtype {array.dtype}")
     array = np.ascontiguousarray(array, dtype=np.int64)
@@ -38,7 +40,9 @@ def pair_descriptors(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray,
     mismatch = np.flatnonzero(local[:, 1] != remote[:, 1])
     if mismatch.size:
         row = int(mismatch[0])
-        raise TransportError(f"descriptor {row}: local length {local[row, 1]} != remote length {remote[row, 1]}")
+        raise TransportError(
+            f"descriptor {row}: local length {local[row, 1]} != remote length {remote[row, 1]}"
+        )
     moving = local[:, 1] > 0
     if not moving.all():
         local, remote = local[moving], remote[moving]
@@ -64,11 +68,17 @@ class RegionTable:
         """Add regions; rejects mixed device kinds and overlaps (a double registration is a bug)."""
         merged = [*self._regions, *regions]
         if len({r.device for r in merged}) > 1:
-            raise TransportError(f"all regions of one agent must share one device kind, got {sorted({r.device.value for r in merged})}")
+            raise TransportError(
+                "all regions of one agent must share one device kind, got "
+                f"{sorted({r.device.value for r in merged})}"
+            )
         ordered = sorted(merged, key=lambda r: (r.device_id, r.addr))
         for before, after in itertools.pairwise(ordered):
             if before.device_id == after.device_id and after.addr < before.addr + before.nbytes:
-                raise TransportError(f"region at {after.addr:#x} (+{after.nbytes}) overlaps region at {before.addr:#x} (+{before.nbytes})")
+                raise TransportError(
+                    f"region at {after.addr:#x} (+{after.nbytes}) overlaps region at {before.addr:#x} "
+                    f"(+{before.nbytes})"
+                )
         self._regions = ordered
 
     def first_outside(self, descriptors: np.ndarray) -> int | None:
@@ -78,7 +88,9 @@ class RegionTable:
         inside = np.zeros(descriptors.shape[0], dtype=bool)
         for device_id in {r.device_id for r in self._regions}:
             starts = np.array([r.addr for r in self._regions if r.device_id == device_id], dtype=np.int64)
-            ends = np.array([r.addr + r.nbytes for r in self._regions if r.device_id == device_id], dtype=np.int64)
+            ends = np.array(
+                [r.addr + r.nbytes for r in self._regions if r.device_id == device_id], dtype=np.int64
+            )
             rows = descriptors[:, 2] == device_id
             addr, nbytes = descriptors[rows, 0], descriptors[rows, 1]
             idx = np.searchsorted(starts, addr, side="right") - 1
@@ -92,4 +104,7 @@ class RegionTable:
         row = self.first_outside(descriptors)
         if row is not None:
             addr, nbytes, device_id = descriptors[row].tolist()
-            raise TransportError(f"{field} descriptor {row} [{addr:#x}, {nbytes}, dev {device_id}] lies outside the memory registered by {owner!r}")
+            raise TransportError(
+                f"{field} descriptor {row} [{addr:#x}, {nbytes}, dev {device_id}] lies outside the memory "
+                f"registered by {owner!r}"
+            )

@@ -12,7 +12,8 @@ TransportKind = Literal["mock", "nixl"]
 
 
 def create_transport(kind: TransportKind, name: str, **options: Any) -> Transport:
-    """A new agent of that kind; ``options`` go to the class (e.g. ``backends`` for NIXL, ``host``/``port`` for the mock)."""
+    """A new agent of that kind; ``options`` go to the class (e.g. ``backends`` for NIXL, ``host``/``port``
+    for the mock)."""
     if kind == "nixl":
         return NixlTransport(name, **options)
     if kind == "mock":

@@ -53,7 +53,8 @@ IN_PROGRESS = TransferStatus(TransferState.IN_PROGRESS)
 
 
 def _low_latency(sock: socket.socket, io_timeout_s: float) -> None:
-    """Frames are small request/acknowledge pairs: without TCP_NODELAY, Nagle and delayed ACKs add ~40 ms to each."""
+    """Frames are small request/acknowledge pairs: without TCP_NODELAY, Nagle and delayed ACKs add ~40 ms to
+    each."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(io_timeout_s)
 
@@ -84,7 +85,8 @@ class _Link:
     sock: socket.socket
     reader: threading.Thread | None = None
     sender: threading.Thread | None = None
-    outbox: queue.SimpleQueue[_Outgoing | None] = field(default_factory=queue.SimpleQueue)  # None stops the sender
+    # None stops the sender
+    outbox: queue.SimpleQueue[_Outgoing | None] = field(default_factory=queue.SimpleQueue)
     error: str = ""
     transfers: set[int] = field(default_factory=set)
 
@@ -98,7 +100,8 @@ class MockTransport(Transport):
     io_timeout_s: bound on every blocking socket send/receive of a frame; a peer that stalls
         longer is treated as disconnected.
     faults: late WRITEs and lost or late notifications to inject (chaos tests, :mod:`.mock_faults`).
-    notification_limit: the largest notification it carries, to stand in for a backend with a small one (LIBFABRIC).
+    notification_limit: the largest notification it carries, to stand in for a backend with a small one
+    (LIBFABRIC).
     """
 
     def __init__(
@@ -162,7 +165,9 @@ class MockTransport(Transport):
             _low_latency(sock, self._io_timeout_s)
             wire.send_frame(sock, wire.FrameKind.HELLO, self.name.encode())
         except OSError as error:
-            raise TransportError(f"{self.name!r}: cannot connect to peer {info.name!r} at {info.host}:{info.port}: {error}") from None
+            raise TransportError(
+                f"{self.name!r}: cannot connect to peer {info.name!r} at {info.host}:{info.port}: {error}"
+            ) from None
         link = _Link(info, RegionTable(info.regions), sock)
         link.reader = self._spawn(lambda: self._read_replies(link), f"reader-{info.name}")
         link.sender = self._spawn(lambda: self._send_queued(link), f"sender-{info.name}")
@@ -175,11 +180,15 @@ class MockTransport(Transport):
         self._drop_link(peer, "peer removed")
 
     @confined
-    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         return self._post(Operation.WRITE, peer, local, remote, notification)
 
     @confined
-    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def read(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         return self._post(Operation.READ, peer, local, remote, notification)
 
     @confined
@@ -192,8 +201,12 @@ class MockTransport(Transport):
         with self._lock:
             transfer = self._transfers.of(handle)
             if not transfer.status.finished:
-                # Its frame may be queued, on the wire or landing: nothing here can take it back (as with RDMA).
-                raise TransportError(f"transfer {handle.id} to {handle.peer!r} is in flight and cannot be cancelled; release it once final")
+                # Its frame may be queued, on the wire or landing: nothing here can take it back (as with
+                # RDMA).
+                raise TransportError(
+                    f"transfer {handle.id} to {handle.peer!r} is in flight and cannot be cancelled; release "
+                    "it once final"
+                )
             del self._transfers[handle.id]
 
     @confined
@@ -239,15 +252,22 @@ class MockTransport(Transport):
     def _link(self, peer: str) -> _Link:
         link = self._links.get(peer)
         if link is None:
-            raise TransportError(f"{self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first")
+            raise TransportError(
+                f"{self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first"
+            )
         return link
 
-    def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
+    def _post(
+        self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes
+    ) -> TransferHandle:
         link = self._link(peer)
         local, remote = pair_descriptors(local, remote)
         notification = check_notification(notification, self.notification_limit)
         if local.shape[0] > wire.MAX_DESCRIPTORS:
-            raise TransportError(f"{local.shape[0]} descriptors exceed MockTransport's limit of {wire.MAX_DESCRIPTORS} per transfer")
+            raise TransportError(
+                f"{local.shape[0]} descriptors exceed MockTransport's limit of {wire.MAX_DESCRIPTORS} per "
+                "transfer"
+            )
         self._regions.check(local, "local", self.name)
         link.regions.check(remote, "remote", peer)
         nbytes = int(local[:, 1].sum())
@@ -256,7 +276,9 @@ class MockTransport(Transport):
         with self._lock:
             self._transfers[handle.id] = transfer
             if link.error:
-                transfer.status = TransferStatus(TransferState.FAILED, f"peer {peer!r} is disconnected: {link.error}")
+                transfer.status = TransferStatus(
+                    TransferState.FAILED, f"peer {peer!r} is disconnected: {link.error}"
+                )
                 return handle
             link.transfers.add(handle.id)
         meta = wire.encode_transfer(handle.id, notification, remote)
@@ -295,13 +317,16 @@ class MockTransport(Transport):
             for transfer_id in link.transfers:
                 transfer = self._transfers.get(transfer_id)
                 if transfer is not None and not transfer.status.finished:
-                    transfer.status = TransferStatus(TransferState.FAILED, f"peer {link.info.name!r} is disconnected: {link.error}")
+                    transfer.status = TransferStatus(
+                        TransferState.FAILED, f"peer {link.info.name!r} is disconnected: {link.error}"
+                    )
             link.transfers.clear()
 
     # -- background threads -------------------------------------------------------------------
 
     def _send_queued(self, link: _Link) -> None:
-        """Outbound connection: send the queued frames in order; a failed send fails the link and everything on it."""
+        """Outbound connection: send the queued frames in order; a failed send fails the link and everything
+        on it."""
         while (outgoing := link.outbox.get()) is not None:
             if link.error:
                 continue  # its transfer was failed with the link
@@ -347,7 +372,9 @@ class MockTransport(Transport):
             transfer = self._transfers.get(transfer_id)
             landing = transfer is not None and not error and stream_len > 0
             if landing and stream_len != transfer.handle.nbytes:
-                raise wire.WireError(f"READ {transfer_id}: peer returned {stream_len} bytes, expected {transfer.handle.nbytes}")
+                raise wire.WireError(
+                    f"READ {transfer_id}: peer returned {stream_len} bytes, expected {transfer.handle.nbytes}"
+                )
         if landing:  # still in flight while its bytes land, so release() refuses to drop it meanwhile
             wire.recv_memory(link.sock, transfer.local)
         elif stream_len:
@@ -355,7 +382,11 @@ class MockTransport(Transport):
         with self._lock:
             link.transfers.discard(transfer_id)
             if transfer is not None and not transfer.status.finished:
-                transfer.status = TransferStatus(TransferState.FAILED, error) if error else TransferStatus(TransferState.DONE)
+                transfer.status = (
+                    TransferStatus(TransferState.FAILED, error)
+                    if error
+                    else TransferStatus(TransferState.DONE)
+                )
 
     def _accept_loop(self) -> None:
         while True:
@@ -408,7 +439,10 @@ class MockTransport(Transport):
         except TransportError as error:
             return str(error)
         if stream_len is not None and stream_len != int(descriptors[:, 1].sum()):
-            return f"stream of {stream_len} bytes does not match the descriptors' {int(descriptors[:, 1].sum())} bytes"
+            return (
+                f"stream of {stream_len} bytes does not match the descriptors' "
+                f"{int(descriptors[:, 1].sum())} bytes"
+            )
         return ""
 
     def _apply_write(self, sock: socket.socket, peer: str, meta: bytes, stream_len: int) -> None:
@@ -418,7 +452,10 @@ class MockTransport(Transport):
             with self._lock:
                 registered = sum(r.nbytes for r in self._regions.regions)
             if stream_len > registered:
-                raise wire.WireError(f"WRITE {transfer_id} from {peer!r} carries {stream_len} bytes, more than this agent registered")
+                raise wire.WireError(
+                    f"WRITE {transfer_id} from {peer!r} carries {stream_len} bytes, more than this agent "
+                    "registered"
+                )
             wire.discard(sock, stream_len)
         else:
             wire.recv_memory(sock, descriptors)
@@ -431,6 +468,8 @@ class MockTransport(Transport):
         if error:
             wire.send_frame(sock, wire.FrameKind.ACK, wire.encode_ack(transfer_id, error))
             return
-        wire.send_frame(sock, wire.FrameKind.ACK, wire.encode_ack(transfer_id, ""), int(descriptors[:, 1].sum()))
+        wire.send_frame(
+            sock, wire.FrameKind.ACK, wire.encode_ack(transfer_id, ""), int(descriptors[:, 1].sum())
+        )
         wire.send_memory(sock, descriptors)
         self._deliver(peer, notification)

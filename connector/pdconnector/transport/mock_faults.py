@@ -1,9 +1,10 @@
-"""Faults the mock transport can inject, for chaos tests on real engines: late WRITEs, lost or late notifications.
+"""Faults the mock transport can inject, for chaos tests on real engines: late WRITEs, lost or late
+notifications.
 
-Set ``PDCONNECTOR_MOCK_FAULTS`` to a JSON object in an engine's environment (only the mock transport reads it);
-unknown keys and out-of-range values are refused with the key named. The faults apply on the sending side,
-in the order frames leave, so a delayed frame also delays what was queued after it to the same peer (as a
-congested link would)."""
+Set ``PDCONNECTOR_MOCK_FAULTS`` to a JSON object in an engine's environment (only the mock transport reads
+it); unknown keys and out-of-range values are refused with the key named. The faults apply on the sending
+side, in the order frames leave, so a delayed frame also delays what was queued after it to the same peer (as
+a congested link would)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,18 @@ class MockFaults:
     def __post_init__(self) -> None:
         for name in ("write_delay_s", "notification_delay_s"):
             if not 0 <= getattr(self, name) <= 3600:
-                raise ValueError(f"{FAULTS_ENV}: {name}: expected seconds in [0, 3600], got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{FAULTS_ENV}: {name}: expected seconds in [0, 3600], got {getattr(self, name)!r}"
+                )
         if self.delayed_writes < -1:
-            raise ValueError(f"{FAULTS_ENV}: delayed_writes: expected a count or -1 (all), got {self.delayed_writes!r}")
+            raise ValueError(
+                f"{FAULTS_ENV}: delayed_writes: expected a count or -1 (all), got {self.delayed_writes!r}"
+            )
         if not 0 <= self.notification_drop_rate <= 1:
-            raise ValueError(f"{FAULTS_ENV}: notification_drop_rate: expected a fraction in [0, 1], got {self.notification_drop_rate!r}")
+            raise ValueError(
+                f"{FAULTS_ENV}: notification_drop_rate: expected a fraction in [0, 1], got "
+                f"{self.notification_drop_rate!r}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> MockFaults | None:

@@ -74,11 +74,19 @@ def decode_metadata(metadata: bytes) -> PeerInfo:
     try:
         body = json.loads(metadata)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TransportError(f"peer metadata is not MockTransport metadata (not JSON: {error}); was it produced by another transport?") from None
+        raise TransportError(
+            f"peer metadata is not MockTransport metadata (not JSON: {error}); was it produced by another "
+            "transport?"
+        ) from None
     if not isinstance(body, dict) or body.get("kind") != METADATA_KIND:
-        raise TransportError(f"peer metadata is not MockTransport metadata (kind={body.get('kind') if isinstance(body, dict) else None!r})")
+        raise TransportError(
+            "peer metadata is not MockTransport metadata "
+            f"(kind={body.get('kind') if isinstance(body, dict) else None!r})"
+        )
     if body.get("version") != WIRE_VERSION:
-        raise TransportError(f"peer metadata version {body.get('version')!r} is not supported (expected {WIRE_VERSION})")
+        raise TransportError(
+            f"peer metadata version {body.get('version')!r} is not supported (expected {WIRE_VERSION})"
+        )
     name, host, port, regions = body.get("name"), body.get("host"), body.get("port"), body.get("regions")
     if not isinstance(name, str) or not name:
         raise TransportError(f"peer metadata field 'name' must be a non-empty string, got {name!r}")
@@ -86,8 +94,12 @@ def decode_metadata(metadata: bytes) -> PeerInfo:
         raise TransportError(f"peer metadata field 'host' must be a non-empty string, got {host!r}")
     if not isinstance(port, int) or not 0 < port < 65536:
         raise TransportError(f"peer metadata field 'port' must be a TCP port, got {port!r}")
-    if not isinstance(regions, list) or not all(isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) for v in r) for r in regions):
-        raise TransportError("peer metadata field 'regions' must be a list of [addr, nbytes, device_id] integer triples")
+    if not isinstance(regions, list) or not all(
+        isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) for v in r) for r in regions
+    ):
+        raise TransportError(
+            "peer metadata field 'regions' must be a list of [addr, nbytes, device_id] integer triples"
+        )
     return PeerInfo(name, host, port, tuple(MemoryRegion(a, n, Device.DRAM, d) for a, n, d in regions))
 
 
@@ -106,9 +118,16 @@ def decode_transfer(meta: bytes) -> tuple[int, bytes, np.ndarray]:
     transfer_id, notification_len = _TRANSFER.unpack_from(meta)
     rest = len(meta) - _TRANSFER.size - notification_len
     if notification_len > MAX_NOTIFICATION_BYTES or rest < 0 or rest % 24:
-        raise WireError(f"transfer frame {transfer_id}: inconsistent sizes (notification {notification_len}, descriptor bytes {rest})")
+        raise WireError(
+            f"transfer frame {transfer_id}: inconsistent sizes (notification {notification_len}, descriptor "
+            f"bytes {rest})"
+        )
     notification = meta[_TRANSFER.size : _TRANSFER.size + notification_len]
-    descriptors = np.frombuffer(meta, dtype="<i8", offset=_TRANSFER.size + notification_len).reshape(-1, 3).astype(np.int64)
+    descriptors = (
+        np.frombuffer(meta, dtype="<i8", offset=_TRANSFER.size + notification_len)
+        .reshape(-1, 3)
+        .astype(np.int64)
+    )
     return transfer_id, notification, descriptors
 
 

@@ -39,8 +39,9 @@ from pdconnector.transport.base import (
 )
 from pdconnector.transport.descriptors import RegionTable, pair_descriptors
 
-# The largest notification each backend delivers. LIBFABRIC serialises a notification into one 8 KiB control buffer
-# (NIXL_LIBFABRIC_SEND_RECV_BUFFER_SIZE) with a header and the sender's agent name; 7 KiB leaves room for both.
+# The largest notification each backend delivers. LIBFABRIC serialises a notification into one 8 KiB control
+# buffer (NIXL_LIBFABRIC_SEND_RECV_BUFFER_SIZE) with a header and the sender's agent name; 7 KiB leaves room
+# for both.
 NOTIFICATION_LIMITS: Final = {"LIBFABRIC": 7 * 1024}
 
 # Our metadata wraps NIXL's so a peer learns the memory kind of our regions (NIXL needs it to
@@ -78,21 +79,33 @@ class NixlTransport(Transport):
     """
 
     def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",), num_threads: int = 0) -> None:
-        super().__init__(name, notification_limit=min((NOTIFICATION_LIMITS.get(b, MAX_NOTIFICATION_BYTES) for b in backends), default=1))
+        super().__init__(
+            name,
+            notification_limit=min(
+                (NOTIFICATION_LIMITS.get(b, MAX_NOTIFICATION_BYTES) for b in backends), default=1
+            ),
+        )
         try:
             from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 (nixl is optional)
         except Exception as error:
             raise TransportError(f"NixlTransport needs the nixl package: {_describe(error)}") from None
         if not backends:
             raise TransportError("NixlTransport needs at least one backend")
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=list(backends), num_threads=num_threads)
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=list(backends),
+            num_threads=num_threads,
+        )
         try:
             self._agent = nixl_agent(name, config)
         except Exception as error:
             raise TransportError(f"cannot create NIXL agent {name!r}: {_describe(error)}") from None
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise TransportError(f"NIXL backend(s) {missing} unavailable; plugins found: {self._agent.get_plugin_list()}")
+            raise TransportError(
+                f"NIXL backend(s) {missing} unavailable; plugins found: {self._agent.get_plugin_list()}"
+            )
         self._regions = RegionTable()
         self._registrations: list[Any] = []
         self._peers: dict[str, Device] = {}
@@ -110,9 +123,13 @@ class NixlTransport(Transport):
             return
         table = RegionTable([*self._regions.regions, *regions])
         try:
-            registration = self._agent.register_memory([(r.addr, r.nbytes, r.device_id, "") for r in regions], regions[0].device.value)
+            registration = self._agent.register_memory(
+                [(r.addr, r.nbytes, r.device_id, "") for r in regions], regions[0].device.value
+            )
         except Exception as error:
-            raise TransportError(f"NIXL agent {self.name!r}: cannot register {len(regions)} region(s): {_describe(error)}") from None
+            raise TransportError(
+                f"NIXL agent {self.name!r}: cannot register {len(regions)} region(s): {_describe(error)}"
+            ) from None
         self._registrations.append(registration)
         self._regions = table
 
@@ -131,7 +148,9 @@ class NixlTransport(Transport):
                 self._agent.remove_remote_agent(name)
                 name = self._load_peer(nixl_metadata)
         except Exception as error:
-            raise TransportError(f"NIXL agent {self.name!r}: cannot load peer metadata: {_describe(error)}") from None
+            raise TransportError(
+                f"NIXL agent {self.name!r}: cannot load peer metadata: {_describe(error)}"
+            ) from None
         self._peers[name] = device
         return name
 
@@ -146,14 +165,20 @@ class NixlTransport(Transport):
         try:
             self._agent.remove_remote_agent(peer)
         except Exception as error:
-            raise TransportError(f"NIXL agent {self.name!r}: cannot remove peer {peer!r}: {_describe(error)}") from None
+            raise TransportError(
+                f"NIXL agent {self.name!r}: cannot remove peer {peer!r}: {_describe(error)}"
+            ) from None
 
     @confined
-    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def write(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         return self._post(Operation.WRITE, peer, local, remote, notification)
 
     @confined
-    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b"") -> TransferHandle:
+    def read(
+        self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes = b""
+    ) -> TransferHandle:
         return self._post(Operation.READ, peer, local, remote, notification)
 
     @confined
@@ -179,7 +204,10 @@ class NixlTransport(Transport):
             try:
                 transfer.xfer.release()
             except Exception as error:
-                raise TransportError(f"transfer {handle.id} to {handle.peer!r} cannot be released (in flight?): {_describe(error)}") from None
+                raise TransportError(
+                    f"transfer {handle.id} to {handle.peer!r} cannot be released (in flight?): "
+                    f"{_describe(error)}"
+                ) from None
         del self._transfers[handle.id]
 
     @confined
@@ -189,14 +217,18 @@ class NixlTransport(Transport):
         try:
             self._agent.send_notif(peer, message)
         except Exception as error:
-            raise TransportError(f"NIXL agent {self.name!r}: cannot notify peer {peer!r}: {_describe(error)}") from None
+            raise TransportError(
+                f"NIXL agent {self.name!r}: cannot notify peer {peer!r}: {_describe(error)}"
+            ) from None
 
     @confined
     def progress(self) -> None:
         try:
             arrived = self._agent.get_new_notifs()
         except Exception as error:
-            raise TransportError(f"NIXL agent {self.name!r}: polling notifications failed: {_describe(error)}") from None
+            raise TransportError(
+                f"NIXL agent {self.name!r}: polling notifications failed: {_describe(error)}"
+            ) from None
         self._collect(arrived)
 
     @confined
@@ -250,7 +282,9 @@ class NixlTransport(Transport):
         try:
             return Device(json.loads(header)["device"]), nixl_metadata
         except (ValueError, KeyError, TypeError) as error:
-            raise TransportError(f"peer metadata header {header[:100]!r} is malformed: {_describe(error)}") from None
+            raise TransportError(
+                f"peer metadata header {header[:100]!r} is malformed: {_describe(error)}"
+            ) from None
 
     def _load_peer(self, nixl_metadata: bytes) -> str:
         name = self._agent.add_remote_agent(nixl_metadata)
@@ -259,10 +293,14 @@ class NixlTransport(Transport):
     def _peer_device(self, peer: str) -> Device:
         device = self._peers.get(peer)
         if device is None:
-            raise TransportError(f"NIXL agent {self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first")
+            raise TransportError(
+                f"NIXL agent {self.name!r}: unknown peer {peer!r}; add it with add_peer(metadata) first"
+            )
         return device
 
-    def _post(self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes) -> TransferHandle:
+    def _post(
+        self, operation: Operation, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes
+    ) -> TransferHandle:
         remote_device = self._peer_device(peer)
         local, remote = pair_descriptors(local, remote)
         notification = check_notification(notification, self.notification_limit)
@@ -289,19 +327,25 @@ class NixlTransport(Transport):
                     f"NIXL agent {self.name!r}: cannot build {operation.value} to {peer!r} "
                     f"(remote descriptors outside the memory {peer!r} registered?): {_describe(error)}"
                 ) from None
-            transfer.status = TransferStatus(TransferState.FAILED, f"peer {peer!r} is disconnected: {_describe(error)}")
+            transfer.status = TransferStatus(
+                TransferState.FAILED, f"peer {peer!r} is disconnected: {_describe(error)}"
+            )
         self._transfers[handle.id] = transfer
         if transfer.xfer is None:
             return handle
         try:
             state = self._agent.transfer(transfer.xfer)
         except Exception as error:
-            transfer.status = TransferStatus(TransferState.FAILED, f"posting to {peer!r} failed: {_describe(error)}")
+            transfer.status = TransferStatus(
+                TransferState.FAILED, f"posting to {peer!r} failed: {_describe(error)}"
+            )
             return handle
         if state == "DONE":
             transfer.status = _DONE
         elif state != "PROC":
-            transfer.status = TransferStatus(TransferState.FAILED, f"posting to {peer!r} failed: NIXL state {state}")
+            transfer.status = TransferStatus(
+                TransferState.FAILED, f"posting to {peer!r} failed: NIXL state {state}"
+            )
         return handle
 
     def _notify_only(self, peer: str, notification: bytes) -> TransferStatus:

@@ -1,4 +1,5 @@
-"""The KV connector vLLM loads (``kv_connector_module_path: pdconnector.vllm.connector``, class ``PDConnector``).
+"""The KV connector vLLM loads (``kv_connector_module_path: pdconnector.vllm.connector``, class
+``PDConnector``).
 
 The only package that imports vLLM. ``config`` (the ``--kv-transfer-config`` shape), ``scheduler``
 (which requests move which blocks, when blocks are freed), ``worker`` (per TP rank: hands work to

@@ -94,37 +94,63 @@ def parse_connector_config(
     extra = dict(extra or {})
     unknown = sorted(set(extra) - _KNOWN_KEYS)
     if unknown:
-        raise ConnectorConfigError(f"kv_connector_extra_config.{unknown[0]}", f"unknown key (known: {sorted(_KNOWN_KEYS)})")
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{unknown[0]}", f"unknown key (known: {sorted(_KNOWN_KEYS)})"
+        )
     if not isinstance(engine_id, str) or not re.fullmatch(ENGINE_ID_PATTERN, engine_id):
         raise ConnectorConfigError("engine_id", f"{engine_id!r} does not match {ENGINE_ID_PATTERN}")
     raw_mode = extra.get("mode", TransferMode.PUSH.value)
     try:
         mode = TransferMode(raw_mode)
     except ValueError:
-        raise ConnectorConfigError("kv_connector_extra_config.mode", f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}") from None
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.mode", f"{raw_mode!r} is not one of {[m.value for m in TransferMode]}"
+        ) from None
     backends = extra.get("backends", ["UCX"])
-    if not isinstance(backends, list | tuple) or not backends or not all(isinstance(b, str) and b for b in backends):
-        raise ConnectorConfigError("kv_connector_extra_config.backends", f"expected a non-empty list of backend names, got {backends!r}")
+    if (
+        not isinstance(backends, list | tuple)
+        or not backends
+        or not all(isinstance(b, str) and b for b in backends)
+    ):
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.backends",
+            f"expected a non-empty list of backend names, got {backends!r}",
+        )
     if MOCK_BACKEND in backends and len(backends) > 1:
-        raise ConnectorConfigError("kv_connector_extra_config.backends", "'mock' cannot be combined with NIXL backends")
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.backends", "'mock' cannot be combined with NIXL backends"
+        )
     host = extra.get("side_channel_host") or env.get(SIDE_CHANNEL_HOST_ENV) or "127.0.0.1"
     if not isinstance(host, str) or not re.fullmatch(HOST_PATTERN, host):
-        raise ConnectorConfigError("kv_connector_extra_config.side_channel_host", f"{host!r} is not a host name or address")
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.side_channel_host", f"{host!r} is not a host name or address"
+        )
     port = extra.get("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ConnectorConfigError("kv_connector_extra_config.side_channel_port", f"expected a port in [1, 65535], got {port!r}")
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.side_channel_port", f"expected a port in [1, 65535], got {port!r}"
+        )
     device = buffer_device or "cpu"
     if device not in ("cpu", "cuda"):
         raise ConnectorConfigError("kv_buffer_device", f"expected 'cpu' or 'cuda', got {device!r}")
     policy = failure_policy or "fail"
     if policy not in ("fail", "recompute"):
-        raise ConnectorConfigError("kv_load_failure_policy", f"expected 'fail' or 'recompute', got {policy!r}")
+        raise ConnectorConfigError(
+            "kv_load_failure_policy", f"expected 'fail' or 'recompute', got {policy!r}"
+        )
     heartbeat_dir = extra.get("heartbeat_dir")
-    if heartbeat_dir is not None and (not isinstance(heartbeat_dir, str) or not heartbeat_dir.startswith("/")):
-        raise ConnectorConfigError("kv_connector_extra_config.heartbeat_dir", f"expected an absolute directory path, got {heartbeat_dir!r}")
+    if heartbeat_dir is not None and (
+        not isinstance(heartbeat_dir, str) or not heartbeat_dir.startswith("/")
+    ):
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.heartbeat_dir",
+            f"expected an absolute directory path, got {heartbeat_dir!r}",
+        )
     log_timeline = extra.get("log_timeline", False)
     if not isinstance(log_timeline, bool):
-        raise ConnectorConfigError("kv_connector_extra_config.log_timeline", f"expected true or false, got {log_timeline!r}")
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.log_timeline", f"expected true or false, got {log_timeline!r}"
+        )
     kv_cache_layout = requested_kv_cache_layout(extra)
     timeout_s = _positive(extra, "transfer_timeout_s", 60.0)
     return ConnectorConfig(
@@ -148,12 +174,17 @@ def requested_kv_cache_layout(extra: Mapping[str, Any] | None) -> str:
     """The ``kv_cache_layout`` key, checked: vLLM asks for it before the connector exists."""
     layout = (extra or {}).get("kv_cache_layout", DEFAULT_KV_CACHE_LAYOUT)
     if layout not in KV_CACHE_LAYOUTS:
-        raise ConnectorConfigError("kv_connector_extra_config.kv_cache_layout", f"expected one of {list(KV_CACHE_LAYOUTS)}, got {layout!r}")
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.kv_cache_layout",
+            f"expected one of {list(KV_CACHE_LAYOUTS)}, got {layout!r}",
+        )
     return layout
 
 
 def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
-        raise ConnectorConfigError(f"kv_connector_extra_config.{key}", f"expected seconds in (0, 86400], got {value!r}")
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{key}", f"expected seconds in (0, 86400], got {value!r}"
+        )
     return float(value)

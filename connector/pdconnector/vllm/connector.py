@@ -28,7 +28,13 @@ from vllm.v1.request import RequestStatus
 
 from pdconnector.layout import BlockPlacement, ConvLayout
 from pdconnector.vllm.config import ConnectorConfig, parse_connector_config, requested_kv_cache_layout
-from pdconnector.vllm.kv_layout import LayoutMismatch, cache_groups, kv_buffer_device, memory_regions, rank_layout
+from pdconnector.vllm.kv_layout import (
+    LayoutMismatch,
+    cache_groups,
+    kv_buffer_device,
+    memory_regions,
+    rank_layout,
+)
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
@@ -81,11 +87,19 @@ def _connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
-_NEMOTRON_H_LAYER_CODES = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
+_NEMOTRON_H_LAYER_CODES = {
+    "mamba": "M",
+    "linear_attention": "M",
+    "attention": "*",
+    "full_attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
 
 
 def _hf_config(vllm_config: VllmConfig) -> dict[str, Any]:
-    """The model's HF config as the layout model reads it; NemotronH's layer pattern under either of its spellings."""
+    """The model's HF config as the layout model reads it; NemotronH's layer pattern under either of its
+    spellings."""
     hf_config = vllm_config.model_config.hf_config
     config = hf_config.to_dict()
     pattern = getattr(hf_config, "hybrid_override_pattern", None) or config.get("hybrid_override_pattern")
@@ -99,20 +113,27 @@ def _hf_config(vllm_config: VllmConfig) -> dict[str, Any]:
 def _conv_layout(kv_cache_config: KVCacheConfig) -> ConvLayout:
     layout = ConvLayout(get_conv_state_layout())
     if cache_groups(kv_cache_config).ssm_groups and layout is not ConvLayout.DS:
-        raise LayoutMismatch("hybrid models need the DS conv state layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS on every prefill and decode engine")
+        raise LayoutMismatch(
+            "hybrid models need the DS conv state layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS on every "
+            "prefill and decode engine"
+        )
     return layout
 
 
-# What a request's descriptors number under each placement (scattered blocks), for the log line when vLLM overrides ours.
+# What a request's descriptors number under each placement (scattered blocks), for the log line when vLLM
+# overrides ours.
 _DESCRIPTOR_COST = {
     BlockPlacement.LAYER_OUTER: "one descriptor per layer per block",
-    BlockPlacement.BLOCK_OUTER: "one descriptor per block (per layer per block between engines of different TP)",
+    BlockPlacement.BLOCK_OUTER: "one descriptor per block (per layer per block between engines of different "
+    "TP)",
     BlockPlacement.HEAD_OUTER: "one descriptor per block",
 }
 
 
 class PDConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = _connector_config(vllm_config)
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -121,7 +142,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
             groups = cache_groups(kv_cache_config)
-            engine = EngineCoordinates(self.config.engine_id, self.config.side_channel_host, self.config.side_channel_port, self._tp_size)
+            engine = EngineCoordinates(
+                self.config.engine_id,
+                self.config.side_channel_host,
+                self.config.side_channel_port,
+                self._tp_size,
+            )
             self._scheduler = SchedulerSide(
                 self.config,
                 engine,
@@ -133,12 +159,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """Block-outermost by default (few descriptors per request); vLLM drops it, with a warning, for a backend that
-        refuses it, and :meth:`register_kv_caches` says what that costs."""
+        """Block-outermost by default (few descriptors per request); vLLM drops it, with a warning, for a
+        backend that refuses it, and :meth:`register_kv_caches` says what that costs."""
         transfer = vllm_config.kv_transfer_config
         return requested_kv_cache_layout(transfer.kv_connector_extra_config if transfer is not None else None)
 
-    # --- worker side -----------------------------------------------------------------------------------------------
+    # --- worker side
+    # -----------------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         device = kv_buffer_device(self.config.buffer_device, kv_caches)
@@ -155,7 +182,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if resolved != self.config.kv_cache_layout and layout.tp_rank == 0:
             log.warning(
-                "PDConnector asked vLLM for a %s KV cache; the attention backend or VLLM_KV_CACHE_LAYOUT chose %s, so a transfer costs %s",
+                "PDConnector asked vLLM for a %s KV cache; the attention backend or VLLM_KV_CACHE_LAYOUT "
+                "chose %s, so a transfer costs %s",
                 self.config.kv_cache_layout,
                 resolved,
                 _DESCRIPTOR_COST[layout.placement],
@@ -165,7 +193,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self._rank_info = self._worker.start()
         self._layout_summary = layout_summary(layout.model)
         log.info(
-            "PDConnector rank %d: %d regions of %d B registered on %s:%d (%s, kernel block %d of %d tokens, %s, %s)",
+            "PDConnector rank %d: %d regions of %d B registered on %s:%d (%s, kernel block %d of %d tokens, "
+            "%s, %s)",
             layout.tp_rank,
             len(regions),
             layout.regions[0].nbytes,
@@ -191,7 +220,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None
 
     def wait_for_save(self) -> None:
@@ -202,7 +233,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         results = self._worker.results()
         return KVConnectorTransferResults(
-            finished_sending=results.finished_sending, finished_recving=results.finished_recving, failed_recving=results.failed_recving
+            finished_sending=results.finished_sending,
+            finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving,
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -220,7 +253,11 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(
-        cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
     ) -> PDPromMetrics:
         return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -232,7 +269,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             self._server.close()
             self._server = None
 
-    # --- scheduler side --------------------------------------------------------------------------------------------
+    # --- scheduler side
+    # --------------------------------------------------------------------------------------------
 
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
@@ -245,7 +283,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         # The workers saw the tensors (kernel block, layout); the scheduler side only serves what they found.
         summaries = {json.dumps(m.layout, sort_keys=True) for m in handshakes}
         if len(summaries) != 1:
-            raise LayoutMismatch(f"engine {self.config.engine_id}: TP ranks report different KV layouts: {sorted(summaries)}")
+            raise LayoutMismatch(
+                f"engine {self.config.engine_id}: TP ranks report different KV layouts: {sorted(summaries)}"
+            )
         info = EngineInfo(self.config.engine_id, self._tp_size, handshakes[0].layout, ranks)
         scheduler = self._sched()
         scheduler.set_engine_info(_encoder.encode(info))
@@ -267,23 +307,31 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def on_new_request(self, request: Request) -> None:
         self._sched().on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # The transfer fills every group (SSM state included), so vLLM must not zero those blocks.
         return self._kv_cache_config.transfer_group_ids
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._sched().update_state_after_alloc(request, blocks.blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(scheduler_output.scheduled_cached_reqs.req_ids)
+        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(
+            scheduler_output.scheduled_cached_reqs.req_ids
+        )
         return self._sched().build_meta(scheduled)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         scheduler = self._sched()
-        scheduler.update_connector_output(set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ()))
+        scheduler.update_connector_output(
+            set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
+        )
         scheduler.finished_sending(set(connector_output.finished_sending or ()))
 
     def has_pending_push_work(self) -> bool:
@@ -292,5 +340,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)

@@ -18,7 +18,15 @@ import torch
 from vllm.v1.kv_cache_interface import AttentionSpec as VllmAttentionSpec
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
-from pdconnector.layout import AttentionLayout, BlockPlacement, ConvLayout, KVModel, LayerKind, RankLayout, model_from_hf_config
+from pdconnector.layout import (
+    AttentionLayout,
+    BlockPlacement,
+    ConvLayout,
+    KVModel,
+    LayerKind,
+    RankLayout,
+    model_from_hf_config,
+)
 from pdconnector.transport.base import Device, MemoryRegion
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -30,7 +38,8 @@ class LayoutMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class CacheGroups:
-    """vLLM's KV cache groups as the scheduler side needs them: which are SSM (transfer only the state block)."""
+    """vLLM's KV cache groups as the scheduler side needs them: which are SSM (transfer only the state
+    block)."""
 
     num_groups: int
     ssm_groups: frozenset[int]
@@ -45,13 +54,22 @@ def _layer_index(name: str) -> int:
 
 
 def cache_groups(kv_cache_config: KVCacheConfig) -> CacheGroups:
-    ssm = frozenset(g for g, group in enumerate(kv_cache_config.kv_cache_groups) if isinstance(group.kv_cache_spec, MambaSpec))
-    attention = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups if isinstance(group.kv_cache_spec, VllmAttentionSpec)]
+    ssm = frozenset(
+        g
+        for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        if isinstance(group.kv_cache_spec, MambaSpec)
+    )
+    attention = [
+        group.kv_cache_spec.block_size
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, VllmAttentionSpec)
+    ]
     block_size = attention[0] if attention else kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     return CacheGroups(len(kv_cache_config.kv_cache_groups), ssm, int(block_size))
 
 
-# vLLM's physical orders (``KVCacheLayout`` names) the layout model describes: a page's order and where pages sit.
+# vLLM's physical orders (``KVCacheLayout`` names) the layout model describes: a page's order and where pages
+# sit.
 SUPPORTED_LAYOUTS: Mapping[str, tuple[AttentionLayout, BlockPlacement]] = {
     "LBHNC": (AttentionLayout.PACKED_HND, BlockPlacement.LAYER_OUTER),
     "LBNHC": (AttentionLayout.PACKED_NHD, BlockPlacement.LAYER_OUTER),
@@ -63,42 +81,58 @@ _SUPPORTED_MAMBA_TYPES = frozenset({"MAMBA2", "GDN_ATTN"})
 
 
 def check_supported(kv_cache_config: KVCacheConfig, *, speculative: bool) -> None:
-    """Refuse, at start-up, the cache specs whose state the connector cannot move: a wrong transfer would be silent."""
+    """Refuse, at start-up, the cache specs whose state the connector cannot move: a wrong transfer would be
+    silent."""
     unknown = [
-        type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups if not isinstance(g.kv_cache_spec, VllmAttentionSpec | MambaSpec)
+        type(g.kv_cache_spec).__name__
+        for g in kv_cache_config.kv_cache_groups
+        if not isinstance(g.kv_cache_spec, VllmAttentionSpec | MambaSpec)
     ]
     if unknown:
-        raise LayoutMismatch(f"unsupported KV cache spec(s) {unknown}: the connector moves full attention and Mamba/GDN state only")
+        raise LayoutMismatch(
+            f"unsupported KV cache spec(s) {unknown}: the connector moves full attention and Mamba/GDN "
+            "state only"
+        )
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if not isinstance(spec, MambaSpec):
             continue
         kind = spec.mamba_type.name
         if kind not in _SUPPORTED_MAMBA_TYPES:
-            raise LayoutMismatch(f"KV cache group {g}: {kind} state layers are not supported by PDConnector (it moves Mamba2 and GDN state)")
+            raise LayoutMismatch(
+                f"KV cache group {g}: {kind} state layers are not supported by PDConnector (it moves Mamba2 "
+                "and GDN state)"
+            )
         if spec.mamba_cache_mode != "none":
             raise LayoutMismatch(
-                f"KV cache group {g}: mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM sets 'align' when prefix caching is on) places SSM "
-                "state blocks the connector does not model; start hybrid engines with --no-enable-prefix-caching"
+                f"KV cache group {g}: mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM sets 'align' when "
+                "prefix caching is on) places SSM "
+                "state blocks the connector does not model; start hybrid engines with "
+                "--no-enable-prefix-caching"
             )
         if speculative or spec.num_speculative_blocks:
             raise LayoutMismatch(
-                f"KV cache group {g}: speculative decoding (--speculative-config) adds Mamba state slots the connector does not move; "
+                f"KV cache group {g}: speculative decoding (--speculative-config) adds Mamba state slots "
+                "the connector does not move; "
                 "hybrid engines cannot use it with PDConnector"
             )
 
 
 def kv_buffer_device(buffer_device: str, kv_caches: Mapping[str, Any]) -> Device:
-    """The memory kind to register, checked against where vLLM put the cache (``kv_buffer_device`` names it)."""
+    """The memory kind to register, checked against where vLLM put the cache (``kv_buffer_device`` names
+    it)."""
     tensors = [t for value in kv_caches.values() for t in _tensors(value)]
     on_gpu = {t.device.type == "cuda" for t in tensors}
     if on_gpu == {True} and buffer_device != "cuda":
         raise LayoutMismatch(
-            f"kv_buffer_device {buffer_device!r} but the KV cache is in GPU memory: PDConnector registers the cache itself and has no "
+            f"kv_buffer_device {buffer_device!r} but the KV cache is in GPU memory: PDConnector registers "
+            "the cache itself and has no "
             "host staging; set kv_buffer_device to 'cuda'"
         )
     if on_gpu == {False} and buffer_device == "cuda":
-        raise LayoutMismatch("kv_buffer_device 'cuda' but the KV cache is in host memory: set kv_buffer_device to 'cpu'")
+        raise LayoutMismatch(
+            "kv_buffer_device 'cuda' but the KV cache is in host memory: set kv_buffer_device to 'cpu'"
+        )
     devices = {str(t.device) for t in tensors}
     if len(devices) > 1:
         raise LayoutMismatch(f"the KV cache tensors of one rank span devices {sorted(devices)}")
@@ -109,51 +143,68 @@ def kernel_block_size(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, An
     """The attention kernel's block (``None`` without attention), read off the views vLLM hands connectors.
 
     When a backend's kernel block is smaller than the scheduler's block, vLLM views each attention layer as
-    ``[num_blocks * ratio, heads, kernel_block_size, K||V]``: the bytes of a logical block are ``ratio`` kernel blocks."""
+    ``[num_blocks * ratio, heads, kernel_block_size, K||V]``: the bytes of a logical block are ``ratio``
+    kernel blocks."""
     found: dict[int, str] = {}
     for name, block_size, tensor in _attention_views(kv_cache_config, kv_caches):
         if tensor.dim() != 4:
             continue
         blocks, tokens = int(tensor.shape[0]), int(tensor.shape[2])
-        if tokens <= 0 or block_size % tokens or blocks != kv_cache_config.num_blocks * (block_size // tokens):
+        if (
+            tokens <= 0
+            or block_size % tokens
+            or blocks != kv_cache_config.num_blocks * (block_size // tokens)
+        ):
             raise LayoutMismatch(
-                f"attention layer {name!r}: view {tuple(tensor.shape)} is not [num_blocks * ratio, heads, kernel block, K||V] for "
+                f"attention layer {name!r}: view {tuple(tensor.shape)} is not [num_blocks * ratio, heads, "
+                "kernel block, K||V] for "
                 f"{kv_cache_config.num_blocks} blocks of {block_size} tokens"
             )
         found.setdefault(tokens, name)
     if len(found) > 1:
-        raise LayoutMismatch(f"attention layers use different kernel block sizes {sorted(found)} (e.g. {sorted(found.values())})")
+        raise LayoutMismatch(
+            f"attention layers use different kernel block sizes {sorted(found)} (e.g. "
+            f"{sorted(found.values())})"
+        )
     return next(iter(found), None)
 
 
-def attention_layout(resolved: str, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> tuple[AttentionLayout, BlockPlacement]:
-    """The layout model's names for vLLM's resolved KV cache layout, verified against every attention view's strides.
+def attention_layout(
+    resolved: str, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]
+) -> tuple[AttentionLayout, BlockPlacement]:
+    """The layout model's names for vLLM's resolved KV cache layout, verified against every attention view's
+    strides.
 
-    The name alone is not trusted: a backend may drop the connector's preference, and an LBNHC cache passes every size
-    check while making head slices of heterogeneous TP land on the wrong bytes."""
+    The name alone is not trusted: a backend may drop the connector's preference, and an LBNHC cache passes
+    every size check while making head slices of heterogeneous TP land on the wrong bytes."""
     if resolved not in SUPPORTED_LAYOUTS:
         raise LayoutMismatch(
-            f"KV cache layout {resolved} is not supported by PDConnector (it moves {sorted(SUPPORTED_LAYOUTS)} caches): unset "
+            f"KV cache layout {resolved} is not supported by PDConnector (it moves "
+            f"{sorted(SUPPORTED_LAYOUTS)} caches): unset "
             "VLLM_KV_CACHE_LAYOUT or set it to one of those, or choose an attention backend that accepts one"
         )
     layout, placement = SUPPORTED_LAYOUTS[resolved]
     for name, _block_size, tensor in _attention_views(kv_cache_config, kv_caches):
         if layout not in _orders_of(tensor, _head_spacing(placement, kv_cache_config, name)):
             raise LayoutMismatch(
-                f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view {tuple(tensor.shape)} has "
+                f"attention layer {name!r}: vLLM resolved the KV cache layout to {resolved}, but its view "
+                f"{tuple(tensor.shape)} has "
                 f"strides {tuple(tensor.stride())}, which is not {resolved}"
             )
     return layout, placement
 
 
 def _head_spacing(placement: BlockPlacement, kv_cache_config: KVCacheConfig, name: str) -> int:
-    """Heads of a head-outer (BHLNC) page sit one head of every layer slot apart; elsewhere they are adjacent."""
+    """Heads of a head-outer (BHLNC) page sit one head of every layer slot apart; elsewhere they are
+    adjacent."""
     if placement is not BlockPlacement.HEAD_OUTER:
         return 1
     return next(len(g.layer_names) for g in kv_cache_config.kv_cache_groups if name in g.layer_names)
 
 
-def _attention_views(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
+def _attention_views(
+    kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any]
+) -> Iterator[tuple[str, int, torch.Tensor]]:
     """(layer name, scheduler block size, first view) of every attention layer vLLM handed a cache for."""
     for group in kv_cache_config.kv_cache_groups:
         if isinstance(group.kv_cache_spec, VllmAttentionSpec):
@@ -163,14 +214,23 @@ def _attention_views(kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any
 
 
 def _orders_of(view: torch.Tensor, head_spacing: int = 1) -> set[AttentionLayout]:
-    """The in-block orders a ``[blocks, heads, tokens, K||V]`` view's strides fit (both when heads or tokens is 1);
+    """The in-block orders a ``[blocks, heads, tokens, K||V]`` view's strides fit (both when heads or tokens
+    is 1);
     ``head_spacing``: head-major heads sit that many heads apart (the layer slots of a head-outer block)."""
     _, heads, tokens, channels = (int(d) for d in view.shape)
     _, head_stride, token_stride, channel_stride = view.stride()
     orders = set()
-    if channel_stride == 1 and (heads == 1 or head_stride == head_spacing * tokens * channels) and (tokens == 1 or token_stride == channels):
+    if (
+        channel_stride == 1
+        and (heads == 1 or head_stride == head_spacing * tokens * channels)
+        and (tokens == 1 or token_stride == channels)
+    ):
         orders.add(AttentionLayout.PACKED_HND)
-    if channel_stride == 1 and (tokens == 1 or token_stride == heads * channels) and (heads == 1 or head_stride == channels):
+    if (
+        channel_stride == 1
+        and (tokens == 1 or token_stride == heads * channels)
+        and (heads == 1 or head_stride == channels)
+    ):
         orders.add(AttentionLayout.PACKED_NHD)
     return orders
 
@@ -184,9 +244,16 @@ def model_spec(
     attention_layout: AttentionLayout = AttentionLayout.PACKED_HND,
 ) -> KVModel:
     """The layout model of the served model, with dtypes and block size taken from vLLM's own cache specs
-    (attention from the attention spec, conv and temporal state from the Mamba spec: an fp8 KV cache keeps them wide)."""
-    attention = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, VllmAttentionSpec)]
-    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    (attention from the attention spec, conv and temporal state from the Mamba spec: an fp8 KV cache keeps
+    them wide)."""
+    attention = [
+        g.kv_cache_spec
+        for g in kv_cache_config.kv_cache_groups
+        if isinstance(g.kv_cache_spec, VllmAttentionSpec)
+    ]
+    mamba = [
+        g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)
+    ]
     spec = attention[0] if attention else mamba[0]
     return model_from_hf_config(
         hf_config,
@@ -211,8 +278,9 @@ def rank_layout(
     resolved_layout: str,
     speculative: bool = False,
 ) -> RankLayout:
-    """This rank's layout as the tensors vLLM allocated show it, refused with a reason unless the connector can move it:
-    supported specs, the resolved layout and the views' strides, kernel blocks, HMA groups and page sizes."""
+    """This rank's layout as the tensors vLLM allocated show it, refused with a reason unless the connector
+    can move it: supported specs, the resolved layout and the views' strides, kernel blocks, HMA groups and
+    page sizes."""
     check_supported(kv_cache_config, speculative=speculative)
     page_order, placement = attention_layout(resolved_layout, kv_cache_config, kv_caches)
     model = model_spec(
@@ -232,10 +300,14 @@ def rank_layout(
 
 def check_groups(layout: RankLayout, kv_cache_config: KVCacheConfig) -> None:
     """vLLM's groups hold the same layers, in the same order, as the layout model's (HMA grouping)."""
-    names = sorted((name for g in kv_cache_config.kv_cache_groups for name in g.layer_names), key=_layer_index)
+    names = sorted(
+        (name for g in kv_cache_config.kv_cache_groups for name in g.layer_names), key=_layer_index
+    )
     position = {name: i for i, name in enumerate(names)}
     if len(names) != len(layout.model.layers):
-        raise LayoutMismatch(f"vLLM has {len(names)} KV cache layers, the model config describes {len(layout.model.layers)}")
+        raise LayoutMismatch(
+            f"vLLM has {len(names)} KV cache layers, the model config describes {len(layout.model.layers)}"
+        )
     theirs = [[position[name] for name in g.layer_names] for g in kv_cache_config.kv_cache_groups]
     ours = [list(g.layers) for g in layout.groups]
     if theirs != ours:
@@ -243,16 +315,23 @@ def check_groups(layout: RankLayout, kv_cache_config: KVCacheConfig) -> None:
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         page = group.kv_cache_spec.page_size_bytes
         if page != layout.page_bytes:
-            raise LayoutMismatch(f"KV cache group {g}: vLLM page of {page} B, the layout model computes {layout.page_bytes} B")
+            raise LayoutMismatch(
+                f"KV cache group {g}: vLLM page of {page} B, the layout model computes {layout.page_bytes} B"
+            )
 
 
 def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
-def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any], device: Device) -> list[MemoryRegion]:
-    """The layout's regions at their addresses in vLLM's buffer, checked against where every layer's views start."""
-    names = sorted((name for g in kv_cache_config.kv_cache_groups for name in g.layer_names), key=_layer_index)
+def memory_regions(
+    layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches: Mapping[str, Any], device: Device
+) -> list[MemoryRegion]:
+    """The layout's regions at their addresses in vLLM's buffer, checked against where every layer's views
+    start."""
+    names = sorted(
+        (name for g in kv_cache_config.kv_cache_groups for name in g.layer_names), key=_layer_index
+    )
     bases: dict[int, int] = {}
     for position, name in enumerate(names):
         if name not in kv_caches:
@@ -261,11 +340,13 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
         base = min(t.data_ptr() for t in tensors)
         slot, kind = layout.layer_slots[position], layout.model.layers[position]
         first = np.zeros(1, dtype=np.int64)
-        regions, starts = layout.locate(kind, np.array([slot]), first, first)  # where block 0 of the slot's page starts
+        # where block 0 of the slot's page starts
+        regions, starts = layout.locate(kind, np.array([slot]), first, first)
         region, start = int(regions.flat[0]), int(starts.flat[0])
         if bases.setdefault(region, base - start) != base - start:
             raise LayoutMismatch(
-                f"layer {name!r} (slot {slot}) starts at {base:#x}; region {region} starts at {bases[region]:#x}, so the layout "
+                f"layer {name!r} (slot {slot}) starts at {base:#x}; region {region} starts at "
+                f"{bases[region]:#x}, so the layout "
                 f"model expects {bases[region] + start:#x}"
             )
         _check_layer_tensors(layout, name, kind, tensors, base)
@@ -273,13 +354,19 @@ def memory_regions(layout: RankLayout, kv_cache_config: KVCacheConfig, kv_caches
     return [MemoryRegion(bases[r.index], r.nbytes, device, device_id) for r in layout.regions]
 
 
-def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors: list[torch.Tensor], base: int) -> None:
-    """Attention: kernel blocks of ``physical_page_bytes``. SSM: pages of ``page_bytes`` whose state tensors (conv then
-    temporal, or one raw byte view of both) cover exactly the first ``ssm_state_bytes`` of each page."""
+def _check_layer_tensors(
+    layout: RankLayout, name: str, kind: LayerKind, tensors: list[torch.Tensor], base: int
+) -> None:
+    """Attention: kernel blocks of ``physical_page_bytes``. SSM: pages of ``page_bytes`` whose state tensors
+    (conv then temporal, or one raw byte view of both) cover exactly the first ``ssm_state_bytes`` of each
+    page."""
     outer = layout.placement is not BlockPlacement.LAYER_OUTER
     if kind is LayerKind.ATTENTION:
         stride = layout.block_stride if outer else layout.physical_page_bytes
-        blocks, extent = layout.num_blocks * layout.model.physical_blocks_per_logical, layout.physical_page_bytes
+        blocks, extent = (
+            layout.num_blocks * layout.model.physical_blocks_per_logical,
+            layout.physical_page_bytes,
+        )
     else:
         stride, blocks, extent = layout.block_stride, layout.num_blocks, layout.ssm_state_bytes
     spans = sorted((t.data_ptr() - base, t[0].numel() * t.element_size()) for t in tensors)
@@ -289,6 +376,8 @@ def _check_layer_tensors(layout: RankLayout, name: str, kind: LayerKind, tensors
     got = [(t.data_ptr() - base, t.stride(0) * t.element_size(), t.shape[0]) for t in tensors]
     if covered != extent or any(g[1:] != (stride, blocks) for g in got):
         raise LayoutMismatch(
-            f"{kind} layer {name!r}: vLLM tensors {[tuple(t.shape) for t in tensors]} have (offset, block stride, blocks) {got} covering "
-            f"{spans} of each block; the layout model expects block stride {stride}, {blocks} blocks, bytes [0, {extent}) covered"
+            f"{kind} layer {name!r}: vLLM tensors {[tuple(t.shape) for t in tensors]} have (offset, block "
+            f"stride, blocks) {got} covering "
+            f"{spans} of each block; the layout model expects block stride {stride}, {blocks} blocks, bytes "
+            f"[0, {extent}) covered"
         )

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
 
 @dataclass(frozen=True)
 class FailRequest:
-    """Decode: the request cannot receive at all (bad parameters); report it failed without touching the network."""
+    """Decode: the request cannot receive at all (bad parameters); report it failed without touching the
+    network."""
 
     request_id: str
     detail: str
@@ -37,8 +41,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RankHandshake(KVConnectorHandshakeMetadata):
-    """One worker rank's :class:`~pdconnector.worker.identity.RankInfo` (msgpack) and the KV layout it registered
-    (:func:`~pdconnector.worker.identity.layout_summary`), gathered by vLLM into the scheduler side."""
+    """One worker rank's :class:`~pdconnector.worker.identity.RankInfo` (msgpack) and the KV layout it
+    registered (:func:`~pdconnector.worker.identity.layout_summary`), gathered by vLLM into the scheduler
+    side."""
 
     rank_info: bytes
     layout: dict[str, str]

@@ -1,4 +1,5 @@
-"""The scheduler side of the connector: which requests move KV, which blocks, and when their blocks may be freed.
+"""The scheduler side of the connector: which requests move KV, which blocks, and when their blocks may be
+freed.
 
 It sees vLLM requests only through the handful of attributes it reads (``request_id``,
 ``kv_transfer_params``, ``num_prompt_tokens``, ``num_computed_tokens``, ``status``, the prompt
@@ -45,7 +46,14 @@ from pdconnector.protocol.timeline import Stage
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata
 from pdconnector.vllm.stats import PDTransferStats
-from pdconnector.worker.commands import AbandonTransfer, BlockIds, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
+from pdconnector.worker.commands import (
+    AbandonTransfer,
+    BlockIds,
+    CancelTransfer,
+    ExpectPush,
+    PrefillDone,
+    ReadBlocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +120,11 @@ class SchedulerSide:
         self._received: dict[str, _Incoming] = {}  # decode requests that received, until they finish
         self._holding: dict[str, str] = {}  # prefill request id -> transfer id, blocks kept for decode
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
-        self._stats = PDTransferStats()  # the stages vLLM's scheduler adds around a transfer (admission, resume)
+        # the stages vLLM's scheduler adds around a transfer (admission, resume)
+        self._stats = PDTransferStats()
 
-    # --- handshake plumbing -----------------------------------------------------------------------------------------
+    # --- handshake plumbing
+    # -----------------------------------------------------------------------------------------
 
     def set_engine_info(self, encoded: bytes) -> None:
         with self._lock:
@@ -125,7 +135,8 @@ class SchedulerSide:
         with self._lock:
             self._peers.append(encoded)
 
-    # --- both roles ------------------------------------------------------------------------------------------------
+    # --- both roles
+    # ------------------------------------------------------------------------------------------------
 
     def _params(self, request: Any) -> dict[str, Any] | None:
         params = request.kv_transfer_params
@@ -135,9 +146,15 @@ class SchedulerSide:
         return parse_transfer_params({TRANSFER_MODE_KEY: self.config.mode.value, **params})
 
     def on_new_request(self, request: Any) -> None:
-        """Prefill of a model with SSM layers: compute all but the last prompt token (decode recomputes it)."""
+        """Prefill of a model with SSM layers: compute all but the last prompt token (decode recomputes
+        it)."""
         params = self._params(request)
-        if not self.backoff_tokens or params is None or params.get("do_remote_decode") is not True or params.get(_TRIMMED_KEY):
+        if (
+            not self.backoff_tokens
+            or params is None
+            or params.get("do_remote_decode") is not True
+            or params.get(_TRIMMED_KEY)
+        ):
             return
         if request.num_prompt_tokens <= self.backoff_tokens or request.prompt_token_ids is None:
             return
@@ -149,9 +166,14 @@ class SchedulerSide:
 
     def remote_token_count(self, num_prompt_tokens: int) -> int:
         """Prompt tokens decode takes from prefill (all but the backoff tokens it recomputes)."""
-        return num_prompt_tokens - self.backoff_tokens if num_prompt_tokens > self.backoff_tokens else num_prompt_tokens
+        return (
+            num_prompt_tokens - self.backoff_tokens
+            if num_prompt_tokens > self.backoff_tokens
+            else num_prompt_tokens
+        )
 
-    # --- decode ----------------------------------------------------------------------------------------------------
+    # --- decode
+    # ----------------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)
@@ -164,45 +186,68 @@ class SchedulerSide:
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int
+    ) -> None:
         params = self._params(request)
         if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
             return
         params[_STAGED_KEY] = True
         if num_external_tokens <= 0:
             # Decode holds every token already: nothing to receive, and prefill may free its copy now.
-            self._abandon(request.request_id, params, f"decode request {request.request_id} holds every prompt token already")
+            self._abandon(
+                request.request_id,
+                params,
+                f"decode request {request.request_id} holds every prompt token already",
+            )
             return
         request_id = request.request_id
         try:
             transfer = self._parse(params)
             if transfer.role is not EngineRole.DECODE or transfer.remote is None:
-                raise TransferParamsError("do_remote_prefill", "a decode leg needs the prefill engine's coordinates")
+                raise TransferParamsError(
+                    "do_remote_prefill", "a decode leg needs the prefill engine's coordinates"
+                )
             owner = self._decode_owner(transfer.transfer_id)
             if owner is not None:
-                # The workers know a transfer by its id alone: a second request under it would take over the first's
-                # results (which then never ends) and could be written with bytes meant for the other.
-                raise TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already in use by request {owner} on this engine")
+                # The workers know a transfer by its id alone: a second request under it would take over the
+                # first's results (which then never ends) and could be written with bytes meant for the other.
+                raise TransferParamsError(
+                    TRANSFER_ID_KEY,
+                    f"{transfer.transfer_id} is already in use by request {owner} on this engine",
+                )
             local, cached = self._local_blocks(block_groups)
             waited_s = self._waited(request)
-            command = self._decode_command(request_id, transfer, local, cached, num_external_tokens, waited_s=waited_s)
+            command = self._decode_command(
+                request_id, transfer, local, cached, num_external_tokens, waited_s=waited_s
+            )
             self._stats.record_stages({Stage.ADMISSION.value: waited_s})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
-            self._incoming[request_id] = _Incoming(str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True)
+            self._incoming[request_id] = _Incoming(
+                str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True
+            )
             return
-        self._incoming[request_id] = _Incoming(transfer.transfer_id, transfer.mode, sum(len(g) for g in local))
+        self._incoming[request_id] = _Incoming(
+            transfer.transfer_id, transfer.mode, sum(len(g) for g in local)
+        )
         self._stage(command)
 
     def _decode_owner(self, transfer_id: str) -> str | None:
-        """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if any."""
+        """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
+        any."""
         live = [*((r, i) for r, i in self._incoming.items() if not i.failed), *self._received.items()]
-        return next((request_id for request_id, incoming in live if incoming.transfer_id == transfer_id), None)
+        return next(
+            (request_id for request_id, incoming in live if incoming.transfer_id == transfer_id), None
+        )
 
     def _local_blocks(self, block_groups: Sequence[Sequence[Block]]) -> tuple[BlockIds, int]:
-        """Decode's blocks to fill (per group) and how many leading attention blocks it already holds (prefix hit)."""
+        """Decode's blocks to fill (per group) and how many leading attention blocks it already holds (prefix
+        hit)."""
         if len(block_groups) != self.num_groups:
-            raise ValueError(f"expected blocks for {self.num_groups} KV cache groups, got {len(block_groups)}")
+            raise ValueError(
+                f"expected blocks for {self.num_groups} KV cache groups, got {len(block_groups)}"
+            )
         local: list[tuple[int, ...]] = []
         cached = 0
         for g, group in enumerate(block_groups):
@@ -217,44 +262,65 @@ class SchedulerSide:
 
     @staticmethod
     def _waited(request: Any) -> float:
-        """Seconds since the request reached this engine (vLLM stamps ``arrival_time`` with the wall clock)."""
+        """Seconds since the request reached this engine (vLLM stamps ``arrival_time`` with the wall
+        clock)."""
         arrival = getattr(request, "arrival_time", None)
         return max(0.0, time.time() - arrival) if isinstance(arrival, int | float) else 0.0
 
     def _decode_command(
-        self, request_id: str, transfer: TransferRequest, local: BlockIds, cached: int, num_tokens: int, *, waited_s: float
+        self,
+        request_id: str,
+        transfer: TransferRequest,
+        local: BlockIds,
+        cached: int,
+        num_tokens: int,
+        *,
+        waited_s: float,
     ) -> Command:
         assert transfer.remote is not None
         if transfer.mode is TransferMode.PUSH:
-            # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries the count).
+            # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries
+            # the count).
             return ExpectPush(request_id, transfer.transfer_id, transfer.remote, local, num_tokens, cached)
         remote = transfer.remote_block_ids or ()
         if len(remote) != self.num_groups:
-            raise TransferParamsError("remote_block_ids", f"expected {self.num_groups} KV cache groups, got {len(remote)}")
+            raise TransferParamsError(
+                "remote_block_ids", f"expected {self.num_groups} KV cache groups, got {len(remote)}"
+            )
         matched: list[tuple[int, ...]] = []
         for g, (theirs, ours) in enumerate(zip(remote, local, strict=True)):
             source = theirs[-1:] if g in self.ssm_groups else theirs[cached : cached + len(ours)]
             if len(source) != len(ours):
                 raise TransferParamsError(
-                    "remote_block_ids", f"KV cache group {g}: prefill sent {len(theirs)} blocks, decode needs {len(ours)} after {cached} cached"
+                    "remote_block_ids",
+                    f"KV cache group {g}: prefill sent {len(theirs)} blocks, decode needs {len(ours)} after "
+                    f"{cached} cached",
                 )
             matched.append(tuple(source))
-        # Prefill's hold began before it answered, so before this request arrived: what is left of it bounds the READs.
+        # Prefill's hold began before it answered, so before this request arrived: what is left of it bounds
+        # the READs.
         hold_s = transfer.remote_hold_s if transfer.remote_hold_s is not None else self.config.lease_s
         valid_for_s = hold_s - waited_s - PULL_HOLD_SLACK_S
         if valid_for_s <= 0:
-            detail = f"waited {waited_s:.1f}s at decode; prefill holds its blocks for {hold_s:.1f}s after answering, so they may be gone"
+            detail = (
+                f"waited {waited_s:.1f}s at decode; prefill holds its blocks for {hold_s:.1f}s after "
+                "answering, so they may be gone"
+            )
             raise TransferParamsError(REMOTE_HOLD_KEY, detail)
-        return ReadBlocks(request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens, valid_for_s)
+        return ReadBlocks(
+            request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens, valid_for_s
+        )
 
     def _stage(self, command: Command) -> None:
         with self._lock:
             self._commands.append(command)
 
-    # --- per step ---------------------------------------------------------------------------------------------------
+    # --- per step
+    # ---------------------------------------------------------------------------------------------------
 
     def build_meta(self, scheduled: Iterable[str] = ()) -> PDConnectorMetadata:
-        """This step's commands for the workers; ``scheduled``: the requests this step runs (a received one resumes)."""
+        """This step's commands for the workers; ``scheduled``: the requests this step runs (a received one
+        resumes)."""
         if self._resuming:
             now = time.monotonic()
             for request_id in scheduled:
@@ -289,26 +355,41 @@ class SchedulerSide:
         for request_id in request_ids:
             self._holding.pop(request_id, None)
 
-    # --- end of a request ------------------------------------------------------------------------------------------
+    # --- end of a request
+    # ------------------------------------------------------------------------------------------
 
-    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:
-            # Refused before any transfer began (its id may be another request's): nothing to cancel, nothing written.
+            # Refused before any transfer began (its id may be another request's): nothing to cancel, nothing
+            # written.
             del self._incoming[request_id]
             return False, None
         if incoming is not None:
-            # Aborted while receiving: keep the blocks until the workers confirm no write lands in them any more.
-            self._stage(CancelTransfer(request_id, incoming.transfer_id, f"decode request {request_id} ended before its KV arrived"))
+            # Aborted while receiving: keep the blocks until the workers confirm no write lands in them any
+            # more.
+            self._stage(
+                CancelTransfer(
+                    request_id,
+                    incoming.transfer_id,
+                    f"decode request {request_id} ended before its KV arrived",
+                )
+            )
             return True, None
         received = self._received.pop(request_id, None)
         if received is not None:
             return False, {
                 TRANSFER_ID_KEY: received.transfer_id,
-                RECEIVED_KEY: {"transfer_id": received.transfer_id, "mode": received.mode.value, "blocks": received.blocks},
+                RECEIVED_KEY: {
+                    "transfer_id": received.transfer_id,
+                    "mode": received.mode.value,
+                    "blocks": received.blocks,
+                },
             }
         if params is not None and params.get("do_remote_prefill") is True and not params.get(_STAGED_KEY):
             # Ended (aborted) before it had blocks: prefill would hold its copy until its lease.
@@ -319,7 +400,8 @@ class SchedulerSide:
         return self._prefill_finished(request, params, block_ids)
 
     def _abandon(self, request_id: str, params: Mapping[str, Any], detail: str) -> None:
-        """Tell the prefill engine a decode leg will never take its KV (unusable parameters: nobody to tell)."""
+        """Tell the prefill engine a decode leg will never take its KV (unusable parameters: nobody to
+        tell)."""
         try:
             transfer = self._parse(params)
         except TransferParamsError:
@@ -327,28 +409,52 @@ class SchedulerSide:
         if transfer.remote is not None and self._decode_owner(transfer.transfer_id) is None:
             self._stage(AbandonTransfer(request_id, transfer.transfer_id, transfer.remote, detail))
 
-    def _prefill_finished(self, request: Any, params: dict[str, Any], block_ids: Sequence[Sequence[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def _prefill_finished(
+        self, request: Any, params: dict[str, Any], block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         try:
             transfer = self._parse(params)
         except TransferParamsError as error:
             log.error("prefill request %s keeps no KV for decode: %s", request_id, error)
             return False, {ERROR_KEY: str(error)}
-        owner = next((other for other, held in self._holding.items() if held == transfer.transfer_id and other != request_id), None)
+        owner = next(
+            (
+                other
+                for other, held in self._holding.items()
+                if held == transfer.transfer_id and other != request_id
+            ),
+            None,
+        )
         if owner is not None:
             # Neither held nor cancelled: the transfer under this id is the other request's.
-            detail = str(TransferParamsError(TRANSFER_ID_KEY, f"{transfer.transfer_id} is already held for request {owner} on this engine"))
+            detail = str(
+                TransferParamsError(
+                    TRANSFER_ID_KEY,
+                    f"{transfer.transfer_id} is already held for request {owner} on this engine",
+                )
+            )
             log.error("prefill request %s keeps no KV for decode: %s", request_id, detail)
             return False, {ERROR_KEY: detail}
         if request.status not in self.finished_statuses:
-            self._stage(CancelTransfer(request_id, transfer.transfer_id, f"prefill request {request_id} ended with {request.status}"))
+            self._stage(
+                CancelTransfer(
+                    request_id,
+                    transfer.transfer_id,
+                    f"prefill request {request_id} ended with {request.status}",
+                )
+            )
             return False, None
         blocks = self._prefill_blocks(block_ids)
         if not any(blocks):
             return False, None
         num_tokens = int(request.num_computed_tokens)
         self._holding[request_id] = transfer.transfer_id
-        self._stage(PrefillDone(request_id, transfer.transfer_id, blocks, num_tokens, transfer.mode is TransferMode.PULL))
+        self._stage(
+            PrefillDone(
+                request_id, transfer.transfer_id, blocks, num_tokens, transfer.mode is TransferMode.PULL
+            )
+        )
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -366,7 +472,9 @@ class SchedulerSide:
     def _prefill_blocks(self, block_ids: Sequence[Sequence[int]]) -> BlockIds:
         if len(block_ids) != self.num_groups:
             raise ValueError(f"expected blocks for {self.num_groups} KV cache groups, got {len(block_ids)}")
-        return tuple((tuple(group[-1:]) if g in self.ssm_groups else tuple(group)) for g, group in enumerate(block_ids))
+        return tuple(
+            (tuple(group[-1:]) if g in self.ssm_groups else tuple(group)) for g, group in enumerate(block_ids)
+        )
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._holding

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 # A KV wait runs from a few milliseconds (a block or two over host memory) to the transfer timeout.
 WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# A stage of a transfer (pdconnector.protocol.timeline) takes from tens of microseconds (a post) to the timeout.
+# A stage of a transfer (pdconnector.protocol.timeline) takes from tens of microseconds (a post) to the
+# timeout.
 STAGE_BUCKETS_S = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
 # How many waits one stats object keeps between two reads; vLLM reads them after every step, so this only
 # bounds a stalled reader.
@@ -46,7 +47,13 @@ class Direction(StrEnum):
 
 
 def _empty() -> dict[str, Any]:
-    return {"ended": {}, "bytes_received": 0, "waits": {direction.value: [] for direction in Direction}, "events": {}, "stages": {}}
+    return {
+        "ended": {},
+        "bytes_received": 0,
+        "waits": {direction.value: [] for direction in Direction},
+        "events": {},
+        "stages": {},
+    }
 
 
 @dataclass
@@ -57,7 +64,9 @@ class PDTransferStats(KVConnectorStats):
 
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record(self, direction: Direction, outcome: Outcome | FailureReason, *, wait_s: float | None, nbytes: int = 0) -> None:
+    def record(
+        self, direction: Direction, outcome: Outcome | FailureReason, *, wait_s: float | None, nbytes: int = 0
+    ) -> None:
         """One transfer's end on one rank; ``wait_s`` is None on ranks that do not count transfers."""
         self.data["bytes_received"] += nbytes
         if wait_s is None:
@@ -93,7 +102,12 @@ class PDTransferStats(KVConnectorStats):
         return taken
 
     def is_empty(self) -> bool:
-        return not self.data["ended"] and not self.data["bytes_received"] and not self.data["events"] and not self.data["stages"]
+        return (
+            not self.data["ended"]
+            and not self.data["bytes_received"]
+            and not self.data["events"]
+            and not self.data["stages"]
+        )
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         ended, events = dict(self.data["ended"]), dict(self.data["events"])
@@ -101,15 +115,28 @@ class PDTransferStats(KVConnectorStats):
             ended[key] = ended.get(key, 0) + count
         for key, count in other.data.get("events", {}).items():
             events[key] = events.get(key, 0) + count
-        waits = {direction: self.data["waits"][direction] + other.data["waits"][direction] for direction in self.data["waits"]}
+        waits = {
+            direction: self.data["waits"][direction] + other.data["waits"][direction]
+            for direction in self.data["waits"]
+        }
         stages = {name: list(durations) for name, durations in self.data["stages"].items()}
         for name, durations in other.data.get("stages", {}).items():
             stages[name] = stages.get(name, []) + durations
         bytes_received = self.data["bytes_received"] + other.data["bytes_received"]
-        return PDTransferStats({"ended": ended, "bytes_received": bytes_received, "waits": waits, "events": events, "stages": stages})
+        return PDTransferStats(
+            {
+                "ended": ended,
+                "bytes_received": bytes_received,
+                "waits": waits,
+                "events": events,
+                "stages": stages,
+            }
+        )
 
     def reduce(self) -> dict[str, int | float]:
-        summary: dict[str, int | float] = {key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())}
+        summary: dict[str, int | float] = {
+            key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())
+        }
         summary.update(sorted(self.data["events"].items()))
         if self.data["bytes_received"]:
             summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
@@ -123,7 +150,8 @@ class PDTransferStats(KVConnectorStats):
 
 
 class PDPromMetrics(KVConnectorPromMetrics):
-    """The connector's series on the engine's ``/metrics``, labelled like vLLM's own (model name, engine index)."""
+    """The connector's series on the engine's ``/metrics``, labelled like vLLM's own (model name, engine
+    index)."""
 
     def __init__(
         self,
@@ -135,29 +163,35 @@ class PDPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._transfers = self._counter_cls(
             name="vllm:pd_kv_transfers",
-            documentation="KV transfers of the PD connector that ended, by direction (send: prefill, recv: decode) and outcome.",
+            documentation="KV transfers of the PD connector that ended, by direction (send: prefill, recv: "
+            "decode) and outcome.",
             labelnames=[*labelnames, "direction", "outcome"],
         )
         self._bytes = self._counter_cls(
             name="vllm:pd_kv_received_bytes",
-            documentation="KV bytes that arrived at this engine by the PD connector (padding never crosses the wire, so never counted).",
+            documentation="KV bytes that arrived at this engine by the PD connector (padding never crosses "
+            "the wire, so never counted).",
             labelnames=labelnames,
         )
         self._waits = self._histogram_cls(
             name="vllm:pd_kv_transfer_wait_seconds",
-            documentation="Seconds a request waited on its KV transfer: decode from asking to arrival, prefill from done to blocks freed.",
+            documentation="Seconds a request waited on its KV transfer: decode from asking to arrival, "
+            "prefill from done to blocks freed.",
             buckets=list(WAIT_BUCKETS_S),
             labelnames=[*labelnames, "direction"],
         )
         self._fence_events = self._counter_cls(
             name="vllm:pd_kv_fence_events",
-            documentation="Times the fence acted: blocks released without the peer's answer (fences_expired), transfers the "
-            "transport could not cancel (writes_stuck, reads_stuck), registrations sent without inline metadata.",
+            documentation="Times the fence acted: blocks released without the peer's answer "
+            "(fences_expired), transfers the "
+            "transport could not cancel (writes_stuck, reads_stuck), registrations sent without inline "
+            "metadata.",
             labelnames=[*labelnames, "event"],
         )
         self._stages = self._histogram_cls(
             name="vllm:pd_kv_stage_seconds",
-            documentation="Seconds a transfer spent in each stage of its timeline (pdconnector.protocol.timeline), on this engine.",
+            documentation="Seconds a transfer spent in each stage of its timeline "
+            "(pdconnector.protocol.timeline), on this engine.",
             buckets=list(STAGE_BUCKETS_S),
             labelnames=[*labelnames, "stage"],
         )

@@ -1,4 +1,5 @@
-"""The worker side of the connector, one per TP rank: owns the rank's :class:`TransferWorker` and reports its results.
+"""The worker side of the connector, one per TP rank: owns the rank's :class:`TransferWorker` and reports its
+results.
 
 Per step it hands the scheduler's commands to the transfer worker (non-blocking queue puts)
 and drains the worker's results; every network operation runs on the transfer worker's
@@ -53,16 +54,21 @@ class _Live:
 
 class WorkerSide:
     """Args:
-    regions: this rank's memory regions in ``layout.regions`` order (see :func:`pdconnector.vllm.kv_layout.memory_regions`).
+    regions: this rank's memory regions in ``layout.regions`` order (see
+    :func:`pdconnector.vllm.kv_layout.memory_regions`).
     """
 
     def __init__(self, config: ConnectorConfig, layout: RankLayout, regions: list[MemoryRegion]) -> None:
         self.config = config
         self.layout = layout
         self._engine: EngineInfo | None = None
-        self._client = SideChannelClient(announce=self._own_engine, timeout_s=min(10.0, config.transfer_timeout_s))
+        self._client = SideChannelClient(
+            announce=self._own_engine, timeout_s=min(10.0, config.transfer_timeout_s)
+        )
         limits = RendezvousLimits(
-            registration_lease_s=config.lease_s, prefill_lease_s=max(300.0, config.transfer_timeout_s), write_timeout_s=config.transfer_timeout_s
+            registration_lease_s=config.lease_s,
+            prefill_lease_s=max(300.0, config.transfer_timeout_s),
+            write_timeout_s=config.transfer_timeout_s,
         )
         worker_config = WorkerConfig(
             engine_id=config.engine_id,
@@ -76,7 +82,9 @@ class WorkerSide:
         self._live: dict[str, _Live] = {}  # by transfer id, while the transfer is live
         self._stats = PDTransferStats()
         self._events_seen: dict[str, int] = {}
-        self._worker = TransferWorker(layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client)
+        self._worker = TransferWorker(
+            layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client
+        )
         self._immediate = TransferResults()
 
     def _transport_factory(self) -> Callable[[], Transport]:
@@ -91,7 +99,9 @@ class WorkerSide:
 
     def _own_engine(self) -> EngineInfo:
         if self._engine is None:
-            raise RuntimeError(f"engine {self.config.engine_id}: handshake metadata not received from the scheduler yet")
+            raise RuntimeError(
+                f"engine {self.config.engine_id}: handshake metadata not received from the scheduler yet"
+            )
         return self._engine
 
     def apply(self, meta: PDConnectorMetadata) -> None:
@@ -107,7 +117,9 @@ class WorkerSide:
             match command:
                 case PrefillDone():
                     self._live[command.transfer_id] = _Live(command.request_id, now)
-                    self._worker.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull)
+                    self._worker.prefill_finished(
+                        command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull
+                    )
                 case ExpectPush():
                     self._live[command.transfer_id] = _Live(command.request_id, now)
                     self._worker.expect_push(
@@ -132,7 +144,9 @@ class WorkerSide:
                 case CancelTransfer():
                     self._worker.cancel(command.transfer_id, command.detail)
                 case AbandonTransfer():
-                    self._worker.abandon(command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout))
+                    self._worker.abandon(
+                        command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout)
+                    )
                 case FailRequest():
                     log.error("%s", command.detail)
                     self._stats.record(Direction.RECV, Outcome.REFUSED, wait_s=self._counted(0.0))
@@ -146,16 +160,32 @@ class WorkerSide:
             log.debug("rank %d: %s", self.layout.tp_rank, result)
             live = self._live.pop(result.transfer_id, None)
             if live is None:
-                log.warning("transfer %s ended (%s: %s) but no request of this engine owns it", result.transfer_id, result.outcome, result.detail)
+                log.warning(
+                    "transfer %s ended (%s: %s) but no request of this engine owns it",
+                    result.transfer_id,
+                    result.outcome,
+                    result.detail,
+                )
                 continue
             direction = Direction.SEND if result.kind is ResultKind.FINISHED_SENDING else Direction.RECV
-            self._stats.record(direction, result.outcome, wait_s=self._counted(now - live.since), nbytes=result.nbytes)
+            self._stats.record(
+                direction, result.outcome, wait_s=self._counted(now - live.since), nbytes=result.nbytes
+            )
             request_id = live.request_id
             if self.layout.tp_rank == 0:
                 self._stats.record_stages(result.stages)
                 if self.config.log_timeline:
-                    stages = " ".join(f"{name}={seconds * 1e3:.3f}ms" for name, seconds in result.stages.items())
-                    log.info("request %s transfer %s %s %s: %s", request_id, result.transfer_id, direction.value, result.outcome, stages)
+                    stages = " ".join(
+                        f"{name}={seconds * 1e3:.3f}ms" for name, seconds in result.stages.items()
+                    )
+                    log.info(
+                        "request %s transfer %s %s %s: %s",
+                        request_id,
+                        result.transfer_id,
+                        direction.value,
+                        result.outcome,
+                        stages,
+                    )
             match result.kind:
                 case ResultKind.FINISHED_SENDING:
                     out.finished_sending.add(request_id)
@@ -175,9 +205,12 @@ class WorkerSide:
         return out
 
     def take_stats(self) -> PDTransferStats | None:
-        """The transfers that ended and the fence events since the last call (vLLM's per-step stats), or None."""
+        """The transfers that ended and the fence events since the last call (vLLM's per-step stats), or
+        None."""
         counters = self._worker.stats()
-        self._stats.count_events({name: counters.get(name, 0) - self._events_seen.get(name, 0) for name in FENCE_EVENTS})
+        self._stats.count_events(
+            {name: counters.get(name, 0) - self._events_seen.get(name, 0) for name in FENCE_EVENTS}
+        )
         self._events_seen = {name: counters.get(name, 0) for name in FENCE_EVENTS}
         return self._stats.take()
 

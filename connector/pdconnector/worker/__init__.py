@@ -1,4 +1,5 @@
-"""The background transfer worker (one thread per engine rank owning its transport) and the engine-level side channel.
+"""The background transfer worker (one thread per engine rank owning its transport) and the engine-level side
+channel.
 
 ``transfer_worker`` (:class:`TransferWorker`: the thread, its inbox and loop), ``commands`` (what an
 engine asks of it), ``prefill_side`` / ``decode_side`` (the two roles on that thread), ``peers``
@@ -11,8 +12,20 @@ after each notification), ``liveness`` (the heartbeat the engine's liveness prob
 
 from pdconnector.worker.context import ResultKind, TransferResult
 from pdconnector.worker.engine import EngineTransfers
-from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, RankInfo, check_peer, layout_differences, layout_summary
-from pdconnector.worker.side_channel import SideChannelClient, SideChannelError, SideChannelServer, fetch_engine_info
+from pdconnector.worker.identity import (
+    EngineInfo,
+    IncompatiblePeer,
+    RankInfo,
+    check_peer,
+    layout_differences,
+    layout_summary,
+)
+from pdconnector.worker.side_channel import (
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+    fetch_engine_info,
+)
 from pdconnector.worker.transfer_worker import TransferWorker, WorkerConfig
 
 __all__ = [

@@ -1,8 +1,8 @@
 """The transfer commands, defined once: what an engine asks of its ranks' transfer workers.
 
-The vLLM scheduler side ships them to every worker rank in each step's metadata (plain frozen
-dataclasses of ids and block ids: picklable, no tensors); :class:`~pdconnector.worker.transfer_worker.TransferWorker`'s
-role methods build the same ones for the commands they queue to the transfer thread.
+The vLLM scheduler side ships them to every worker rank in each step's metadata (plain frozen dataclasses of
+ids and block ids: picklable, no tensors); :class:`~pdconnector.worker.transfer_worker.TransferWorker`'s role
+methods build the same ones for the commands they queue to the transfer thread.
 
 ``request_id`` is the engine's own name for the request (vLLM's request id, by which a worker rank
 reports); the transfer worker keys everything by ``transfer_id`` and never reads it, so callers
@@ -36,7 +36,8 @@ class PrefillDone:
 
 @dataclass(frozen=True)
 class ExpectPush:
-    """Decode, push: register ``block_ids`` with every prefill rank that writes this rank and wait for their writes.
+    """Decode, push: register ``block_ids`` with every prefill rank that writes this rank and wait for their
+    writes.
 
     ``cached_blocks`` leading attention blocks of the prompt are already local (prefix cache): ``block_ids``
     and ``num_tokens`` cover only what follows them, and prefill skips as many of its blocks. A higher
@@ -53,7 +54,8 @@ class ExpectPush:
 
 @dataclass(frozen=True)
 class ReadBlocks:
-    """Decode, pull: READ prefill's ``remote_block_ids`` into ``block_ids``; prefill is told when it may free."""
+    """Decode, pull: READ prefill's ``remote_block_ids`` into ``block_ids``; prefill is told when it may
+    free."""
 
     request_id: str
     transfer_id: str
@@ -61,7 +63,8 @@ class ReadBlocks:
     remote_block_ids: BlockIds
     block_ids: BlockIds
     num_tokens: int
-    valid_for_s: float = float("inf")  # prefill's hold outlasts staging by at least this: READs end before it runs out
+    # prefill's hold outlasts staging by at least this: READs end before it runs out
+    valid_for_s: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,9 @@ class CancelTransfer:
 
 @dataclass(frozen=True)
 class AbandonTransfer:
-    """Decode: a request that ended before it had blocks to receive into. Nothing of it is registered or read, but
-    prefill holds its blocks for it (push: waiting for a registration; pull: for READs): tell prefill at once, so it
-    frees now rather than at its lease."""
+    """Decode: a request that ended before it had blocks to receive into. Nothing of it is registered or read,
+    but prefill holds its blocks for it (push: waiting for a registration; pull: for READs): tell prefill at
+    once, so it frees now rather than at its lease."""
 
     request_id: str
     transfer_id: str

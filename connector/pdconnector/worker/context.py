@@ -1,4 +1,5 @@
-"""What the two sides of one rank's transfer worker share: the rank (layout, memory), its transport, the results out, the counters.
+"""What the two sides of one rank's transfer worker share: the rank (layout, memory), its transport, the
+results out, the counters.
 
 :class:`~pdconnector.worker.prefill_side.PrefillSide` and :class:`~pdconnector.worker.decode_side.DecodeSide`
 never call each other; each holds this context and reports through it, sends its notifications
@@ -25,7 +26,14 @@ import numpy as np
 from pdconnector.layout import RankLayout
 from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, encode
 from pdconnector.protocol.rendezvous import Outcome
-from pdconnector.transport.base import MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport, TransportError
+from pdconnector.transport.base import (
+    MemoryRegion,
+    TransferHandle,
+    TransferState,
+    TransferStatus,
+    Transport,
+    TransportError,
+)
 from pdconnector.worker.doorbell import Ringer
 from pdconnector.worker.identity import RankInfo, fingerprint, layout_summary
 
@@ -42,9 +50,10 @@ class ResultKind(StrEnum):
 class TransferResult:
     """One transfer's end on this rank, reported exactly once.
 
-    ``outcome``: for sending, an :class:`~pdconnector.protocol.rendezvous.Outcome` (written/failed/expired/cancelled/rejected);
-    for receiving, ``Outcome.RECEIVED`` or a :class:`~pdconnector.protocol.messages.FailureReason`. ``nbytes``: bytes received.
-    ``stages``: seconds per :class:`~pdconnector.protocol.timeline.Stage` the transfer passed through on this rank.
+    ``outcome``: for sending, an :class:`~pdconnector.protocol.rendezvous.Outcome`
+    (written/failed/expired/cancelled/rejected); for receiving, ``Outcome.RECEIVED`` or a
+    :class:`~pdconnector.protocol.messages.FailureReason`. ``nbytes``: bytes received. ``stages``: seconds per
+    :class:`~pdconnector.protocol.timeline.Stage` the transfer passed through on this rank.
     """
 
     transfer_id: str
@@ -61,10 +70,18 @@ class WorkerContext:
     on_result: called (on the worker thread) after every reported result, to wake whoever drains them.
     """
 
-    def __init__(self, layout: RankLayout, regions: Sequence[MemoryRegion], *, on_result: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        layout: RankLayout,
+        regions: Sequence[MemoryRegion],
+        *,
+        on_result: Callable[[], None] | None = None,
+    ) -> None:
         self.layout = layout
-        self.layout_fingerprint = fingerprint(layout_summary(layout.model))  # registrations carry it, the rendezvous compares it
-        self.region_addrs = np.array([r.addr for r in regions], dtype=np.int64)  # the local side of every descriptor
+        # registrations carry it, the rendezvous compares it
+        self.layout_fingerprint = fingerprint(layout_summary(layout.model))
+        # the local side of every descriptor
+        self.region_addrs = np.array([r.addr for r in regions], dtype=np.int64)
         self.device_id = regions[0].device_id if regions else 0
         self._on_result = on_result
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
@@ -94,7 +111,8 @@ class WorkerContext:
             raise RuntimeError("transfer worker not started")
         return self._own
 
-    # --- results and counters (take_results / stats: any thread) ----------------------------------------------------
+    # --- results and counters (take_results / stats: any thread)
+    # ----------------------------------------------------
 
     def report(self, result: TransferResult) -> None:
         self.count(result.kind.value)
@@ -118,7 +136,8 @@ class WorkerContext:
         with self._counters_lock:
             return dict(self._counters)
 
-    # --- the transport (worker thread) ------------------------------------------------------------------------------
+    # --- the transport (worker thread)
+    # ------------------------------------------------------------------------------
 
     def send(self, agent: str, message: FailureMessage | AbortMessage) -> bool:
         return self.send_frame(agent, encode(message))
@@ -143,7 +162,8 @@ class WorkerContext:
         self._doorbells.pop(agent, None)
 
     def ring(self, agent: str) -> None:
-        """Wake ``agent``'s transfer thread: a notification to it is on its way (sent, or riding a transfer that ended)."""
+        """Wake ``agent``'s transfer thread: a notification to it is on its way (sent, or riding a transfer
+        that ended)."""
         doorbell = self._doorbells.get(agent)
         if doorbell is not None and self._ringer.ring(*doorbell):
             self.count("doorbells_rung")
@@ -156,7 +176,8 @@ class WorkerContext:
             return TransferStatus(TransferState.FAILED, f"polling failed: {error}")
 
     def release(self, handle: TransferHandle) -> None:
-        """Release ``handle``; one the transport cannot release yet is kept and retried by :meth:`retry_stranded`."""
+        """Release ``handle``; one the transport cannot release yet is kept and retried by
+        :meth:`retry_stranded`."""
         try:
             self.transport.release(handle)
         except TransportError as error:
@@ -164,7 +185,8 @@ class WorkerContext:
             self._stranded.append(handle)
 
     def cancel(self, handle: TransferHandle) -> bool:
-        """Stop and release a transfer in flight; False when the transport cannot stop it (the handle stays live)."""
+        """Stop and release a transfer in flight; False when the transport cannot stop it (the handle stays
+        live)."""
         try:
             self.transport.release(handle)
         except TransportError as error:

@@ -1,17 +1,18 @@
-"""The decode side of a rank's transfer worker: handshake, then register (push) or READ (pull), then count the end.
+"""The decode side of a rank's transfer worker: handshake, then register (push) or READ (pull), then count the
+end.
 
-Every decode command starts with a side-channel lookup of the prefill engine (answered from the
-client's cache after the first). Push: the registration goes to every prefill rank that writes this
-rank and the :class:`CompletionTracker` counts their completion notifications. Pull: this rank READs
-from every source rank, each READ's notification telling that rank it may free. Either way the end is
-reported once, as ``finished_recving`` or ``failed_recving``; a failure on this side tells the prefill
-ranks (an ``AbortMessage``) and invalidates the cached handshake, since the peer may have restarted
-under the same coordinates. A failure is reported (and the engine frees the blocks) only once nothing
-can land in them any more: push waits for every writer's answer or the fence
-(:mod:`pdconnector.protocol.completion`); pull waits until its own READs ended or were cancelled, and
-only then tells prefill to free its side. Each command comes with its deadline, taken on the worker's clock when
-the worker received it. Inputs come from the worker thread's loop with its clock ``now``; this side
-shares nothing with the prefill side but the :class:`WorkerContext` and the :class:`PeerRegistry`.
+Every decode command starts with a side-channel lookup of the prefill engine (answered from the client's cache
+after the first). Push: the registration goes to every prefill rank that writes this rank and the
+:class:`CompletionTracker` counts their completion notifications. Pull: this rank READs from every source
+rank, each READ's notification telling that rank it may free. Either way the end is reported once, as
+``finished_recving`` or ``failed_recving``; a failure on this side tells the prefill ranks (an
+``AbortMessage``) and invalidates the cached handshake, since the peer may have restarted under the same
+coordinates. A failure is reported (and the engine frees the blocks) only once nothing can land in them any
+more: push waits for every writer's answer or the fence (:mod:`pdconnector.protocol.completion`); pull waits
+until its own READs ended or were cancelled, and only then tells prefill to free its side. Each command comes
+with its deadline, taken on the worker's clock when the worker received it. Inputs come from the worker
+thread's loop with its clock ``now``; this side shares nothing with the prefill side but the
+:class:`WorkerContext` and the :class:`PeerRegistry`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class _Reading:
     agents: dict[int, str]
     timeline: Timeline
     nbytes: int = 0
-    ending: tuple[FailureReason, str] | None = None  # failed: waiting for the READs left to end or be cancelled
+    ending: tuple[FailureReason, str] | None = (
+        None  # failed: waiting for the READs left to end or be cancelled
+    )
 
 
 class DecodeSide:
@@ -126,14 +129,17 @@ class DecodeSide:
         self._abandoning: dict[str, _Abandoning] = {}
         self._pushes: dict[str, _PushWait] = {}
         self._reads: dict[str, _Reading] = {}
-        self._failed_reads = 0  # reads failed and waiting for their READs to end or be cancelled (``ending`` set)
+        self._failed_reads = (
+            0  # reads failed and waiting for their READs to end or be cancelled (``ending`` set)
+        )
         self._stuck: dict[str, float] = {}  # failed reads with a READ that could not be cancelled: since when
 
     @property
     def busy(self) -> bool:
-        """Whether a transfer may be moving: a READ in flight ends only in the transport's state, and a registered
-        push may be written into at any moment, which can need this agent to progress (UCX over TCP emulates RDMA
-        with messages both sides handle). Handshakes, probes and abandons wake the thread when answered."""
+        """Whether a transfer may be moving: a READ in flight ends only in the transport's state, and a
+        registered push may be written into at any moment, which can need this agent to progress (UCX over TCP
+        emulates RDMA with messages both sides handle). Handshakes, probes and abandons wake the thread when
+        answered."""
         return bool(self._reads or self._pushes or self._tracker)
 
     def next_deadline(self) -> float | None:
@@ -151,17 +157,29 @@ class DecodeSide:
         """The READs in flight (for shutdown)."""
         return [handle for reading in self._reads.values() for handle in reading.handles.values()]
 
-    # --- inputs -----------------------------------------------------------------------------------------------------
+    # --- inputs
+    # -----------------------------------------------------------------------------------------------------
 
     def begin(self, command: ExpectPush | ReadBlocks, deadline: float, issued_at: float) -> None:
-        """Start receiving (asked for by the engine at ``issued_at``): look the prefill engine up; registration or
-        READs follow when it answers."""
+        """Start receiving (asked for by the engine at ``issued_at``): look the prefill engine up;
+        registration or READs follow when it answers."""
         transfer_id = command.transfer_id
-        if transfer_id in self._reads or (isinstance(command, ReadBlocks) and (transfer_id in self._handshaking or transfer_id in self._pushes)):
-            self._fail(transfer_id, FailureReason.INVALID_REGISTRATION, f"transfer {transfer_id} is already being received")
+        if transfer_id in self._reads or (
+            isinstance(command, ReadBlocks)
+            and (transfer_id in self._handshaking or transfer_id in self._pushes)
+        ):
+            self._fail(
+                transfer_id,
+                FailureReason.INVALID_REGISTRATION,
+                f"transfer {transfer_id} is already being received",
+            )
             return
         if self._side_channel is None:
-            self._fail(transfer_id, FailureReason.INCOMPATIBLE, "this worker has no side-channel client (decode role needs one)")
+            self._fail(
+                transfer_id,
+                FailureReason.INCOMPATIBLE,
+                "this worker has no side-channel client (decode role needs one)",
+            )
             return
         future = self._side_channel.lookup(command.prefill)
         future.add_done_callback(lambda _: self._wake())
@@ -170,7 +188,8 @@ class DecodeSide:
         self._handshaking[transfer_id] = _Handshaking(command, deadline, future, timeline)
 
     def abandon(self, command: AbandonTransfer, deadline: float) -> None:
-        """Tell the prefill ranks this rank would have received from that it never will (no result: nothing waits)."""
+        """Tell the prefill ranks this rank would have received from that it never will (no result: nothing
+        waits)."""
         if self._side_channel is None or command.transfer_id in self._abandoning:
             return
         future = self._side_channel.lookup(command.prefill)
@@ -178,8 +197,8 @@ class DecodeSide:
         self._abandoning[command.transfer_id] = _Abandoning(command, deadline, future)
 
     def poll_probes(self, now: float) -> bool:
-        """Fenced pushes whose prefill engine turned out gone (refused, or another incarnation answers) end their
-        fence after the grace: a dead process posts nothing."""
+        """Fenced pushes whose prefill engine turned out gone (refused, or another incarnation answers) end
+        their fence after the grace: a dead process posts nothing."""
         progressed = False
         for transfer_id, waiting in self._pushes.items():
             if self._side_channel is None or not self._tracker.is_fenced(transfer_id):
@@ -202,7 +221,12 @@ class DecodeSide:
                 gone = False  # unreachable or slow: maybe frozen, the fence decides
             if gone and self._tracker.writers_gone(transfer_id, now, grace_s=self._gone_grace_s):
                 engine_id = waiting.prefill.engine_id
-                log.info("transfer %s: prefill %s is gone; its blocks are released after %.1fs", transfer_id, engine_id, self._gone_grace_s)
+                log.info(
+                    "transfer %s: prefill %s is gone; its blocks are released after %.1fs",
+                    transfer_id,
+                    engine_id,
+                    self._gone_grace_s,
+                )
                 progressed = True
         return progressed
 
@@ -214,7 +238,11 @@ class DecodeSide:
                 if abandoning.deadline <= now:
                     # Prefill frees at its lease without us; nothing else is lost.
                     del self._abandoning[transfer_id]
-                    log.info("transfer %s: prefill %s not reached to abandon it; it frees at its lease", transfer_id, command.prefill.engine_id)
+                    log.info(
+                        "transfer %s: prefill %s not reached to abandon it; it frees at its lease",
+                        transfer_id,
+                        command.prefill.engine_id,
+                    )
                 continue
             del self._abandoning[transfer_id]
             progressed = True
@@ -222,15 +250,26 @@ class DecodeSide:
                 engine = abandoning.info.result()
                 self._peers.load_engine(engine, host=command.prefill.host)
             except (ConnectionError, OSError, ValueError, TransportError) as error:
-                log.info("transfer %s: cannot reach prefill %s to abandon it (%s); it frees at its lease", transfer_id, command.prefill, error)
+                log.info(
+                    "transfer %s: cannot reach prefill %s to abandon it (%s); it frees at its lease",
+                    transfer_id,
+                    command.prefill,
+                    error,
+                )
                 continue
-            message = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=command.detail[:MAX_DETAIL_CHARS])
+            message = AbortMessage(
+                transfer_id=transfer_id,
+                attempt=0,
+                decode_rank=self.layout.tp_rank,
+                detail=command.detail[:MAX_DETAIL_CHARS],
+            )
             for p in writers_for(self.layout.tp_rank, engine.tp_size, self.layout.tp_size):
                 self._context.send(engine.ranks[p].agent_name, message)
         return progressed
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> None:
-        """The request ended: nothing registered yet ends now; a registered push or posted pull ends once fenced."""
+        """The request ended: nothing registered yet ends now; a registered push or posted pull ends once
+        fenced."""
         if self._handshaking.pop(transfer_id, None) is not None:
             self._fail(transfer_id, FailureReason.CANCELLED, detail)
         self._tracker.cancel(transfer_id, FailureReason.CANCELLED, detail, now)
@@ -249,7 +288,11 @@ class DecodeSide:
                 if waiting.deadline <= now:
                     del self._handshaking[transfer_id]
                     address = f"{command.prefill.host}:{command.prefill.side_channel_port}"
-                    self._fail(transfer_id, FailureReason.TIMEOUT, f"no side-channel answer from {address} by the deadline")
+                    self._fail(
+                        transfer_id,
+                        FailureReason.TIMEOUT,
+                        f"no side-channel answer from {address} by the deadline",
+                    )
                     progressed = True
                 continue
             del self._handshaking[transfer_id]
@@ -264,7 +307,11 @@ class DecodeSide:
             except (ConnectionError, OSError, ValueError, TransportError) as error:
                 assert self._side_channel is not None
                 self._side_channel.invalidate(command.prefill)
-                self._fail(transfer_id, FailureReason.INCOMPATIBLE, f"handshake with {command.prefill.engine_id} failed: {error}")
+                self._fail(
+                    transfer_id,
+                    FailureReason.INCOMPATIBLE,
+                    f"handshake with {command.prefill.engine_id} failed: {error}",
+                )
                 continue
             waiting.timeline.mark(Milestone.HANDSHAKEN, now)
             if isinstance(command, ExpectPush):
@@ -283,7 +330,8 @@ class DecodeSide:
                 if status.finished:
                     del reading.handles[p]
                     self._context.release(handle)
-                    self._context.ring(handle.peer)  # the READ's notification tells that prefill rank it may free
+                    # the READ's notification tells that prefill rank it may free
+                    self._context.ring(handle.peer)
                     progressed = True
                 if status.state is TransferState.FAILED and failed is None:
                     failed = f"READ from prefill rank {p} failed: {status.error}"
@@ -293,8 +341,14 @@ class DecodeSide:
             elif failed is not None:
                 self._end_read(transfer_id, FailureReason.WRITE_FAILED, failed, now)
             elif not reading.handles and reading.deadline <= now:
-                # Done, but maybe after prefill's hold ended (the deadline is bounded by it): the bytes may be another request's.
-                self._end_read(transfer_id, FailureReason.TIMEOUT, "READ completed after its deadline; its bytes are not used", now)
+                # Done, but maybe after prefill's hold ended (the deadline is bounded by it): the bytes may be
+                # another request's.
+                self._end_read(
+                    transfer_id,
+                    FailureReason.TIMEOUT,
+                    "READ completed after its deadline; its bytes are not used",
+                    now,
+                )
             elif not reading.handles:
                 progressed = True
                 self._end_read(transfer_id, None, f"read from prefill ranks {sorted(reading.agents)}", now)
@@ -313,18 +367,30 @@ class DecodeSide:
         for received in polled.finished:
             stages = self._received(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
-            result = TransferResult(received.transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, received.bytes_written, stages)
+            result = TransferResult(
+                received.transfer_id,
+                ResultKind.FINISHED_RECVING,
+                Outcome.RECEIVED,
+                detail,
+                received.bytes_written,
+                stages,
+            )
             self._context.report(result)
         for failure in polled.failed:
             self._pushes.pop(failure.transfer_id, None)
             if failure.unconfirmed:
                 self._context.count("fences_expired")
                 unconfirmed = list(failure.unconfirmed)
-                log.warning("transfer %s: prefill ranks %s never answered; blocks released after the fence", failure.transfer_id, unconfirmed)
+                log.warning(
+                    "transfer %s: prefill ranks %s never answered; blocks released after the fence",
+                    failure.transfer_id,
+                    unconfirmed,
+                )
             self._report_failure(failure)
         return progressed or bool(polled.finished or polled.failed or polled.aborts)
 
-    # --- push: registration ------------------------------------------------------------------------------------------
+    # --- push: registration
+    # ------------------------------------------------------------------------------------------
 
     @staticmethod
     def _received(waiting: _PushWait | _Reading | None, now: float) -> dict[str, float]:
@@ -333,12 +399,19 @@ class DecodeSide:
         waiting.timeline.mark(Milestone.RECEIVED, now)
         return waiting.timeline.stages()
 
-    def _register(self, command: ExpectPush, deadline: float, engine: EngineInfo, timeline: Timeline, now: float) -> None:
+    def _register(
+        self, command: ExpectPush, deadline: float, engine: EngineInfo, timeline: Timeline, now: float
+    ) -> None:
         rank, d_tp, p_tp = self.layout.tp_rank, self.layout.tp_size, engine.tp_size
         writers = {p: engine.ranks[p].agent_name for p in writers_for(rank, p_tp, d_tp)}
         previous = self._pushes.get(command.transfer_id)
         if previous is not None and command.attempt <= previous.attempt:
-            log.warning("transfer %s: attempt %d ignored, attempt %d is pending", command.transfer_id, command.attempt, previous.attempt)
+            log.warning(
+                "transfer %s: attempt %d ignored, attempt %d is pending",
+                command.transfer_id,
+                command.attempt,
+                previous.attempt,
+            )
             return
         own = self._context.own
         try:
@@ -382,8 +455,9 @@ class DecodeSide:
                 return
 
     def _fit(self, message: RegistrationMessage) -> bytes:
-        """The registration's frame within the transport's notification limit (LIBFABRIC's is a few KiB): without the
-        inline agent metadata if need be (prefill has it from this engine's side-channel announce), else refused."""
+        """The registration's frame within the transport's notification limit (LIBFABRIC's is a few KiB):
+        without the inline agent metadata if need be (prefill has it from this engine's side-channel
+        announce), else refused."""
         limit = self._context.transport.notification_limit
         frame = encode(message)
         if len(frame) > limit and message.agent_metadata:
@@ -392,13 +466,15 @@ class DecodeSide:
         if len(frame) > limit:
             blocks = sum(len(group) for group in message.block_ids)
             raise ProtocolError(
-                "block_ids", f"a registration of {blocks} blocks takes {len(frame)} bytes, over the transport's {limit}-byte notification limit"
+                "block_ids",
+                f"a registration of {blocks} blocks takes {len(frame)} bytes, over the transport's "
+                f"{limit}-byte notification limit",
             )
         return frame
 
     def _abort_writers(self, abort: AbortWriters) -> None:
-        """Tell the writers decode gave up; each answers once quiet. Re-handshake next time: a silent or failing
-        peer may have restarted under the same coordinates."""
+        """Tell the writers decode gave up; each answers once quiet. Re-handshake next time: a silent or
+        failing peer may have restarted under the same coordinates."""
         waiting = self._pushes.get(abort.transfer_id)
         if waiting is None:
             return
@@ -406,13 +482,21 @@ class DecodeSide:
         if self._side_channel is not None:
             self._side_channel.invalidate(waiting.prefill)
         detail = abort.detail[:MAX_DETAIL_CHARS]
-        message = AbortMessage(transfer_id=abort.transfer_id, attempt=abort.attempt, decode_rank=self.layout.tp_rank, detail=detail)
+        message = AbortMessage(
+            transfer_id=abort.transfer_id,
+            attempt=abort.attempt,
+            decode_rank=self.layout.tp_rank,
+            detail=detail,
+        )
         for rank in abort.ranks:
             self._context.send(waiting.writers[rank], message)
 
-    # --- pull: reads -------------------------------------------------------------------------------------------------
+    # --- pull: reads
+    # -------------------------------------------------------------------------------------------------
 
-    def _post_reads(self, command: ReadBlocks, deadline: float, engine: EngineInfo, timeline: Timeline, now: float) -> None:
+    def _post_reads(
+        self, command: ReadBlocks, deadline: float, engine: EngineInfo, timeline: Timeline, now: float
+    ) -> None:
         rank, d_tp = self.layout.tp_rank, self.layout.tp_size
         timeline.mark(Milestone.ASKED, now)
         reading = _Reading(command, deadline, {}, {}, timeline)
@@ -423,28 +507,47 @@ class DecodeSide:
         try:
             for p in sources:
                 source = engine.rank_layout(self.layout.model, p)
-                plan = plan_transfer(source, self.layout, command.remote_block_ids, command.block_ids, num_tokens=command.num_tokens)
+                plan = plan_transfer(
+                    source,
+                    self.layout,
+                    command.remote_block_ids,
+                    command.block_ids,
+                    num_tokens=command.num_tokens,
+                )
                 remote, local = plan.to_descriptors(
                     engine.ranks[p].region_base_addresses,
                     self._context.region_addrs,
                     src_device_id=engine.ranks[p].device_id,
                     dst_device_id=self._context.device_id,
                 )
-                done = ReadDoneMessage(transfer_id=command.transfer_id, attempt=0, decode_rank=rank, decode_tp_size=d_tp, bytes_read=plan.nbytes)
-                reading.handles[p] = self._context.transport.read(engine.ranks[p].agent_name, local, remote, encode(done))
+                done = ReadDoneMessage(
+                    transfer_id=command.transfer_id,
+                    attempt=0,
+                    decode_rank=rank,
+                    decode_tp_size=d_tp,
+                    bytes_read=plan.nbytes,
+                )
+                reading.handles[p] = self._context.transport.read(
+                    engine.ranks[p].agent_name, local, remote, encode(done)
+                )
                 self._context.count("reads_posted")
                 reading.nbytes += plan.nbytes
         except (ValueError, TransportError) as error:
             self._end_read(command.transfer_id, FailureReason.WRITE_FAILED, f"cannot post READ: {error}", now)
 
     def _end_read(self, transfer_id: str, reason: FailureReason | None, detail: str, now: float) -> None:
-        """Finish a pull on this rank. Success: report. Failure: cancel the READs still in flight; the ones the
-        transport cannot stop keep the transfer (and both sides' blocks) until they end, then it closes."""
+        """Finish a pull on this rank. Success: report. Failure: cancel the READs still in flight; the ones
+        the transport cannot stop keep the transfer (and both sides' blocks) until they end, then it
+        closes."""
         reading = self._reads[transfer_id]
         if reason is None:
             del self._reads[transfer_id]
             stages = self._received(reading, now)
-            self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, reading.nbytes, stages))
+            self._context.report(
+                TransferResult(
+                    transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, reading.nbytes, stages
+                )
+            )
             return
         reading.ending = (reason, detail)
         self._failed_reads += 1
@@ -457,7 +560,11 @@ class DecodeSide:
         if reading.handles:
             self._stuck[transfer_id] = now
             self._context.count("reads_stuck")
-            log.error("transfer %s: READs from prefill ranks %s cannot be cancelled; their blocks stay pinned", transfer_id, sorted(reading.handles))
+            log.error(
+                "transfer %s: READs from prefill ranks %s cannot be cancelled; their blocks stay pinned",
+                transfer_id,
+                sorted(reading.handles),
+            )
             return
         self._close_failed_read(transfer_id)
 
@@ -470,16 +577,24 @@ class DecodeSide:
         reason, detail = reading.ending
         if self._side_channel is not None:
             self._side_channel.invalidate(reading.command.prefill)
-        abort = AbortMessage(transfer_id=transfer_id, attempt=0, decode_rank=self.layout.tp_rank, detail=detail[:MAX_DETAIL_CHARS])
+        abort = AbortMessage(
+            transfer_id=transfer_id,
+            attempt=0,
+            decode_rank=self.layout.tp_rank,
+            detail=detail[:MAX_DETAIL_CHARS],
+        )
         for agent in reading.agents.values():
             self._context.send(agent, abort)
         self._fail(transfer_id, reason, detail)
 
-    # --- results -----------------------------------------------------------------------------------------------------
+    # --- results
+    # -----------------------------------------------------------------------------------------------------
 
     def _report_failure(self, failure: TransferFailure) -> None:
         detail = f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"
-        self._context.report(TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, detail))
+        self._context.report(
+            TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, detail)
+        )
 
     def _fail(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason, detail))

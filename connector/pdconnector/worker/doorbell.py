@@ -1,4 +1,5 @@
-"""Doorbells: a rank's transfer thread sleeps until a peer may have sent it something, instead of polling on a timer.
+"""Doorbells: a rank's transfer thread sleeps until a peer may have sent it something, instead of polling on a
+timer.
 
 NIXL gives no way to block until a notification arrives (``get_new_notifs`` only polls), so
 every rank also listens on a small UDP socket, its *doorbell*, published with its agent
@@ -24,7 +25,8 @@ from typing import Final
 log = logging.getLogger(__name__)
 
 RING: Final = b"PDDB"
-# The receive buffer holds this many rings; more are dropped, which is harmless: one pending wake-up covers them all.
+# The receive buffer holds this many rings; more are dropped, which is harmless: one pending wake-up covers
+# them all.
 _RECV_BYTES: Final = 64
 
 
@@ -33,12 +35,14 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 class Doorbell:
-    """Listens on ``host`` (a free UDP port, :attr:`port`) and calls ``on_ring`` on its own thread for each ring that is
-    not folded into a pending one; the owner calls :meth:`answered` when it starts the turn a ring asked for."""
+    """Listens on ``host`` (a free UDP port, :attr:`port`) and calls ``on_ring`` on its own thread for each
+    ring that is not folded into a pending one; the owner calls :meth:`answered` when it starts the turn a
+    ring asked for."""
 
     def __init__(self, host: str, on_ring: Callable[[], None], *, name: str = "doorbell") -> None:
         self._on_ring = on_ring
-        self.rung_at = float("-inf")  # monotonic time of the last ring (written by the listener, read by the owner)
+        # monotonic time of the last ring (written by the listener, read by the owner)
+        self.rung_at = float("-inf")
         self._pending = threading.Event()
         self._closed = threading.Event()
         self._socket = socket.socket(_family(host), socket.SOCK_DGRAM)
@@ -57,7 +61,8 @@ class Doorbell:
 
     def close(self) -> None:
         self._closed.set()
-        # Linux does not wake a blocked recvfrom when another thread closes the socket; a ring of our own does.
+        # Linux does not wake a blocked recvfrom when another thread closes the socket; a ring of our own
+        # does.
         with socket.socket(_family(self._address[0]), socket.SOCK_DGRAM) as waker:
             waker.sendto(RING, self._address)
         self._thread.join(timeout=5)
@@ -81,10 +86,11 @@ class Doorbell:
 
 
 class Ringer:
-    """Rings peers' doorbells from the transfer thread: one unconnected UDP socket per family, never blocking, and a
-    ring that cannot be sent is only logged (the peer then finds the notification at its next idle wake-up). Only
-    addresses are rung: a host name would mean a DNS lookup on the transfer thread, which may block for seconds, so
-    a peer known by name is left to its idle wake-up (the operator gives engines their pod IP)."""
+    """Rings peers' doorbells from the transfer thread: one unconnected UDP socket per family, never blocking,
+    and a ring that cannot be sent is only logged (the peer then finds the notification at its next idle
+    wake-up). Only addresses are rung: a host name would mean a DNS lookup on the transfer thread, which may
+    block for seconds, so a peer known by name is left to its idle wake-up (the operator gives engines their
+    pod IP)."""
 
     def __init__(self) -> None:
         self._sockets: dict[socket.AddressFamily, socket.socket] = {}

@@ -25,7 +25,8 @@ class EngineTransfers:
     regions: per rank, the memory regions of that rank's pools (``RankLayout.regions`` order).
     placement: where every rank's block pages sit in its regions.
     transport_factory: builds rank ``r``'s transport; called on that rank's worker thread.
-    config: shared settings; ``engine_id``, ``host`` and ``side_channel_port`` (0 picks a free port) name this engine.
+    config: shared settings; ``engine_id``, ``host`` and ``side_channel_port`` (0 picks a free port) name this
+    engine.
     """
 
     def __init__(
@@ -46,7 +47,9 @@ class EngineTransfers:
         self.model = model
         self.tp_size = tp_size
         self._info: EngineInfo | None = None
-        self.server = SideChannelServer(config.host, config.side_channel_port, engine_info=self.info, on_announce=self._on_announce)
+        self.server = SideChannelServer(
+            config.host, config.side_channel_port, engine_info=self.info, on_announce=self._on_announce
+        )
         self.config = replace(config, side_channel_port=self.server.port)
         self.client = SideChannelClient(announce=self.info, timeout_s=side_channel_timeout_s)
         self.workers = [

@@ -1,4 +1,5 @@
-"""What an engine tells its peers about itself over the side channel: its ranks' agents and memory, and its KV layout.
+"""What an engine tells its peers about itself over the side channel: its ranks' agents and memory, and its KV
+layout.
 
 The layout is summarised as named fields (model shape, block sizes, dtypes, conv layout) so
 that two engines that cannot exchange KV are told *what* differs, and fingerprinted so a
@@ -18,20 +19,30 @@ from typing import Annotated, Final
 import msgspec
 
 from pdconnector.layout import BlockPlacement, KVModel, RankLayout, check_compatible
-from pdconnector.protocol.messages import MAX_AGENT_METADATA_BYTES, MAX_REGIONS, MAX_TP_SIZE, DeviceId, DoorbellPort, EngineId
+from pdconnector.protocol.messages import (
+    MAX_AGENT_METADATA_BYTES,
+    MAX_REGIONS,
+    MAX_TP_SIZE,
+    DeviceId,
+    DoorbellPort,
+    EngineId,
+)
 
 MAX_LAYOUT_FIELDS: Final = 64
 
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One TP rank's transfer agent: how to reach it, where its regions start and on which device they live
-    (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor must name),
-    the UDP port of its doorbell on the engine's side-channel host (0: none), and where its blocks' pages sit."""
+    (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor
+    must name), the UDP port of its doorbell on the engine's side-channel host (0: none), and where its
+    blocks' pages sit."""
 
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
     agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
-    region_base_addresses: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_REGIONS)]
+    region_base_addresses: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_REGIONS)
+    ]
     num_blocks: Annotated[int, msgspec.Meta(ge=1)]
     device_id: DeviceId = 0
     doorbell_port: DoorbellPort = 0
@@ -48,7 +59,10 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if [r.tp_rank for r in self.ranks] != list(range(self.tp_size)):
-            raise ValueError(f"engine {self.engine_id}: ranks must be 0..{self.tp_size - 1} in order, got {[r.tp_rank for r in self.ranks]}")
+            raise ValueError(
+                f"engine {self.engine_id}: ranks must be 0..{self.tp_size - 1} in order, got "
+                f"{[r.tp_rank for r in self.ranks]}"
+            )
 
     @property
     def layout_fingerprint(self) -> str:
@@ -81,7 +95,11 @@ def fingerprint(summary: dict[str, str]) -> str:
 def layout_differences(local: dict[str, str], remote: dict[str, str]) -> list[str]:
     """Human-readable differences, one per field (empty when the layouts match)."""
     keys = sorted(local.keys() | remote.keys())
-    return [f"{key}: local {local.get(key, '<absent>')} != remote {remote.get(key, '<absent>')}" for key in keys if local.get(key) != remote.get(key)]
+    return [
+        f"{key}: local {local.get(key, '<absent>')} != remote {remote.get(key, '<absent>')}"
+        for key in keys
+        if local.get(key) != remote.get(key)
+    ]
 
 
 class IncompatiblePeer(ValueError):
@@ -89,10 +107,13 @@ class IncompatiblePeer(ValueError):
 
 
 def check_peer(local_layout: RankLayout, peer: EngineInfo, *, peer_is_prefill: bool) -> None:
-    """Raise :class:`IncompatiblePeer` unless KV can move between ``local_layout`` and every rank of ``peer`` it pairs with."""
+    """Raise :class:`IncompatiblePeer` unless KV can move between ``local_layout`` and every rank of ``peer``
+    it pairs with."""
     differences = layout_differences(layout_summary(local_layout.model), peer.layout)
     if differences:
-        raise IncompatiblePeer(f"engine {peer.engine_id} has an incompatible KV layout: " + "; ".join(differences))
+        raise IncompatiblePeer(
+            f"engine {peer.engine_id} has an incompatible KV layout: " + "; ".join(differences)
+        )
     try:
         remote = peer.rank_layout(local_layout.model, 0)
         if peer_is_prefill:
@@ -110,6 +131,6 @@ def check_peer(local_layout: RankLayout, peer: EngineInfo, *, peer_is_prefill: b
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
-    """Unique per process incarnation: a restarted engine keeps its engine id, but bytes meant for its previous life
-    must not reach it, so its agents get names no earlier incarnation had."""
+    """Unique per process incarnation: a restarted engine keeps its engine id, but bytes meant for its
+    previous life must not reach it, so its agents get names no earlier incarnation had."""
     return f"{engine_id}-tp{tp_rank}-{os.getpid()}-{secrets.token_hex(3)}"

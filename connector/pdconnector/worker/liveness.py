@@ -7,7 +7,9 @@ context goes with it. That bounds how long a silent prefill can still touch deco
 (:mod:`pdconnector.protocol.liveness`). The check passes while no heartbeat exists yet (the model is loading;
 the startup probe covers that) and, given ``--url``, also asks the engine's HTTP health endpoint.
 
-    python -m pdconnector.worker.liveness /tmp/pdconnector-heartbeat --max-age 10 --url http://127.0.0.1:8000/health
+    python -m pdconnector.worker.liveness DIR --max-age 10 --url http://127.0.0.1:8000/health
+
+where ``DIR`` is the heartbeat directory (``/tmp/pdconnector-heartbeat`` in the rendered probe).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ BEAT_INTERVAL_S = 1.0
 
 
 class Heartbeat:
-    """Stamps ``directory/rank-<tp_rank>``; no directory: does nothing (tests, and engines without the probe)."""
+    """Stamps ``directory/rank-<tp_rank>``; no directory: does nothing (tests, and engines without the
+    probe)."""
 
     def __init__(self, directory: str | None, tp_rank: int) -> None:
         self.path = Path(directory) / f"rank-{tp_rank}" if directory else None
@@ -42,7 +45,11 @@ class Heartbeat:
             return
         if not healthy:
             if not self._stopped:
-                log.error("heartbeat %s stopped: a transfer is stuck past its deadline; the liveness probe will restart the engine", self.path)
+                log.error(
+                    "heartbeat %s stopped: a transfer is stuck past its deadline; the liveness probe will "
+                    "restart the engine",
+                    self.path,
+                )
             self._stopped = True
             return
         self._stopped = False
@@ -64,7 +71,10 @@ def stale_heartbeats(directory: Path, max_age_s: float, now: float) -> list[str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdconnector.worker.liveness", description="Liveness check of an engine's transfer threads.")
+    parser = argparse.ArgumentParser(
+        prog="python -m pdconnector.worker.liveness",
+        description="Liveness check of an engine's transfer threads.",
+    )
     parser.add_argument("directory", type=Path)
     parser.add_argument("--max-age", type=float, required=True, help="seconds a heartbeat may be old")
     parser.add_argument("--url", help="also require this health endpoint to answer 200")

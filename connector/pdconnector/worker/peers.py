@@ -34,8 +34,8 @@ class PeerRegistry:
         return len(self._metadata)
 
     def load_engine(self, engine: EngineInfo, *, host: str | None = None) -> None:
-        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had. ``host``: the
-        engine's side-channel host, where its ranks' doorbells are (None: not known here)."""
+        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had.
+        ``host``: the engine's side-channel host, where its ranks' doorbells are (None: not known here)."""
         for rank in engine.ranks:
             name = self.load(rank.agent_metadata, engine_id=engine.engine_id, tp_rank=rank.tp_rank)
             if host is not None:

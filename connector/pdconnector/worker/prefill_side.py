@@ -1,4 +1,5 @@
-"""The prefill side of a rank's transfer worker: finished blocks held for decode, WRITEs posted, blocks released.
+"""The prefill side of a rank's transfer worker: finished blocks held for decode, WRITEs posted, blocks
+released.
 
 Push: the :class:`RendezvousTable` pairs finished prefills with decode registrations; its events
 become transport calls here (post a WRITE per paired decode rank, release abandoned ones, tell
@@ -14,7 +15,13 @@ from __future__ import annotations
 import logging
 
 from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, plan_transfer
-from pdconnector.protocol.messages import AbortMessage, CompletionMessage, ReadDoneMessage, RegistrationMessage, encode
+from pdconnector.protocol.messages import (
+    AbortMessage,
+    CompletionMessage,
+    ReadDoneMessage,
+    RegistrationMessage,
+    encode,
+)
 from pdconnector.protocol.pull import PullHolds, Released
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
@@ -36,7 +43,9 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSide:
-    def __init__(self, context: WorkerContext, peers: PeerRegistry, *, limits: RendezvousLimits, pull_lease_s: float) -> None:
+    def __init__(
+        self, context: WorkerContext, peers: PeerRegistry, *, limits: RendezvousLimits, pull_lease_s: float
+    ) -> None:
         self.layout = layout = context.layout
         self._context = context
         self._peers = peers
@@ -48,7 +57,9 @@ class PrefillSide:
             limits=limits,
             layout_fingerprint=context.layout_fingerprint,
         )
-        self._holds = PullHolds(prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, lease_s=pull_lease_s)
+        self._holds = PullHolds(
+            prefill_rank=layout.tp_rank, prefill_tp_size=layout.tp_size, lease_s=pull_lease_s
+        )
         self._writes: dict[WriteKey, TransferHandle] = {}
         self._stuck: dict[WriteKey, float] = {}  # past their deadline and not cancellable: since when
 
@@ -58,27 +69,40 @@ class PrefillSide:
 
     @property
     def busy(self) -> bool:
-        """Whether a transfer may be moving: a WRITE in flight ends only in the transport's state, and a decode READ
-        from held blocks may need this agent to progress (UCX over TCP emulates RDMA with messages both sides
-        handle). Blocks waiting for a registration are not: the registration rings."""
+        """Whether a transfer may be moving: a WRITE in flight ends only in the transport's state, and a
+        decode READ from held blocks may need this agent to progress (UCX over TCP emulates RDMA with messages
+        both sides handle). Blocks waiting for a registration are not: the registration rings."""
         return bool(self._writes or self._holds)
 
     def next_deadline(self) -> float | None:
-        return min((d for d in (self._table.next_deadline(), self._holds.next_deadline()) if d is not None), default=None)
+        return min(
+            (d for d in (self._table.next_deadline(), self._holds.next_deadline()) if d is not None),
+            default=None,
+        )
 
     def handles(self) -> list[TransferHandle]:
         """The WRITEs in flight (for shutdown)."""
         return list(self._writes.values())
 
-    # --- inputs -----------------------------------------------------------------------------------------------------
+    # --- inputs
+    # -----------------------------------------------------------------------------------------------------
 
     def prefill_done(self, command: PrefillDone, now: float) -> None:
         self._context.count("prefills_finished")
         try:
             if command.pull:
-                self._report_released(self._holds.hold(PrefillBlocks(command.transfer_id, command.block_ids, command.num_tokens), now))
+                self._report_released(
+                    self._holds.hold(
+                        PrefillBlocks(command.transfer_id, command.block_ids, command.num_tokens), now
+                    )
+                )
             else:
-                self._apply(self._table.prefill_finished(command.transfer_id, command.block_ids, command.num_tokens, now), now)
+                self._apply(
+                    self._table.prefill_finished(
+                        command.transfer_id, command.block_ids, command.num_tokens, now
+                    ),
+                    now,
+                )
         except ValueError as error:
             log.error("transfer %s: %s", command.transfer_id, error)
 
@@ -86,23 +110,36 @@ class PrefillSide:
         self._apply(self._table.cancel(transfer_id, detail, now), now)
         self._report_released(self._holds.cancel(transfer_id, detail, now))
 
-    def on_message(self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float, *, sender: str) -> None:
-        """A notification meant for prefill (decode registering, giving up, or done reading) from agent ``sender``."""
+    def on_message(
+        self, message: RegistrationMessage | AbortMessage | ReadDoneMessage, now: float, *, sender: str
+    ) -> None:
+        """A notification meant for prefill (decode registering, giving up, or done reading) from agent
+        ``sender``."""
         match message:
             case RegistrationMessage():
                 self._context.count("registrations_received")
                 if message.agent_metadata:
                     try:
-                        self._peers.load(message.agent_metadata, engine_id=message.decode_engine_id, tp_rank=message.decode_tp_rank)
+                        self._peers.load(
+                            message.agent_metadata,
+                            engine_id=message.decode_engine_id,
+                            tp_rank=message.decode_tp_rank,
+                        )
                     except TransportError as error:
-                        log.warning("registration of %s: cannot load decode agent %s: %s", message.transfer_id, message.agent_name, error)
+                        log.warning(
+                            "registration of %s: cannot load decode agent %s: %s",
+                            message.transfer_id,
+                            message.agent_name,
+                            error,
+                        )
                 if message.agent_name in self._peers:
                     self._context.set_doorbell(message.agent_name, message.decode_host, message.doorbell_port)
                 self._apply(self._table.registration_received(message, now), now)
             case AbortMessage() if message.transfer_id in self._holds:
                 self._report_released(self._holds.notice_received(message, now))
             case AbortMessage():
-                # Unknown to both tables, it may be a pull abort overtaking its hold: the holds keep it for a lease.
+                # Unknown to both tables, it may be a pull abort overtaking its hold: the holds keep it for a
+                # lease.
                 self._apply(self._table.abort_received(message, now, sender=sender), now)
                 self._holds.notice_received(message, now)
             case ReadDoneMessage():
@@ -138,7 +175,8 @@ class PrefillSide:
             progressed = True
         return progressed
 
-    # --- rendezvous events -> transport -----------------------------------------------------------------------------
+    # --- rendezvous events -> transport
+    # -----------------------------------------------------------------------------
 
     def _apply(self, events: list[Event], now: float) -> None:
         pending = list(events)
@@ -151,12 +189,19 @@ class PrefillSide:
                     pending += self._cancel_write(key, now)
                 case NotifyDecode(agent=agent, message=message):
                     self._context.send(agent, message)
-                case Closed(transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks, stages=stages):
+                case Closed(
+                    transfer_id=transfer_id, outcome=outcome, detail=detail, blocks=blocks, stages=stages
+                ):
                     if blocks is not None:
-                        self._context.report(TransferResult(transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=stages))
+                        self._context.report(
+                            TransferResult(
+                                transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=stages
+                            )
+                        )
 
     def _cancel_write(self, key: WriteKey, now: float) -> list[Event]:
-        """A WRITE past its deadline: gone once the transport confirms the cancel; otherwise it stays pinned and polled."""
+        """A WRITE past its deadline: gone once the transport confirms the cancel; otherwise it stays pinned
+        and polled."""
         handle = self._writes.get(key)
         if handle is None:
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
@@ -165,16 +210,24 @@ class PrefillSide:
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
         self._stuck[key] = now
         self._context.count("writes_stuck")
-        log.error("transfer %s: WRITE to decode rank %d cannot be cancelled; its blocks stay pinned", key.transfer_id, key.decode_rank)
+        log.error(
+            "transfer %s: WRITE to decode rank %d cannot be cancelled; its blocks stay pinned",
+            key.transfer_id,
+            key.decode_rank,
+        )
         return []
 
     def _start_write(self, event: StartWrite, now: float) -> list[Event]:
         registration, key = event.registration, event.key
         try:
-            # Loaded when the registration or the handshake arrived; gone if that decode rank restarted since (never reloaded
-            # from an old registration: bytes meant for its previous life must not reach the new one).
+            # Loaded when the registration or the handshake arrived; gone if that decode rank restarted since
+            # (never reloaded from an old registration: bytes meant for its previous life must not reach the
+            # new one).
             if registration.agent_name not in self._peers:
-                raise TransportError(f"decode agent {registration.agent_name!r} is not loaded (restarted since it registered, or never announced)")
+                raise TransportError(
+                    f"decode agent {registration.agent_name!r} is not loaded (restarted since it "
+                    "registered, or never announced)"
+                )
             destination = RankLayout(
                 self.layout.model,
                 registration.decode_tp_size,
@@ -184,8 +237,16 @@ class PrefillSide:
             )
             if len(registration.region_base_addresses) != len(destination.regions):
                 count = len(registration.region_base_addresses)
-                raise ValueError(f"registration has {count} region addresses, the layout has {len(destination.regions)}")
-            plan = plan_transfer(self.layout, destination, event.prefill.block_ids, registration.block_ids, num_tokens=event.prefill.num_tokens)
+                raise ValueError(
+                    f"registration has {count} region addresses, the layout has {len(destination.regions)}"
+                )
+            plan = plan_transfer(
+                self.layout,
+                destination,
+                event.prefill.block_ids,
+                registration.block_ids,
+                num_tokens=event.prefill.num_tokens,
+            )
             local, remote = plan.to_descriptors(
                 self._context.region_addrs,
                 registration.region_base_addresses,
@@ -201,7 +262,9 @@ class PrefillSide:
                     bytes_written=plan.nbytes,
                 )
             )
-            self._writes[key] = self._context.transport.write(registration.agent_name, local, remote, notification)
+            self._writes[key] = self._context.transport.write(
+                registration.agent_name, local, remote, notification
+            )
             self._context.count("writes_posted")
         except (ValueError, TransportError) as error:
             return self._table.write_failed(key, f"cannot post WRITE: {error}", now)
@@ -210,4 +273,8 @@ class PrefillSide:
     def _report_released(self, released: Released | None) -> None:
         if released is not None:
             outcome, detail = released.outcome, released.detail
-            self._context.report(TransferResult(released.transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=released.stages))
+            self._context.report(
+                TransferResult(
+                    released.transfer_id, ResultKind.FINISHED_SENDING, outcome, detail, stages=released.stages
+                )
+            )

@@ -1,4 +1,5 @@
-"""The engine-level handshake: one small TCP server per engine serving its ranks' agents, and a caching client.
+"""The engine-level handshake: one small TCP server per engine serving its ranks' agents, and a caching
+client.
 
 Decode needs prefill's agent metadata (to register, and to READ in pull mode) and prefill needs
 decode's (to WRITE and to answer). One request does both: the client sends its own
@@ -48,8 +49,8 @@ class SideChannelError(ConnectionError):
 
 
 class PeerGone(SideChannelError):
-    """Nobody listens at the address any more, or another engine does: the engine looked up is not running there
-    (a frozen one still accepts connections, so it is never reported gone)."""
+    """Nobody listens at the address any more, or another engine does: the engine looked up is not running
+    there (a frozen one still accepts connections, so it is never reported gone)."""
 
 
 class _Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -69,7 +70,9 @@ _reply_decoder = msgspec.msgpack.Decoder(_Reply)
 
 def _send_frame(sock: socket.socket, payload: bytes) -> None:
     if len(payload) > MAX_FRAME_BYTES:
-        raise SideChannelError(f"side-channel frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        raise SideChannelError(
+            f"side-channel frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+        )
     sock.sendall(_HEADER.pack(MAGIC, len(payload)) + payload)
 
 
@@ -116,7 +119,11 @@ class SideChannelServer:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 if not outer._slots.acquire(blocking=False):
-                    log.warning("side channel: %d connections open, refused one from %s", max_connections, self.client_address)
+                    log.warning(
+                        "side channel: %d connections open, refused one from %s",
+                        max_connections,
+                        self.client_address,
+                    )
                     return
                 try:
                     outer._serve(self.request)
@@ -132,7 +139,12 @@ class SideChannelServer:
         self._io_timeout_s = io_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self._server = Server((host, port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"side-channel-{port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"side-channel-{port}",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -156,10 +168,20 @@ class SideChannelServer:
             try:
                 request = _request_decoder.decode(_recv_frame(sock, self._io_timeout_s))
             except (msgspec.ValidationError, msgspec.DecodeError) as error:
-                _send_frame(sock, _encoder.encode(_Reply(error=f"malformed side-channel request: {error}"[:4096])))
+                _send_frame(
+                    sock, _encoder.encode(_Reply(error=f"malformed side-channel request: {error}"[:4096]))
+                )
                 return
             if request.version != VERSION:
-                _send_frame(sock, _encoder.encode(_Reply(error=f"side-channel version {request.version} is not supported (server speaks {VERSION})")))
+                _send_frame(
+                    sock,
+                    _encoder.encode(
+                        _Reply(
+                            error=f"side-channel version {request.version} is not supported (server speaks "
+                            f"{VERSION})"
+                        )
+                    ),
+                )
                 return
             if request.announce is not None and self._on_announce is not None:
                 self._on_announce(request.announce)
@@ -172,8 +194,11 @@ class SideChannelServer:
             log.info("side channel: dropped a connection: %s", error)
 
 
-def fetch_engine_info(host: str, port: int, *, timeout_s: float, announce: EngineInfo | None = None) -> EngineInfo:
-    """One handshake with the side channel at ``host:port`` (blocking, bounded by ``timeout_s`` per socket operation)."""
+def fetch_engine_info(
+    host: str, port: int, *, timeout_s: float, announce: EngineInfo | None = None
+) -> EngineInfo:
+    """One handshake with the side channel at ``host:port`` (blocking, bounded by ``timeout_s`` per socket
+    operation)."""
     address = f"{host}:{port}"
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
@@ -204,12 +229,18 @@ class _Cached:
 class SideChannelClient:
     """Resolves prefill coordinates to :class:`EngineInfo`, caching per address; thread-safe."""
 
-    def __init__(self, *, announce: Callable[[], EngineInfo] | None = None, timeout_s: float = 5.0, max_workers: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        announce: Callable[[], EngineInfo] | None = None,
+        timeout_s: float = 5.0,
+        max_workers: int = 2,
+    ) -> None:
         self._announce = announce
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="side-channel-client")
-        # Probes of peers that went silent may each wait out the timeout (a frozen peer accepts and never answers):
-        # they get their own thread, so handshakes of new transfers never queue behind them.
+        # Probes of peers that went silent may each wait out the timeout (a frozen peer accepts and never
+        # answers): they get their own thread, so handshakes of new transfers never queue behind them.
         self._probe_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-channel-probe")
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, int], _Cached] = {}
@@ -220,7 +251,11 @@ class SideChannelClient:
         key = (peer.host, peer.side_channel_port)
         with self._lock:
             cached = self._cache.get(key)
-            if cached is not None and cached.expected_engine_id == peer.engine_id and not _failed(cached.future):
+            if (
+                cached is not None
+                and cached.expected_engine_id == peer.engine_id
+                and not _failed(cached.future)
+            ):
                 return cached.future
             future = self._pool.submit(self._fetch, peer)
             self._cache[key] = _Cached(peer.engine_id, future)
@@ -229,13 +264,14 @@ class SideChannelClient:
     prewarm = lookup
 
     def invalidate(self, peer: PrefillCoordinates) -> None:
-        """Forget the cached info (e.g. after a transfer error with that peer); the next lookup fetches again."""
+        """Forget the cached info (e.g. after a transfer error with that peer); the next lookup fetches
+        again."""
         with self._lock:
             self._cache.pop((peer.host, peer.side_channel_port), None)
 
     def probe(self, peer: PrefillCoordinates) -> Future[EngineInfo]:
-        """A fresh look at the peer (not the cache): fails with :class:`PeerGone` when it is not running there any more.
-        Callers probing one address at the same time share one probe."""
+        """A fresh look at the peer (not the cache): fails with :class:`PeerGone` when it is not running there
+        any more. Callers probing one address at the same time share one probe."""
         key = (peer.host, peer.side_channel_port)
         with self._lock:
             running = self._probes.get(key)
@@ -251,13 +287,18 @@ class SideChannelClient:
 
     def _fetch(self, peer: PrefillCoordinates) -> EngineInfo:
         announce = self._announce() if self._announce is not None else None
-        info = fetch_engine_info(peer.host, peer.side_channel_port, timeout_s=self._timeout_s, announce=announce)
+        info = fetch_engine_info(
+            peer.host, peer.side_channel_port, timeout_s=self._timeout_s, announce=announce
+        )
         if info.engine_id != peer.engine_id:
             raise PeerGone(
-                f"side channel {peer.host}:{peer.side_channel_port} serves engine {info.engine_id!r}, not {peer.engine_id!r} (restarted or replaced)"
+                f"side channel {peer.host}:{peer.side_channel_port} serves engine {info.engine_id!r}, not "
+                f"{peer.engine_id!r} (restarted or replaced)"
             )
         if info.tp_size != peer.tp_size:
-            raise SideChannelError(f"engine {peer.engine_id} has TP size {info.tp_size}, the request says {peer.tp_size}")
+            raise SideChannelError(
+                f"engine {peer.engine_id} has TP size {info.tp_size}, the request says {peer.tp_size}"
+            )
         return info
 
 

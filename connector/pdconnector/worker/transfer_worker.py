@@ -70,9 +70,9 @@ from pdconnector.worker.side_channel import SideChannelClient
 
 log = logging.getLogger(__name__)
 
-# How long the thread keeps polling after it sent a notification (UCX may need the sender's progress to connect and
-# send it) or heard a ring (which can overtake the notification it announces: UCX sends a WRITE's notification as a
-# message of its own after the data, the mock transport delivers on its receiver thread).
+# How long the thread keeps polling after it sent a notification (UCX may need the sender's progress to
+# connect and send it) or heard a ring (which can overtake the notification it announces: UCX sends a WRITE's
+# notification as a message of its own after the data, the mock transport delivers on its receiver thread).
 MESSAGE_WINDOW_S = 0.05
 
 BlockIds = Sequence[Sequence[int]]
@@ -89,19 +89,21 @@ class WorkerConfig:
     heartbeat_dir: str | None = None  # where the liveness heartbeat goes (pdconnector.worker.liveness)
     min_poll_s: float = 1e-4
     busy_poll_max_s: float = 2e-3
-    # Only a lost ring (or a peer known by name, which is never rung) waits this long. Each idle wake-up costs ~0.4 ms of
-    # CPU per rank; at 50 ms an idle two-rank engine measured 1.6-2.2% of a core, past the 2% budget, at 100 ms ~1%.
+    # Only a lost ring (or a peer known by name, which is never rung) waits this long. Each idle wake-up costs
+    # ~0.4 ms of CPU per rank; at 50 ms an idle two-rank engine measured 1.6-2.2% of a core, past the 2%
+    # budget, at 100 ms ~1%.
     idle_poll_max_s: float = 0.1
     start_timeout_s: float = 60.0
 
 
-# --- the inbox (engine thread -> worker thread): the transfer commands and these ------------------------------------
+# --- the inbox (engine thread -> worker thread): the transfer commands and these
+# ------------------------------------
 
 
 @dataclass(frozen=True)
 class _Receive:
-    """A decode command, when the engine issued it and its deadline (both on the engine's monotonic clock, which the
-    worker thread shares)."""
+    """A decode command, when the engine issued it and its deadline (both on the engine's monotonic clock,
+    which the worker thread shares)."""
 
     command: ExpectPush | ReadBlocks | AbandonTransfer
     deadline: float
@@ -126,7 +128,8 @@ def _tuple_blocks(blocks: BlockIds) -> tuple[tuple[int, ...], ...]:
 
 
 class TransferWorker:
-    """One engine rank's transfers. Construct, :meth:`start`, call the role methods from any thread, drain :meth:`results`."""
+    """One engine rank's transfers. Construct, :meth:`start`, call the role methods from any thread, drain
+    :meth:`results`."""
 
     def __init__(
         self,
@@ -139,13 +142,21 @@ class TransferWorker:
         on_result: Callable[[], None] | None = None,
     ) -> None:
         if len(regions) != len(layout.regions):
-            raise ValueError(f"layout has {len(layout.regions)} regions, {len(regions)} memory regions were given")
+            raise ValueError(
+                f"layout has {len(layout.regions)} regions, {len(regions)} memory regions were given"
+            )
         for region, expected in zip(regions, layout.regions, strict=True):
             if region.nbytes < expected.nbytes:
-                raise ValueError(f"memory region {expected.index} has {region.nbytes} bytes, the layout needs {expected.nbytes}")
+                raise ValueError(
+                    f"memory region {expected.index} has {region.nbytes} bytes, the layout needs "
+                    f"{expected.nbytes}"
+                )
         devices = {(r.device, r.device_id) for r in regions}
         if len(devices) > 1:
-            raise ValueError(f"the memory regions of one rank must live on one device, got {sorted(f'{kind}:{index}' for kind, index in devices)}")
+            raise ValueError(
+                "the memory regions of one rank must live on one device, got "
+                f"{sorted(f'{kind}:{index}' for kind, index in devices)}"
+            )
         self.layout = layout
         self.config = config
         self._regions = tuple(regions)
@@ -154,12 +165,16 @@ class TransferWorker:
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._start_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"transfer-worker-{config.engine_id}-{layout.tp_rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"transfer-worker-{config.engine_id}-{layout.tp_rank}", daemon=True
+        )
         self._context = WorkerContext(layout, regions, on_result=on_result)
         self.layout_fingerprint = self._context.layout_fingerprint
         # Everything below belongs to the worker thread.
         self._peers = PeerRegistry(self._context)
-        self._prefill = PrefillSide(self._context, self._peers, limits=config.limits, pull_lease_s=config.pull_lease_s)
+        self._prefill = PrefillSide(
+            self._context, self._peers, limits=config.limits, pull_lease_s=config.pull_lease_s
+        )
         self._decode = DecodeSide(
             self._context,
             self._peers,
@@ -173,16 +188,23 @@ class TransferWorker:
         self._heartbeat = Heartbeat(config.heartbeat_dir, layout.tp_rank)
         self._fenced = self._peer_agents = 0  # published by the thread each turn, read by others
 
-    # --- lifecycle -------------------------------------------------------------------------------------------------
+    # --- lifecycle
+    # -------------------------------------------------------------------------------------------------
 
     def start(self) -> RankInfo:
-        """Start the thread, create and register the transport on it; returns what the side channel serves for this rank."""
+        """Start the thread, create and register the transport on it; returns what the side channel serves for
+        this rank."""
         self._thread.start()
         if not self._ready.wait(self.config.start_timeout_s):
             self._stop.set()
-            raise TimeoutError(f"transfer worker rank {self.layout.tp_rank}: transport not ready within {self.config.start_timeout_s}s")
+            raise TimeoutError(
+                f"transfer worker rank {self.layout.tp_rank}: transport not ready within "
+                f"{self.config.start_timeout_s}s"
+            )
         if self._start_error is not None:
-            raise RuntimeError(f"transfer worker rank {self.layout.tp_rank}: transport start failed: {self._start_error}") from self._start_error
+            raise RuntimeError(
+                f"transfer worker rank {self.layout.tp_rank}: transport start failed: {self._start_error}"
+            ) from self._start_error
         return self._context.own
 
     @property
@@ -196,20 +218,32 @@ class TransferWorker:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    # --- inputs (any thread, never block) --------------------------------------------------------------------------
+    # --- inputs (any thread, never block)
+    # --------------------------------------------------------------------------
 
-    def prefill_finished(self, transfer_id: str, block_ids: BlockIds, num_tokens: int, *, pull: bool = False) -> None:
-        """Prefill of ``transfer_id`` is done: hold ``block_ids`` (one list per KV group) until decode has them or a lease ends."""
+    def prefill_finished(
+        self, transfer_id: str, block_ids: BlockIds, num_tokens: int, *, pull: bool = False
+    ) -> None:
+        """Prefill of ``transfer_id`` is done: hold ``block_ids`` (one list per KV group) until decode has
+        them or a lease ends."""
         self._put(PrefillDone("", transfer_id, _tuple_blocks(block_ids), num_tokens, pull))
 
     def cancel(self, transfer_id: str, detail: str = "cancelled by the engine") -> None:
         """Give up on ``transfer_id`` (either role): free, tell the peer, report the end."""
         self._put(CancelTransfer("", transfer_id, detail[:MAX_DETAIL_CHARS]))
 
-    def abandon(self, transfer_id: str, prefill: PrefillCoordinates, detail: str, *, timeout_s: float = 10.0) -> None:
-        """Decode: a request of ``transfer_id`` ended before it registered or read anything; tell ``prefill``'s ranks
-        at once so they free the blocks they hold for it (within ``timeout_s``, else prefill frees at its lease)."""
-        self._put(_Receive(AbandonTransfer("", transfer_id, prefill, detail[:MAX_DETAIL_CHARS]), time.monotonic() + timeout_s))
+    def abandon(
+        self, transfer_id: str, prefill: PrefillCoordinates, detail: str, *, timeout_s: float = 10.0
+    ) -> None:
+        """Decode: a request of ``transfer_id`` ended before it registered or read anything; tell
+        ``prefill``'s ranks at once so they free the blocks they hold for it (within ``timeout_s``, else
+        prefill frees at its lease)."""
+        self._put(
+            _Receive(
+                AbandonTransfer("", transfer_id, prefill, detail[:MAX_DETAIL_CHARS]),
+                time.monotonic() + timeout_s,
+            )
+        )
 
     def expect_push(
         self,
@@ -222,13 +256,21 @@ class TransferWorker:
         attempt: int = 0,
         cached_blocks: int = 0,
     ) -> None:
-        """Decode (push): register ``block_ids`` with every prefill rank writing this rank and wait for their completions.
+        """Decode (push): register ``block_ids`` with every prefill rank writing this rank and wait for their
+        completions.
 
-        ``cached_blocks``: leading attention blocks this rank already holds (prefix cache), which ``block_ids``
-        leave out and prefill skips; ``num_tokens`` counts the tokens after them. A higher ``attempt``
-        (after preemption) replaces the pending one."""
+        ``cached_blocks``: leading attention blocks this rank already holds (prefix cache), which
+        ``block_ids`` leave out and prefill skips; ``num_tokens`` counts the tokens after them. A higher
+        ``attempt`` (after preemption) replaces the pending one."""
         deadline = time.monotonic() + timeout_s
-        self._put(_Receive(ExpectPush("", transfer_id, prefill, _tuple_blocks(block_ids), num_tokens, cached_blocks, attempt), deadline))
+        self._put(
+            _Receive(
+                ExpectPush(
+                    "", transfer_id, prefill, _tuple_blocks(block_ids), num_tokens, cached_blocks, attempt
+                ),
+                deadline,
+            )
+        )
 
     def read(
         self,
@@ -240,12 +282,26 @@ class TransferWorker:
         *,
         timeout_s: float,
     ) -> None:
-        """Decode (pull): READ prefill's ``remote_block_ids`` into ``block_ids``; prefill is told when it may free."""
+        """Decode (pull): READ prefill's ``remote_block_ids`` into ``block_ids``; prefill is told when it may
+        free."""
         deadline = time.monotonic() + timeout_s
-        self._put(_Receive(ReadBlocks("", transfer_id, prefill, _tuple_blocks(remote_block_ids), _tuple_blocks(block_ids), num_tokens), deadline))
+        self._put(
+            _Receive(
+                ReadBlocks(
+                    "",
+                    transfer_id,
+                    prefill,
+                    _tuple_blocks(remote_block_ids),
+                    _tuple_blocks(block_ids),
+                    num_tokens,
+                ),
+                deadline,
+            )
+        )
 
     def add_peers(self, engine: EngineInfo) -> None:
-        """Load a peer engine's agents (the side channel's announce), replacing a restarted engine's old ones."""
+        """Load a peer engine's agents (the side channel's announce), replacing a restarted engine's old
+        ones."""
         self._put(_AddPeers(engine))
 
     def results(self) -> list[TransferResult]:
@@ -253,12 +309,13 @@ class TransferWorker:
         return self._context.take_results()
 
     def stats(self) -> dict[str, int]:
-        """Event counters (registrations received, writes/reads posted, notifications refused, ...), for metrics and tests."""
+        """Event counters (registrations received, writes/reads posted, notifications refused, ...), for
+        metrics and tests."""
         return self._context.stats()
 
     def fenced(self) -> int:
-        """Failed transfers whose blocks this rank still holds because a peer may touch them (as of the thread's
-        last turn; any thread)."""
+        """Failed transfers whose blocks this rank still holds because a peer may touch them (as of the
+        thread's last turn; any thread)."""
         return self._fenced
 
     def peer_agents(self) -> int:
@@ -273,15 +330,19 @@ class TransferWorker:
     def _wake(self) -> None:
         self._inbox.put(_Wake())
 
-    # --- the thread ------------------------------------------------------------------------------------------------
+    # --- the thread
+    # ------------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         transport: Transport | None = None
         doorbell: Doorbell | None = None
         try:
             if self._regions and self._regions[0].device is Device.VRAM:
-                bind_cuda_device(self._context.device_id)  # before the agent exists: UCX binds to the thread's CUDA context
-            doorbell = Doorbell(self.config.host, self._wake, name=f"doorbell-{self.config.engine_id}-{self.layout.tp_rank}")
+                # before the agent exists: UCX binds to the thread's CUDA context
+                bind_cuda_device(self._context.device_id)
+            doorbell = Doorbell(
+                self.config.host, self._wake, name=f"doorbell-{self.config.engine_id}-{self.layout.tp_rank}"
+            )
             transport = self._transport_factory()
             transport.register(self._regions)
             own = RankInfo(
@@ -297,7 +358,8 @@ class TransferWorker:
             self._context.bind(transport, own)
         except BaseException as error:
             if transport is not None:
-                # A registration that failed half way must not leave the agent (and what it did register) behind.
+                # A registration that failed half way must not leave the agent (and what it did register)
+                # behind.
                 with contextlib.suppress(TransportError):
                     transport.close()
             if doorbell is not None:
@@ -347,7 +409,9 @@ class TransferWorker:
         try:
             return transport.take_notifications()
         except TransportError as error:
-            log.warning("transfer worker rank %d: polling notifications failed: %s", self.layout.tp_rank, error)
+            log.warning(
+                "transfer worker rank %d: polling notifications failed: %s", self.layout.tp_rank, error
+            )
             return []
 
     def _drain_inbox(self, timeout: float) -> bool:
@@ -367,7 +431,9 @@ class TransferWorker:
             return self.config.min_poll_s
         polling |= self._prefill.busy or self._decode.busy
         delay = min(delay * 2, self.config.busy_poll_max_s) if polling else self.config.idle_poll_max_s
-        deadlines = [d for d in (self._prefill.next_deadline(), self._decode.next_deadline()) if d is not None]
+        deadlines = [
+            d for d in (self._prefill.next_deadline(), self._decode.next_deadline()) if d is not None
+        ]
         if deadlines:
             delay = min(delay, max(min(deadlines) - time.monotonic(), self.config.min_poll_s))
         return delay

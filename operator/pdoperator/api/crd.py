@@ -20,15 +20,57 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 CATEGORIES = ("pdoperator",)
 
 PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
-    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode", "description": "KV transfer mode: push or pull."},
+    {
+        "name": "Mode",
+        "type": "string",
+        "jsonPath": ".spec.mode",
+        "description": "KV transfer mode: push or pull.",
+    },
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "description": "Served model."},
-    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary", "description": "Ready/desired prefill engines."},
-    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary", "description": "Ready/desired decode engines."},
-    {"name": "P-TP", "type": "integer", "jsonPath": ".spec.prefill.tensorParallelSize", "description": "Prefill tensor-parallel size."},
-    {"name": "D-TP", "type": "integer", "jsonPath": ".spec.decode.tensorParallelSize", "description": "Decode tensor-parallel size."},
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status', "description": "Ready condition."},
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase.", "priority": 1},
-    {"name": "Endpoint", "type": "string", "jsonPath": ".status.routerEndpoint", "description": "Router URL.", "priority": 1},
+    {
+        "name": "Prefill",
+        "type": "string",
+        "jsonPath": ".status.prefill.summary",
+        "description": "Ready/desired prefill engines.",
+    },
+    {
+        "name": "Decode",
+        "type": "string",
+        "jsonPath": ".status.decode.summary",
+        "description": "Ready/desired decode engines.",
+    },
+    {
+        "name": "P-TP",
+        "type": "integer",
+        "jsonPath": ".spec.prefill.tensorParallelSize",
+        "description": "Prefill tensor-parallel size.",
+    },
+    {
+        "name": "D-TP",
+        "type": "integer",
+        "jsonPath": ".spec.decode.tensorParallelSize",
+        "description": "Decode tensor-parallel size.",
+    },
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+        "description": "Ready condition.",
+    },
+    {
+        "name": "Phase",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "Lifecycle phase.",
+        "priority": 1,
+    },
+    {
+        "name": "Endpoint",
+        "type": "string",
+        "jsonPath": ".status.routerEndpoint",
+        "description": "Router URL.",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 

@@ -35,14 +35,19 @@ class _Loader(_SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # keys merged in with `<<` may be overridden; only the node's own keys must be unique
+                # keys merged in with `<<` may be overridden; only the node's own keys must be unique
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 duplicate = key in seen
             except TypeError:
-                raise yaml.constructor.ConstructorError(None, None, "found an unhashable key", key_node.start_mark) from None
+                raise yaml.constructor.ConstructorError(
+                    None, None, "found an unhashable key", key_node.start_mark
+                ) from None
             if duplicate:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -80,17 +85,28 @@ def _objects_of(document: Any, index: int) -> list[dict[str, Any]]:
     """The Kubernetes objects in one YAML document (a ``kind: List`` holds several)."""
     where = f"document {index}"
     if not isinstance(document, dict):
-        raise SpecError([FieldError(where, f"must be a mapping (a Kubernetes object), got {type_name(document)}")])
+        raise SpecError(
+            [FieldError(where, f"must be a mapping (a Kubernetes object), got {type_name(document)}")]
+        )
     try:
         size = _expanded_size(document, {}, set())
     except ValueError as error:
         raise SpecError([FieldError(where, str(error))]) from None
     if size > MAX_EXPANDED_NODES:
-        raise SpecError([FieldError(where, f"expands to more than {MAX_EXPANDED_NODES} nodes through YAML aliases")])
+        raise SpecError(
+            [FieldError(where, f"expands to more than {MAX_EXPANDED_NODES} nodes through YAML aliases")]
+        )
     if document.get("kind") == "List" and isinstance(document.get("items"), list):
         for position, item in enumerate(document["items"]):
             if not isinstance(item, dict):
-                raise SpecError([FieldError(f"{where}: items[{position}]", f"must be a mapping (a Kubernetes object), got {type_name(item)}")])
+                raise SpecError(
+                    [
+                        FieldError(
+                            f"{where}: items[{position}]",
+                            f"must be a mapping (a Kubernetes object), got {type_name(item)}",
+                        )
+                    ]
+                )
         return list(document["items"])
     return [document]
 
@@ -106,7 +122,13 @@ def load_documents(source: str | bytes | Path) -> list[dict[str, Any]]:
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as error:
-            raise SpecError([FieldError("yaml", f"not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 1]!r})")]) from None
+            raise SpecError(
+                [
+                    FieldError(
+                        "yaml", f"not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 1]!r})"
+                    )
+                ]
+            ) from None
     else:
         text = raw
     try:

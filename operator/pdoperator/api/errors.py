@@ -28,11 +28,19 @@ class SpecError(Exception):
 
 
 def path_key(key: str) -> str:
-    """A map key or field name as it appears in a field path: quoted when it would break the line or blur the path."""
+    """A map key or field name as it appears in a field path: quoted when it would break the line or blur the
+    path."""
     return key if key.isprintable() and key.strip() == key and key else json.dumps(key)
 
 
 def type_name(value: object) -> str:
     """How an error message names the JSON type of a value ("a list", "a string", "null")."""
-    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number", type(None): "null"}
+    names = {
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)

@@ -121,8 +121,18 @@ ENGINE_ID = r"^[A-Za-z0-9][-_.A-Za-z0-9]*$"
 class SecretKeyRef(ApiModel):
     """A key inside a Secret in the PDService's namespace."""
 
-    name: Annotated[str, Field(description="Name of the Secret.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
-    key: Annotated[str, Field(description="Key inside the Secret whose value is used.", min_length=1, max_length=253, pattern=SECRET_KEY)]
+    name: Annotated[
+        str, Field(description="Name of the Secret.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    ]
+    key: Annotated[
+        str,
+        Field(
+            description="Key inside the Secret whose value is used.",
+            min_length=1,
+            max_length=253,
+            pattern=SECRET_KEY,
+        ),
+    ]
 
 
 # ---------------------------------------------------------------- model
@@ -142,7 +152,12 @@ class PVCSource(ApiModel):
 
     claim_name: Annotated[
         str,
-        Field(description="Name of the PersistentVolumeClaim holding the weights.", min_length=1, max_length=253, pattern=DNS_SUBDOMAIN),
+        Field(
+            description="Name of the PersistentVolumeClaim holding the weights.",
+            min_length=1,
+            max_length=253,
+            pattern=DNS_SUBDOMAIN,
+        ),
     ]
     path: Annotated[
         str,
@@ -158,7 +173,9 @@ class PVCSource(ApiModel):
 class ModelSource(ApiModel):
     """Where the weights come from: exactly one of huggingFace or pvc."""
 
-    hugging_face: Annotated[HuggingFaceSource | None, Field(description="Download from the Hugging Face Hub.")] = None
+    hugging_face: Annotated[
+        HuggingFaceSource | None, Field(description="Download from the Hugging Face Hub.")
+    ] = None
     pvc: Annotated[PVCSource | None, Field(description="Load from a PersistentVolumeClaim.")] = None
 
 
@@ -171,16 +188,31 @@ class ModelSpec(ApiModel):
 
     name: Annotated[
         str,
-        Field(description="Hugging Face model id (org/name) or, with source.pvc, a display name.", min_length=1, max_length=256),
+        Field(
+            description="Hugging Face model id (org/name) or, with source.pvc, a display name.",
+            min_length=1,
+            max_length=256,
+        ),
     ]
     served_name: Annotated[
         str | None,
-        Field(description="Model name clients send in requests (defaults to name).", min_length=1, max_length=256),
+        Field(
+            description="Model name clients send in requests (defaults to name).",
+            min_length=1,
+            max_length=256,
+        ),
     ] = None
-    dtype: Annotated[DType, Field(description="Weight and activation dtype passed to vLLM --dtype.")] = DType.AUTO
+    dtype: Annotated[DType, Field(description="Weight and activation dtype passed to vLLM --dtype.")] = (
+        DType.AUTO
+    )
     max_model_len: Annotated[
         int | None,
-        Field(description="Maximum context length in tokens (vLLM --max-model-len); unset uses the model's own.", ge=16, le=10_485_760),
+        Field(
+            description="Maximum context length in tokens (vLLM --max-model-len); unset uses the model's "
+            "own.",
+            ge=16,
+            le=10_485_760,
+        ),
     ] = None
     architecture: Annotated[
         Architecture,
@@ -188,7 +220,8 @@ class ModelSpec(ApiModel):
             description=(
                 "KV-cache shape of the model. dense: attention KV sharded by heads across TP ranks. "
                 "hybrid-ssm: attention plus Mamba/GDN state layers (requires spec.ssm). "
-                "mla: multi-head latent attention (DeepSeek-style), whose latent KV is the same on every TP rank."
+                "mla: multi-head latent attention (DeepSeek-style), whose latent KV is the same on every TP "
+                "rank."
             )
         ),
     ] = Architecture.DENSE
@@ -205,7 +238,8 @@ class SSMSpec(ApiModel):
         SsmFamily,
         Field(
             description=(
-                "Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state; the builtin connector "
+                "Kind of state layer: mamba2 (x,B,C conv + SSM state), mamba1 (one conv + SSM state; the "
+                "builtin connector "
                 "serves it in the mock engine only) or gdn (gated delta net, Q/K/V conv)."
             )
         ),
@@ -214,7 +248,8 @@ class SSMSpec(ApiModel):
         ConvLayout,
         Field(
             description=(
-                "Memory layout of the convolution state (VLLM_SSM_CONV_STATE_LAYOUT). DS keeps each TP shard of x, B and C "
+                "Memory layout of the convolution state (VLLM_SSM_CONV_STATE_LAYOUT). DS keeps each TP "
+                "shard of x, B and C "
                 "contiguous so it moves as three descriptors; required when prefill and decode TP differ."
             )
         ),
@@ -226,20 +261,25 @@ class Toleration(ApiModel):
 
     key: Annotated[str | None, Field(description="Taint key the toleration applies to.")] = None
     operator: Annotated[
-        Literal["Exists", "Equal"] | None, Field(description="Exists matches any value of the key; Equal (the default) matches value.")
+        Literal["Exists", "Equal"] | None,
+        Field(description="Exists matches any value of the key; Equal (the default) matches value."),
     ] = None
     value: Annotated[str | None, Field(description="Taint value the toleration matches.")] = None
     effect: Annotated[
         Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None,
         Field(description="Taint effect to match; unset matches all effects."),
     ] = None
-    toleration_seconds: Annotated[int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)] = None
+    toleration_seconds: Annotated[
+        int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)
+    ] = None
 
 
 class EnvVar(ApiModel):
     """An environment variable with a literal value (core/v1 EnvVar without valueFrom)."""
 
-    name: Annotated[str, Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_VAR_NAME)]
+    name: Annotated[
+        str, Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_VAR_NAME)
+    ]
     value: Annotated[str, Field(description="Variable value.", max_length=32768)] = ""
 
 
@@ -248,13 +288,26 @@ class RoleResources(ApiModel):
 
     gpus: Annotated[
         int | None,
-        Field(description="nvidia.com/gpu per pod; defaults to the role's tensorParallelSize. 0 for CPU or mock engines.", ge=0, le=64),
+        Field(
+            description="nvidia.com/gpu per pod; defaults to the role's tensorParallelSize. 0 for CPU or "
+            "mock engines.",
+            ge=0,
+            le=64,
+        ),
     ] = None
-    cpu: Annotated[str | None, Field(description="CPU request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
-    memory: Annotated[str | None, Field(description="Memory request and limit (Kubernetes quantity).", pattern=QUANTITY)] = None
+    cpu: Annotated[
+        str | None, Field(description="CPU request and limit (Kubernetes quantity).", pattern=QUANTITY)
+    ] = None
+    memory: Annotated[
+        str | None, Field(description="Memory request and limit (Kubernetes quantity).", pattern=QUANTITY)
+    ] = None
     shm_size: Annotated[
         str,
-        Field(description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the default 64Mi).", pattern=QUANTITY),
+        Field(
+            description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the "
+            "default 64Mi).",
+            pattern=QUANTITY,
+        ),
     ] = "16Gi"
 
 
@@ -262,41 +315,64 @@ class RoleSpec(ApiModel):
     """One role of the disaggregated service: prefill or decode engines."""
 
     replicas: Annotated[int, Field(description="Number of engine pods of this role.", ge=0, le=1024)] = 1
-    tensor_parallel_size: Annotated[int, Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64)] = 1
-    resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(default_factory=RoleResources)
-    max_num_seqs: Annotated[int | None, Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536)] = None
+    tensor_parallel_size: Annotated[
+        int,
+        Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64),
+    ] = 1
+    resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(
+        default_factory=RoleResources
+    )
+    max_num_seqs: Annotated[
+        int | None,
+        Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536),
+    ] = None
     enable_prefix_caching: Annotated[
         bool | None,
-        Field(description="Prefix caching on this role; unset lets the operator choose (off on both roles for hybrid models, which reject true)."),
+        Field(
+            description="Prefix caching on this role; unset lets the operator choose (off on both roles for "
+            "hybrid models, which reject true)."
+        ),
     ] = None
     node_selector: Annotated[
         dict[str, Annotated[str, Field(description="Label value the node must carry under this key.")]],
         Field(description="Node labels the pods must match."),
     ] = Field(default_factory=dict)
-    tolerations: Annotated[list[Toleration], Field(description="Tolerations of the pods.", max_length=64)] = Field(default_factory=list)
+    tolerations: Annotated[list[Toleration], Field(description="Tolerations of the pods.", max_length=64)] = (
+        Field(default_factory=list)
+    )
     affinity: Annotated[
         dict[str, Any] | None,
         Field(
-            description="Pod affinity (core/v1 Affinity); merged with the prefill/decode host anti-affinity the operator adds when EFA is on.",
+            description="Pod affinity (core/v1 Affinity); merged with the prefill/decode host anti-affinity "
+            "the operator adds when EFA is on.",
             json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
         ),
     ] = None
     extra_args: Annotated[
         list[Annotated[str, Field(description="One command-line argument.", max_length=4096)]],
         Field(
-            description="Extra command-line arguments appended to the engine's command line; flags the operator sets from the spec are rejected.",
+            description="Extra command-line arguments appended to the engine's command line; flags the "
+            "operator sets from the spec are rejected.",
             max_length=128,
         ),
     ] = Field(default_factory=list)
     env: Annotated[
         list[EnvVar],
         Field(
-            description="Extra environment variables of the engine container; names the operator sets are rejected.",
+            description="Extra environment variables of the engine container; names the operator sets are "
+            "rejected.",
             max_length=128,
             json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         ),
     ] = Field(default_factory=list)
-    image: Annotated[str | None, Field(description="Engine image for this role; overrides spec.engine.image.", min_length=1, max_length=512)] = None
+    image: Annotated[
+        str | None,
+        Field(
+            description="Engine image for this role; overrides spec.engine.image.",
+            min_length=1,
+            max_length=512,
+        ),
+    ] = None
 
 
 class TransportSpec(ApiModel):
@@ -318,7 +394,10 @@ class EngineSpec(ApiModel):
 
     runtime: Annotated[
         Runtime,
-        Field(description="vllm: the vLLM OpenAI server. mock: the pd-mock-engine stand-in for GPU-free clusters."),
+        Field(
+            description="vllm: the vLLM OpenAI server. mock: the pd-mock-engine stand-in for GPU-free "
+            "clusters."
+        ),
     ] = Runtime.VLLM
     image: Annotated[
         str | None,
@@ -333,14 +412,22 @@ class EngineSpec(ApiModel):
     ] = None
     connector: Annotated[
         ConnectorImpl,
-        Field(description="builtin: pd-operator's KV connector. vllm: upstream vLLM's NixlConnector (pull) or NixlPushConnector (push)."),
+        Field(
+            description="builtin: pd-operator's KV connector. vllm: upstream vLLM's NixlConnector (pull) or "
+            "NixlPushConnector (push)."
+        ),
     ] = ConnectorImpl.BUILTIN
-    transport: Annotated[TransportSpec, Field(description="KV transfer transport.")] = Field(default_factory=TransportSpec)
-    port: Annotated[int, Field(description="HTTP port of each engine's OpenAI server (vLLM --port).", ge=1024, le=65535)] = DEFAULT_ENGINE_PORT
+    transport: Annotated[TransportSpec, Field(description="KV transfer transport.")] = Field(
+        default_factory=TransportSpec
+    )
+    port: Annotated[
+        int, Field(description="HTTP port of each engine's OpenAI server (vLLM --port).", ge=1024, le=65535)
+    ] = DEFAULT_ENGINE_PORT
     side_channel_port: Annotated[
         int,
         Field(
-            description="Port of the connector's side channel (handshake and metadata exchange, VLLM_NIXL_SIDE_CHANNEL_PORT); must differ from port.",
+            description="Port of the connector's side channel (handshake and metadata exchange, "
+            "VLLM_NIXL_SIDE_CHANNEL_PORT); must differ from port.",
             ge=1024,
             le=65535,
         ),
@@ -349,7 +436,8 @@ class EngineSpec(ApiModel):
         str | None,
         Field(
             description=(
-                "Fixed engine id of the prefill engines. Required for push mode with the upstream connector, which cannot "
+                "Fixed engine id of the prefill engines. Required for push mode with the upstream "
+                "connector, which cannot "
                 "learn per-pod ids; the builtin connector derives ids from pod names."
             ),
             min_length=1,
@@ -359,23 +447,43 @@ class EngineSpec(ApiModel):
     ] = None
     kv_load_failure_policy: Annotated[
         KVLoadFailurePolicy,
-        Field(description="What decode does when KV cannot be received: fail the request, or recompute the prompt locally."),
+        Field(
+            description="What decode does when KV cannot be received: fail the request, or recompute the "
+            "prompt locally."
+        ),
     ] = KVLoadFailurePolicy.FAIL
     transfer_timeout_seconds: Annotated[
-        int, Field(description="Deadline for one KV transfer, after which both sides free the blocks and the request fails.", ge=1, le=3600)
+        int,
+        Field(
+            description="Deadline for one KV transfer, after which both sides free the blocks and the "
+            "request fails.",
+            ge=1,
+            le=3600,
+        ),
     ] = 60
 
 
 class EFASpec(ApiModel):
     """AWS Elastic Fabric Adapter (RDMA) for KV transfer."""
 
-    enabled: Annotated[bool, Field(description="Request EFA devices and configure libfabric for RDMA.")] = False
-    prefill_devices: Annotated[int, Field(description="vpc.amazonaws.com/efa devices per prefill pod.", ge=0, le=64)] = 0
-    decode_devices: Annotated[int, Field(description="vpc.amazonaws.com/efa devices per decode pod.", ge=0, le=64)] = 0
-    hugepages: Annotated[str, Field(description="hugepages-2Mi per engine pod (libfabric buffers).", pattern=QUANTITY)] = "5Gi"
+    enabled: Annotated[bool, Field(description="Request EFA devices and configure libfabric for RDMA.")] = (
+        False
+    )
+    prefill_devices: Annotated[
+        int, Field(description="vpc.amazonaws.com/efa devices per prefill pod.", ge=0, le=64)
+    ] = 0
+    decode_devices: Annotated[
+        int, Field(description="vpc.amazonaws.com/efa devices per decode pod.", ge=0, le=64)
+    ] = 0
+    hugepages: Annotated[
+        str, Field(description="hugepages-2Mi per engine pod (libfabric buffers).", pattern=QUANTITY)
+    ] = "5Gi"
     privileged: Annotated[
         bool,
-        Field(description="Run engine containers privileged (some GPU-memory registrations need it); otherwise only IPC_LOCK is added."),
+        Field(
+            description="Run engine containers privileged (some GPU-memory registrations need it); "
+            "otherwise only IPC_LOCK is added."
+        ),
     ] = False
 
 
@@ -389,13 +497,23 @@ class RouterSpec(ApiModel):
     """The OpenAI-compatible router in front of both roles."""
 
     replicas: Annotated[int, Field(description="Router pods.", ge=0, le=64)] = 1
-    port: Annotated[int, Field(description="Port the router Service listens on.", ge=1, le=65535)] = DEFAULT_ROUTER_PORT
-    policy: Annotated[RoutingPolicy, Field(description="Backend selection within each role.")] = RoutingPolicy.LEAST_LOADED
+    port: Annotated[int, Field(description="Port the router Service listens on.", ge=1, le=65535)] = (
+        DEFAULT_ROUTER_PORT
+    )
+    policy: Annotated[RoutingPolicy, Field(description="Backend selection within each role.")] = (
+        RoutingPolicy.LEAST_LOADED
+    )
     api_key_secret_ref: Annotated[
-        SecretKeyRef | None, Field(description="Secret key holding the Bearer API key clients must send; unset disables auth.")
+        SecretKeyRef | None,
+        Field(description="Secret key holding the Bearer API key clients must send; unset disables auth."),
     ] = None
     image: Annotated[
-        str | None, Field(description="Router image; defaults to the operator's configured router image.", min_length=1, max_length=512)
+        str | None,
+        Field(
+            description="Router image; defaults to the operator's configured router image.",
+            min_length=1,
+            max_length=512,
+        ),
     ] = None
 
 
@@ -407,22 +525,30 @@ class ScrapePeer(ApiModel):
 
     namespace_labels: Annotated[
         dict[str, _LABEL_VALUE] | None,
-        Field(description="Labels of the namespaces the scrapers run in; {} selects every namespace. Unset: this PDService's namespace."),
+        Field(
+            description="Labels of the namespaces the scrapers run in; {} selects every namespace. Unset: "
+            "this PDService's namespace."
+        ),
     ] = None
     pod_labels: Annotated[
         dict[str, _LABEL_VALUE] | None,
-        Field(description="Labels of the scraper pods; {} selects every pod. Unset: every pod of the selected namespaces."),
+        Field(
+            description="Labels of the scraper pods; {} selects every pod. Unset: every pod of the selected "
+            "namespaces."
+        ),
     ] = None
 
 
 class MonitoringSpec(ApiModel):
-    """How Prometheus reaches the /metrics of the engines (vLLM's series and the KV connector's) and of the router."""
+    """How Prometheus reaches the /metrics of the engines (vLLM's series and the KV connector's) and of the
+    router."""
 
     pod_annotations: Annotated[
         bool,
         Field(
             description=(
-                "Annotate engine and router pods with prometheus.io/scrape, port and path, for scrape configurations that discover pods "
+                "Annotate engine and router pods with prometheus.io/scrape, port and path, for scrape "
+                "configurations that discover pods "
                 "by annotation. Off by default: turning it on rolls the engine pods."
             )
         ),
@@ -431,7 +557,8 @@ class MonitoringSpec(ApiModel):
         list[ScrapePeer],
         Field(
             description=(
-                "Pods admitted to the engines' HTTP port through this PDService's NetworkPolicy, which otherwise admits only its own "
+                "Pods admitted to the engines' HTTP port through this PDService's NetworkPolicy, which "
+                "otherwise admits only its own "
                 "engines and router. The router's port is open to every pod already."
             ),
             max_length=16,
@@ -444,24 +571,36 @@ class PDServiceSpec(ApiModel):
 
     mode: Annotated[
         TransferMode,
-        Field(description="push: decode registers its blocks and prefill writes them as soon as both are ready. pull: decode reads after prefill."),
+        Field(
+            description="push: decode registers its blocks and prefill writes them as soon as both are "
+            "ready. pull: decode reads after prefill."
+        ),
     ] = TransferMode.PUSH
     model: Annotated[ModelSpec, Field(description="The served model.")]
     ssm: Annotated[
         SSMSpec | None,
         Field(
             description=(
-                "State-space (Mamba/GDN) layers of a hybrid model: their family and the conv-state layout used for KV transfer. "
+                "State-space (Mamba/GDN) layers of a hybrid model: their family and the conv-state layout "
+                "used for KV transfer. "
                 "Required when model.architecture is hybrid-ssm, forbidden otherwise."
             )
         ),
     ] = None
     prefill: Annotated[RoleSpec, Field(description="Prefill engines.")] = Field(default_factory=RoleSpec)
     decode: Annotated[RoleSpec, Field(description="Decode engines.")] = Field(default_factory=RoleSpec)
-    engine: Annotated[EngineSpec, Field(description="Engine image, KV connector and transport.")] = Field(default_factory=EngineSpec)
-    network: Annotated[NetworkSpec, Field(description="Pod networking (EFA).")] = Field(default_factory=NetworkSpec)
-    router: Annotated[RouterSpec, Field(description="The router in front of both roles.")] = Field(default_factory=RouterSpec)
-    monitoring: Annotated[MonitoringSpec, Field(description="Metrics scraping of engines and router.")] = Field(default_factory=MonitoringSpec)
+    engine: Annotated[EngineSpec, Field(description="Engine image, KV connector and transport.")] = Field(
+        default_factory=EngineSpec
+    )
+    network: Annotated[NetworkSpec, Field(description="Pod networking (EFA).")] = Field(
+        default_factory=NetworkSpec
+    )
+    router: Annotated[RouterSpec, Field(description="The router in front of both roles.")] = Field(
+        default_factory=RouterSpec
+    )
+    monitoring: Annotated[MonitoringSpec, Field(description="Metrics scraping of engines and router.")] = (
+        Field(default_factory=MonitoringSpec)
+    )
 
 
 # ---------------------------------------------------------------- status
@@ -477,14 +616,21 @@ class StatusModel(ApiModel):
 class Condition(StatusModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
-    type: Annotated[ConditionType, Field(description="Ready, Progressing, Degraded, SpecValid or KVTransferVerified.")]
+    type: Annotated[
+        ConditionType, Field(description="Ready, Progressing, Degraded, SpecValid or KVTransferVerified.")
+    ]
     status: Annotated[ConditionStatus, Field(description="True, False or Unknown.")]
-    reason: Annotated[str, Field(description="CamelCase reason for the last transition.", max_length=1024)] = ""
+    reason: Annotated[
+        str, Field(description="CamelCase reason for the last transition.", max_length=1024)
+    ] = ""
     message: Annotated[str, Field(description="Human-readable detail.", max_length=32768)] = ""
     last_transition_time: Annotated[
-        str | None, Field(description="When status last changed (RFC 3339).", json_schema_extra={"format": "date-time"})
+        str | None,
+        Field(description="When status last changed (RFC 3339).", json_schema_extra={"format": "date-time"}),
     ] = None
-    observed_generation: Annotated[int | None, Field(description="Generation the condition was computed for.", ge=0)] = None
+    observed_generation: Annotated[
+        int | None, Field(description="Generation the condition was computed for.", ge=0)
+    ] = None
 
 
 class RoleStatus(StatusModel):
@@ -498,12 +644,18 @@ class RoleStatus(StatusModel):
 class PDServiceStatus(StatusModel):
     """Observed state, written by the operator."""
 
-    phase: Annotated[Phase, Field(description="Pending, Progressing, Ready, Degraded or Invalid.")] = Phase.PENDING
-    observed_generation: Annotated[int | None, Field(description="metadata.generation the status describes.", ge=0)] = None
+    phase: Annotated[Phase, Field(description="Pending, Progressing, Ready, Degraded or Invalid.")] = (
+        Phase.PENDING
+    )
+    observed_generation: Annotated[
+        int | None, Field(description="metadata.generation the status describes.", ge=0)
+    ] = None
     prefill: Annotated[RoleStatus, Field(description="Prefill replicas.")] = Field(default_factory=RoleStatus)
     decode: Annotated[RoleStatus, Field(description="Decode replicas.")] = Field(default_factory=RoleStatus)
     router: Annotated[RoleStatus, Field(description="Router replicas.")] = Field(default_factory=RoleStatus)
-    router_endpoint: Annotated[str | None, Field(description="In-cluster URL of the router's OpenAI API.")] = None
+    router_endpoint: Annotated[
+        str | None, Field(description="In-cluster URL of the router's OpenAI API.")
+    ] = None
     conditions: Annotated[
         list[Condition],
         Field(

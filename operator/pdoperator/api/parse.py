@@ -36,9 +36,11 @@ from pdoperator.api.validation import spec_errors, validate_metadata
 TOP_LEVEL_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
 
 _PATTERN_MEANINGS = {
-    DNS_SUBDOMAIN: "must be a DNS subdomain: lowercase letters, digits, '-' and '.', starting and ending alphanumeric",
+    DNS_SUBDOMAIN: "must be a DNS subdomain: lowercase letters, digits, '-' and '.', starting and ending "
+    "alphanumeric",
     QUANTITY: "must be a Kubernetes quantity such as 16Gi, 500m or 2",
-    ENV_VAR_NAME: "must be an environment variable name: letters, digits, '_', '-' and '.', not starting with a digit",
+    ENV_VAR_NAME: "must be an environment variable name: letters, digits, '_', '-' and '.', not starting "
+    "with a digit",
     SECRET_KEY: "must be a Secret key: letters, digits, '-', '_' and '.'",
     RELATIVE_PATH: "must be a path relative to the volume root (no leading '/')",
     ENGINE_ID: "must start with a letter or digit and contain only letters, digits, '-', '_' and '.'",
@@ -99,7 +101,11 @@ def _locate(loc: tuple[int | str, ...]) -> tuple[str, type[BaseModel] | None]:
 
 
 def _not_string(ctx: dict[str, Any], value: Any) -> str:
-    hint = "; quote values like 1 or 500m in YAML" if isinstance(value, int | float) and not isinstance(value, bool) else ""
+    hint = (
+        "; quote values like 1 or 500m in YAML"
+        if isinstance(value, int | float) and not isinstance(value, bool)
+        else ""
+    )
     return f"must be a string{_got(value)}{hint}"
 
 
@@ -111,7 +117,9 @@ def _got(value: Any) -> str:
 _MESSAGES: dict[str, Callable[[dict[str, Any], Any], str]] = {
     "missing": lambda ctx, value: "required",
     # pydantic re-parses the spec as JSON, with a nesting limit of its own.
-    "json_invalid": lambda ctx, value: "is nested too deeply" if "recursion" in str(ctx.get("error")) else "is not valid JSON",
+    "json_invalid": lambda ctx, value: (
+        "is nested too deeply" if "recursion" in str(ctx.get("error")) else "is not valid JSON"
+    ),
     "enum": lambda ctx, value: f"must be {ctx['expected']}{_got(value)}",
     "literal_error": lambda ctx, value: f"must be {ctx['expected']}{_got(value)}",
     "int_type": lambda ctx, value: f"must be an integer{_got(value)}",
@@ -127,10 +135,16 @@ _MESSAGES: dict[str, Callable[[dict[str, Any], Any], str]] = {
     "list_type": lambda ctx, value: f"must be a list{_got(value)}",
     "greater_than_equal": lambda ctx, value: f"must be at least {ctx['ge']}{_got(value)}",
     "less_than_equal": lambda ctx, value: f"must be at most {ctx['le']}{_got(value)}",
-    "string_too_short": lambda ctx, value: "must not be empty" if ctx["min_length"] == 1 else f"must be at least {ctx['min_length']} characters long",
+    "string_too_short": lambda ctx, value: (
+        "must not be empty"
+        if ctx["min_length"] == 1
+        else f"must be at least {ctx['min_length']} characters long"
+    ),
     "string_too_long": lambda ctx, value: f"must be at most {ctx['max_length']} characters long",
     "too_long": lambda ctx, value: f"must have at most {ctx['max_length']} items",
-    "string_pattern_mismatch": lambda ctx, value: _PATTERN_MEANINGS.get(ctx["pattern"], f"must match {ctx['pattern']}") + _got(value),
+    "string_pattern_mismatch": lambda ctx, value: (
+        _PATTERN_MEANINGS.get(ctx["pattern"], f"must match {ctx['pattern']}") + _got(value)
+    ),
 }
 
 
@@ -169,7 +183,9 @@ def _jsonable(value: Any) -> Any:
 def _as_json(obj: Any) -> dict[str, Any]:
     """A JSON-clean copy of the object (keys as strings, dates as text); SpecError when impossible."""
     if not isinstance(obj, Mapping):
-        raise SpecError([FieldError("document", f"must be a mapping (a Kubernetes object), got {type_name(obj)}")])
+        raise SpecError(
+            [FieldError("document", f"must be a mapping (a Kubernetes object), got {type_name(obj)}")]
+        )
     try:
         return json.loads(json.dumps(dict(obj), default=_jsonable))
     except (TypeError, ValueError) as error:
@@ -182,7 +198,11 @@ def _metadata(obj: dict[str, Any], errors: list[FieldError]) -> tuple[str, str, 
     """name, namespace, generation and uid from metadata, recording what is wrong with them."""
     metadata = obj.get("metadata")
     if not isinstance(metadata, dict):
-        errors.append(FieldError("metadata", "required" if metadata is None else f"must be an object (got {_show(metadata)})"))
+        errors.append(
+            FieldError(
+                "metadata", "required" if metadata is None else f"must be an object (got {_show(metadata)})"
+            )
+        )
         return "", "default", 1, ""
     name, namespace = metadata.get("name"), metadata.get("namespace") or "default"
     generation, uid = metadata.get("generation", 1), metadata.get("uid", "")
@@ -195,7 +215,9 @@ def _metadata(obj: dict[str, Any], errors: list[FieldError]) -> tuple[str, str, 
     if isinstance(name, str) and name and isinstance(namespace, str):
         errors.extend(validate_metadata(name, namespace))
     if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
-        errors.append(FieldError("metadata.generation", f"must be a non-negative integer (got {_show(generation)})"))
+        errors.append(
+            FieldError("metadata.generation", f"must be a non-negative integer (got {_show(generation)})")
+        )
     if not isinstance(uid, str):
         errors.append(FieldError("metadata.uid", f"must be a string (got {_show(uid)})"))
     return str(name or ""), str(namespace), generation if isinstance(generation, int) else 1, str(uid)
@@ -208,14 +230,20 @@ def parse_pdservice(obj: Any) -> PDService:
     for key, expected in (("apiVersion", API_VERSION), ("kind", KIND)):
         value = plain.get(key)
         if value != expected:
-            errors.append(FieldError(key, f"must be {expected}" + ("" if value is None else f" (got {_show(value)})")))
+            errors.append(
+                FieldError(key, f"must be {expected}" + ("" if value is None else f" (got {_show(value)})"))
+            )
     errors += [FieldError(path_key(key), "unknown field") for key in plain if key not in TOP_LEVEL_FIELDS]
     name, namespace, generation, uid = _metadata(plain, errors)
 
     spec: PDServiceSpec | None = None
     raw_spec = plain.get("spec")
     if not isinstance(raw_spec, dict):
-        errors.append(FieldError("spec", "required" if raw_spec is None else f"must be an object (got {_show(raw_spec)})"))
+        errors.append(
+            FieldError(
+                "spec", "required" if raw_spec is None else f"must be an object (got {_show(raw_spec)})"
+            )
+        )
     else:
         try:
             spec = PDServiceSpec.model_validate_json(json.dumps(_drop_nulls(raw_spec)), strict=True)

@@ -82,7 +82,9 @@ _SPECULATIVE_FLAGS = ("--speculative-config", "--speculative_config")
 
 
 def _no_speculative_args(spec: PDServiceSpec, role: RoleSpec) -> bool:
-    return spec.model.architecture != Architecture.HYBRID_SSM or not any(arg.startswith(_SPECULATIVE_FLAGS) for arg in role.extra_args)
+    return spec.model.architecture != Architecture.HYBRID_SSM or not any(
+        arg.startswith(_SPECULATIVE_FLAGS) for arg in role.extra_args
+    )
 
 
 def _no_speculative_decoding_rule(role: str) -> CelRule:
@@ -91,7 +93,8 @@ def _no_speculative_decoding_rule(role: str) -> CelRule:
     return CelRule(
         name=f"hybrid-{role}-no-speculative-decoding",
         owner=PDServiceSpec,
-        cel=f"self.model.architecture != {_HYBRID} || !has(self.{role}.extraArgs) || !self.{role}.extraArgs.exists(a, {starts})",
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.{role}.extraArgs) || "
+        f"!self.{role}.extraArgs.exists(a, {starts})",
         message=(
             "--speculative-config is not supported with architecture hybrid-ssm "
             "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
@@ -125,28 +128,38 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         name="heterogeneous-tp-requires-ds-layout",
         owner=PDServiceSpec,
-        cel="!has(self.ssm) || self.prefill.tensorParallelSize == self.decode.tensorParallelSize || self.ssm.convStateLayout == 'DS'",
+        cel="!has(self.ssm) || self.prefill.tensorParallelSize == self.decode.tensorParallelSize || "
+        "self.ssm.convStateLayout == 'DS'",
         message=(
             "must be DS when spec.prefill.tensorParallelSize differs from spec.decode.tensorParallelSize "
             "(each decode rank needs its shard of x, B and C contiguous)"
         ),
         field_path=".ssm.convStateLayout",
-        holds=lambda spec: spec.ssm is None or not _tp_differs(spec) or spec.ssm.conv_state_layout == ConvLayout.DS,
+        holds=lambda spec: (
+            spec.ssm is None or not _tp_differs(spec) or spec.ssm.conv_state_layout == ConvLayout.DS
+        ),
     ),
     CelRule(
         name="upstream-connector-requires-ds-layout",
         owner=PDServiceSpec,
         cel="!has(self.ssm) || self.engine.connector != 'vllm' || self.ssm.convStateLayout == 'DS'",
-        message="must be DS with spec.engine.connector vllm (upstream NIXL connectors transfer SSM conv state only in the DS layout)",
+        message="must be DS with spec.engine.connector vllm (upstream NIXL connectors transfer SSM conv "
+        "state only in the DS layout)",
         field_path=".ssm.convStateLayout",
-        holds=lambda spec: spec.ssm is None or spec.engine.connector != ConnectorImpl.VLLM or spec.ssm.conv_state_layout == ConvLayout.DS,
+        holds=lambda spec: (
+            spec.ssm is None
+            or spec.engine.connector != ConnectorImpl.VLLM
+            or spec.ssm.conv_state_layout == ConvLayout.DS
+        ),
     ),
     CelRule(
         name="mamba1-requires-equal-tp",
         owner=PDServiceSpec,
-        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.prefill.tensorParallelSize == self.decode.tensorParallelSize",
+        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.prefill.tensorParallelSize == "
+        "self.decode.tensorParallelSize",
         message=(
-            "mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize (heterogeneous TP is unsupported for Mamba1)"
+            "mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize "
+            "(heterogeneous TP is unsupported for Mamba1)"
         ),
         field_path=".ssm.family",
         holds=lambda spec: spec.ssm is None or spec.ssm.family != SsmFamily.MAMBA1 or not _tp_differs(spec),
@@ -154,8 +167,10 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         name="mamba1-only-on-mock-with-builtin-connector",
         owner=PDServiceSpec,
-        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.engine.runtime != 'vllm' || self.engine.connector != 'builtin'",
-        message="mamba1 is supported by the mock engine only (spec.engine.runtime mock); PDConnector serves mamba2 and gdn hybrids through vLLM",
+        cel="!has(self.ssm) || self.ssm.family != 'mamba1' || self.engine.runtime != 'vllm' || "
+        "self.engine.connector != 'builtin'",
+        message="mamba1 is supported by the mock engine only (spec.engine.runtime mock); PDConnector serves "
+        "mamba2 and gdn hybrids through vLLM",
         field_path=".ssm.family",
         holds=lambda spec: (
             spec.ssm is None
@@ -167,8 +182,10 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         name="prefill-tp-above-decode-only-hybrid-or-mla",
         owner=PDServiceSpec,
-        cel=f"self.prefill.tensorParallelSize <= self.decode.tensorParallelSize || self.model.architecture in [{_HYBRID}, 'mla']",
-        message="may exceed spec.decode.tensorParallelSize only when spec.model.architecture is hybrid-ssm or mla",
+        cel="self.prefill.tensorParallelSize <= self.decode.tensorParallelSize || self.model.architecture "
+        f"in [{_HYBRID}, 'mla']",
+        message="may exceed spec.decode.tensorParallelSize only when spec.model.architecture is hybrid-ssm "
+        "or mla",
         field_path=".prefill.tensorParallelSize",
         holds=lambda spec: (
             spec.prefill.tensor_parallel_size <= spec.decode.tensor_parallel_size
@@ -192,23 +209,33 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         name="hybrid-prefill-prefix-caching-off",
         owner=PDServiceSpec,
-        cel=f"self.model.architecture != {_HYBRID} || !has(self.prefill.enablePrefixCaching) || !self.prefill.enablePrefixCaching",
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.prefill.enablePrefixCaching) || "
+        "!self.prefill.enablePrefixCaching",
         message=(
-            "must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its 'align' cache mode, "
+            "must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its 'align' "
+            "cache mode, "
             "whose state block placement the KV connector does not model)"
         ),
         field_path=".prefill.enablePrefixCaching",
         reason=Reason.FORBIDDEN,
-        holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.prefill.enable_prefix_caching is not True,
+        holds=lambda spec: (
+            spec.model.architecture != Architecture.HYBRID_SSM
+            or spec.prefill.enable_prefix_caching is not True
+        ),
     ),
     CelRule(
         name="hybrid-decode-prefix-caching-off",
         owner=PDServiceSpec,
-        cel=f"self.model.architecture != {_HYBRID} || !has(self.decode.enablePrefixCaching) || !self.decode.enablePrefixCaching",
-        message="must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)",
+        cel=f"self.model.architecture != {_HYBRID} || !has(self.decode.enablePrefixCaching) || "
+        "!self.decode.enablePrefixCaching",
+        message="must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received "
+        "over NIXL)",
         field_path=".decode.enablePrefixCaching",
         reason=Reason.FORBIDDEN,
-        holds=lambda spec: spec.model.architecture != Architecture.HYBRID_SSM or spec.decode.enable_prefix_caching is not True,
+        holds=lambda spec: (
+            spec.model.architecture != Architecture.HYBRID_SSM
+            or spec.decode.enable_prefix_caching is not True
+        ),
     ),
     *(_no_speculative_decoding_rule(role) for role in ("prefill", "decode")),
     # ------------------------------------------------------------ spec: transport and connector
@@ -216,24 +243,33 @@ CEL_RULES: tuple[CelRule, ...] = (
         name="efa-requires-libfabric",
         owner=PDServiceSpec,
         cel="!self.network.efa.enabled || self.engine.transport.backend == 'LIBFABRIC'",
-        message="must be LIBFABRIC when spec.network.efa.enabled is true (UCX on EFA silently falls back to TCP)",
+        message="must be LIBFABRIC when spec.network.efa.enabled is true (UCX on EFA silently falls back to "
+        "TCP)",
         field_path=".engine.transport.backend",
-        holds=lambda spec: not spec.network.efa.enabled or spec.engine.transport.backend == TransportBackend.LIBFABRIC,
+        holds=lambda spec: (
+            not spec.network.efa.enabled or spec.engine.transport.backend == TransportBackend.LIBFABRIC
+        ),
     ),
     CelRule(
         name="upstream-push-requires-prefill-engine-id",
         owner=PDServiceSpec,
         cel="self.mode != 'push' || self.engine.connector != 'vllm' || has(self.engine.prefillEngineId)",
-        message="required when spec.mode is push and spec.engine.connector is vllm (the upstream push connector needs a fixed prefill engine id)",
+        message="required when spec.mode is push and spec.engine.connector is vllm (the upstream push "
+        "connector needs a fixed prefill engine id)",
         field_path=".engine.prefillEngineId",
         reason=Reason.REQUIRED,
-        holds=lambda spec: spec.mode != TransferMode.PUSH or spec.engine.connector != ConnectorImpl.VLLM or spec.engine.prefill_engine_id is not None,
+        holds=lambda spec: (
+            spec.mode != TransferMode.PUSH
+            or spec.engine.connector != ConnectorImpl.VLLM
+            or spec.engine.prefill_engine_id is not None
+        ),
     ),
     CelRule(
         name="fixed-prefill-engine-id-single-replica",
         owner=PDServiceSpec,
         cel="!has(self.engine.prefillEngineId) || self.prefill.replicas <= 1",
-        message="must be at most 1 when spec.engine.prefillEngineId is set (prefill pods sharing one engine id would alias each other)",
+        message="must be at most 1 when spec.engine.prefillEngineId is set (prefill pods sharing one engine "
+        "id would alias each other)",
         field_path=".prefill.replicas",
         holds=lambda spec: spec.engine.prefill_engine_id is None or spec.prefill.replicas <= 1,
     ),
@@ -244,15 +280,21 @@ CEL_RULES: tuple[CelRule, ...] = (
         cel="self.transport.backend != 'mock' || self.runtime == 'mock'",
         message="mock requires spec.engine.runtime mock (vLLM engines move KV over NIXL)",
         field_path=".transport.backend",
-        holds=lambda engine: engine.transport.backend != TransportBackend.MOCK or engine.runtime == Runtime.MOCK,
+        holds=lambda engine: (
+            engine.transport.backend != TransportBackend.MOCK or engine.runtime == Runtime.MOCK
+        ),
     ),
     CelRule(
         name="mock-runtime-transport",
         owner=EngineSpec,
         cel="self.runtime != 'mock' || self.transport.backend in ['mock', 'UCX']",
-        message="must be mock or UCX when spec.engine.runtime is mock (mock engines move KV over TCP or NIXL's UCX backend)",
+        message="must be mock or UCX when spec.engine.runtime is mock (mock engines move KV over TCP or "
+        "NIXL's UCX backend)",
         field_path=".transport.backend",
-        holds=lambda engine: engine.runtime != Runtime.MOCK or engine.transport.backend in (TransportBackend.MOCK, TransportBackend.UCX),
+        holds=lambda engine: (
+            engine.runtime != Runtime.MOCK
+            or engine.transport.backend in (TransportBackend.MOCK, TransportBackend.UCX)
+        ),
     ),
     CelRule(
         name="mock-runtime-requires-builtin-connector",
@@ -266,7 +308,8 @@ CEL_RULES: tuple[CelRule, ...] = (
         name="prefill-engine-id-only-upstream",
         owner=EngineSpec,
         cel="self.connector == 'vllm' || !has(self.prefillEngineId)",
-        message="may only be set with spec.engine.connector vllm (the builtin connector derives engine ids from pod names)",
+        message="may only be set with spec.engine.connector vllm (the builtin connector derives engine ids "
+        "from pod names)",
         field_path=".prefillEngineId",
         reason=Reason.FORBIDDEN,
         holds=lambda engine: engine.connector == ConnectorImpl.VLLM or engine.prefill_engine_id is None,
@@ -339,10 +382,15 @@ CEL_RULES: tuple[CelRule, ...] = (
     CelRule(
         name="gpus-cover-tensor-parallel-size",
         owner=RoleSpec,
-        cel="!has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus >= self.tensorParallelSize",
+        cel="!has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus >= "
+        "self.tensorParallelSize",
         message="must be 0 (CPU engines) or at least this role's tensorParallelSize",
         field_path=".resources.gpus",
-        holds=lambda role: role.resources.gpus is None or role.resources.gpus == 0 or role.resources.gpus >= role.tensor_parallel_size,
+        holds=lambda role: (
+            role.resources.gpus is None
+            or role.resources.gpus == 0
+            or role.resources.gpus >= role.tensor_parallel_size
+        ),
     ),
     CelRule(
         name="toleration-exists-without-value",

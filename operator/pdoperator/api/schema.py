@@ -74,17 +74,22 @@ class _Generator(GenerateJsonSchema):
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:
-    """The node with optional-``anyOf``, single ``allOf`` and ``$ref`` folded in, and the referenced model's name."""
+    """The node with optional-``anyOf``, single ``allOf`` and ``$ref`` folded in, and the referenced model's
+    name."""
     node = {key: value for key, value in node.items() if key not in _DROPPED_KEYWORDS}
     if "anyOf" in node:
         alternatives = [alt for alt in node.pop("anyOf") if alt != {"type": "null"}]
         if len(alternatives) != 1:
-            raise SchemaError(f"{where}: a union of {len(alternatives)} types cannot be expressed in a structural schema")
+            raise SchemaError(
+                f"{where}: a union of {len(alternatives)} types cannot be expressed in a structural schema"
+            )
         node = {**alternatives[0], **node}
     if "allOf" in node:
         parts = node.pop("allOf")
         if len(parts) != 1:
-            raise SchemaError(f"{where}: allOf with {len(parts)} parts cannot be expressed in a structural schema")
+            raise SchemaError(
+                f"{where}: allOf with {len(parts)} parts cannot be expressed in a structural schema"
+            )
         node = {**parts[0], **node}
     ref_name = None
     if "$ref" in node:
@@ -106,7 +111,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
     node, ref_name = _resolve(node, defs, where)
     out = {keyword: node.pop(keyword) for keyword in _KEPT_KEYWORDS if keyword in node}
     if "properties" in node:
-        out["properties"] = {name: _structural(child, defs, f"{where}.{name}") for name, child in node.pop("properties").items()}
+        out["properties"] = {
+            name: _structural(child, defs, f"{where}.{name}")
+            for name, child in node.pop("properties").items()
+        }
         if required := node.pop("required", []):
             out["required"] = required
     for keyword in ("items", "additionalProperties"):
@@ -138,12 +146,16 @@ def openapi_schema() -> dict[str, Any]:
     schema = {
         "type": "object",
         "description": (
-            "PDService runs one model as a prefill/decode disaggregated vLLM service: prefill and decode engine "
+            "PDService runs one model as a prefill/decode disaggregated vLLM service: prefill and decode "
+            "engine "
             "StatefulSets exchanging KV cache over NIXL, and an OpenAI-compatible router in front."
         ),
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string", "description": "Versioned schema of this object: inference.pdoperator.dev/v1alpha1."},
+            "apiVersion": {
+                "type": "string",
+                "description": "Versioned schema of this object: inference.pdoperator.dev/v1alpha1.",
+            },
             "kind": {"type": "string", "description": "PDService."},
             "metadata": {
                 "type": "object",
@@ -153,7 +165,8 @@ def openapi_schema() -> dict[str, Any]:
                         "type": "string",
                         "description": (
                             f"Name of the service: a DNS-1035 label of at most {MAX_NAME_LENGTH} characters, "
-                            "so the child objects <name>-prefill, <name>-decode and <name>-router are valid names."
+                            "so the child objects <name>-prefill, <name>-decode and <name>-router are valid "
+                            "names."
                         ),
                         "maxLength": MAX_NAME_LENGTH,
                         "pattern": DNS_1035_LABEL,

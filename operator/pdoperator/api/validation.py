@@ -60,12 +60,14 @@ MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
         "--transport": "use spec.engine.transport.backend",
         "--compat-hash": "the operator derives it from the spec",
         "--transfer-timeout": "use spec.engine.transferTimeoutSeconds",
-        "--kv-device": "the operator sets it from spec.{role}.resources.gpus and spec.engine.transport.backend",
+        "--kv-device": "the operator sets it from spec.{role}.resources.gpus and "
+        "spec.engine.transport.backend",
         "--max-model-len": "use spec.model.maxModelLen",
         "--num-blocks": "the operator sizes the pool for spec.model.maxModelLen",
     },
 }
-# vLLM flags that break the one-side-channel-port-per-pod contract (vLLM adds the data-parallel rank to the port).
+# vLLM flags that break the one-side-channel-port-per-pod contract (vLLM adds the data-parallel rank to the
+# port).
 _NO_DP = "data-parallel ranks need extra side-channel ports; scale spec.{role}.replicas instead"
 UNSUPPORTED_FLAGS: dict[str, str] = {"--data-parallel-size": _NO_DP, "-dp": _NO_DP}
 # Environment variables the operator sets on every engine container.
@@ -83,7 +85,11 @@ RESERVED_ENV: dict[str, str] = {
 }
 # ... and on EFA-enabled ones (without EFA, libfabric users may pick their own provider).
 _EFA_SET = "the operator sets it when spec.network.efa.enabled is true"
-EFA_RESERVED_ENV: dict[str, str] = {"FI_PROVIDER": _EFA_SET, "FI_EFA_USE_DEVICE_RDMA": _EFA_SET, "LD_LIBRARY_PATH": _EFA_SET}
+EFA_RESERVED_ENV: dict[str, str] = {
+    "FI_PROVIDER": _EFA_SET,
+    "FI_EFA_USE_DEVICE_RDMA": _EFA_SET,
+    "LD_LIBRARY_PATH": _EFA_SET,
+}
 
 
 def _objects(model: BaseModel, path: str) -> Iterator[tuple[str, BaseModel]]:
@@ -114,13 +120,18 @@ def _check_name(name: str) -> list[FieldError]:
     errors = []
     if len(name) > MAX_NAME_LENGTH:
         errors.append(
-            FieldError("metadata.name", f"must be at most {MAX_NAME_LENGTH} characters (child StatefulSets add '-prefill' and a revision hash)")
+            FieldError(
+                "metadata.name",
+                f"must be at most {MAX_NAME_LENGTH} characters (child StatefulSets add '-prefill' and a "
+                "revision hash)",
+            )
         )
     if not re.match(DNS_1035_LABEL, name):
         errors.append(
             FieldError(
                 "metadata.name",
-                "must start with a lowercase letter, end with a letter or digit, and contain only lowercase letters, digits and '-'",
+                "must start with a lowercase letter, end with a letter or digit, and contain only lowercase "
+                "letters, digits and '-'",
             )
         )
     return errors
@@ -129,11 +140,18 @@ def _check_name(name: str) -> list[FieldError]:
 def _check_namespace(namespace: str) -> list[FieldError]:
     if len(namespace) <= 63 and re.match(DNS_1123_LABEL, namespace):
         return []
-    return [FieldError("metadata.namespace", "must be a DNS label: at most 63 lowercase letters, digits and '-', starting and ending alphanumeric")]
+    return [
+        FieldError(
+            "metadata.namespace",
+            "must be a DNS label: at most 63 lowercase letters, digits and '-', starting and ending "
+            "alphanumeric",
+        )
+    ]
 
 
 def _flag_name(arg: str) -> str | None:
-    """The normalized flag an argument sets (``--kv_transfer_config.x=1`` -> ``--kv-transfer-config``), or None for a value."""
+    """The normalized flag an argument sets (``--kv_transfer_config.x=1`` -> ``--kv-transfer-config``), or
+    None for a value."""
     if not arg.startswith("-") or arg in ("-", "--"):
         return None
     dashes = "--" if arg.startswith("--") else "-"
@@ -149,7 +167,9 @@ def _check_extra_args(role: str, args: list[str], runtime: Runtime) -> list[Fiel
         flag = _flag_name(arg)
         path = f"spec.{role}.extraArgs[{index}]"
         if flag in managed:
-            errors.append(FieldError(path, f"{flag} is set by the operator; {managed[flag].format(role=role)}"))
+            errors.append(
+                FieldError(path, f"{flag} is set by the operator; {managed[flag].format(role=role)}")
+            )
         elif flag in unsupported:
             errors.append(FieldError(path, f"{flag} is not supported: {unsupported[flag].format(role=role)}"))
     return errors
@@ -164,7 +184,9 @@ def _check_env(role: str, spec: RoleSpec, efa_enabled: bool) -> list[FieldError]
         if var.name in reserved:
             errors.append(FieldError(path, f"{var.name} is set by the operator; {reserved[var.name]}"))
         if var.name in first_index:
-            errors.append(FieldError(path, f"duplicate name {var.name} (first set in env[{first_index[var.name]}])"))
+            errors.append(
+                FieldError(path, f"duplicate name {var.name} (first set in env[{first_index[var.name]}])")
+            )
         first_index.setdefault(var.name, index)
     return errors
 
@@ -182,11 +204,19 @@ def _check_labels(field: str, labels: dict[str, str]) -> list[FieldError]:
         path = f"{field}[{path_key(key)}]"
         if not _label_key_valid(key):
             errors.append(
-                FieldError(path, "key must be a label key: an optional DNS subdomain and '/', then at most 63 letters, digits, '-', '_' or '.'")
+                FieldError(
+                    path,
+                    "key must be a label key: an optional DNS subdomain and '/', then at most 63 letters, "
+                    "digits, '-', '_' or '.'",
+                )
             )
         if value and (len(value) > 63 or not _LABEL_NAME.match(value)):
             errors.append(
-                FieldError(path, "value must be a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric")
+                FieldError(
+                    path,
+                    "value must be a label value: at most 63 letters, digits, '-', '_' or '.', starting and "
+                    "ending alphanumeric",
+                )
             )
     return errors
 
@@ -205,15 +235,25 @@ def _check_resources(role: str, resources: RoleResources, hugepages_requested: b
     path = f"spec.{role}.resources"
     if hugepages_requested and resources.cpu is None and resources.memory is None:
         reason = "Kubernetes rejects pods that request hugepages without a cpu or memory request"
-        errors.append(FieldError(path, f"must set cpu or memory when spec.network.efa requests hugepages ({reason})"))
-    for field, text, example in (("cpu", resources.cpu, "500m or 2"), ("memory", resources.memory, "1Gi"), ("shmSize", resources.shm_size, "16Gi")):
+        errors.append(
+            FieldError(path, f"must set cpu or memory when spec.network.efa requests hugepages ({reason})")
+        )
+    for field, text, example in (
+        ("cpu", resources.cpu, "500m or 2"),
+        ("memory", resources.memory, "1Gi"),
+        ("shmSize", resources.shm_size, "16Gi"),
+    ):
         amount = None if text is None else _quantity(text)
         if text is not None and (amount is None or amount <= 0):
-            errors.append(FieldError(f"{path}.{field}", f"must be a positive Kubernetes quantity such as {example}"))
+            errors.append(
+                FieldError(f"{path}.{field}", f"must be a positive Kubernetes quantity such as {example}")
+            )
     memory = None if resources.memory is None else _quantity(resources.memory)
     shm = _quantity(resources.shm_size)
     if memory is not None and shm is not None and 0 < memory < shm:
-        reason = f"the memory-backed /dev/shm counts against the memory limit; shmSize defaults to {_DEFAULT_SHM}"
+        reason = (
+            f"the memory-backed /dev/shm counts against the memory limit; shmSize defaults to {_DEFAULT_SHM}"
+        )
         errors.append(FieldError(f"{path}.shmSize", f"must not exceed {path}.memory ({reason})"))
     return errors
 
@@ -221,7 +261,9 @@ def _check_resources(role: str, resources: RoleResources, hugepages_requested: b
 def _check_hugepages(text: str) -> list[FieldError]:
     amount = _quantity(text)
     if amount is None or amount < 0 or amount % _HUGEPAGE:
-        return [FieldError("spec.network.efa.hugepages", "must be a whole number of 2Mi pages such as 5Gi (or 0)")]
+        return [
+            FieldError("spec.network.efa.hugepages", "must be a whole number of 2Mi pages such as 5Gi (or 0)")
+        ]
     return []
 
 
@@ -231,7 +273,8 @@ def validate_metadata(name: str, namespace: str) -> list[FieldError]:
 
 
 def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
-    """Every semantic problem of a structurally valid spec: CEL rules first, then the checks CEL cannot express."""
+    """Every semantic problem of a structurally valid spec: CEL rules first, then the checks CEL cannot
+    express."""
     errors = [FieldError(path, rule.message) for path, rule in cel_rule_violations(spec)]
     hugepages = _quantity(spec.network.efa.hugepages)
     hugepages_requested = spec.network.efa.enabled and hugepages is not None and hugepages > 0

@@ -73,7 +73,10 @@ def _transport_text(pds: PDService) -> str:
     if not efa.enabled:
         return f"{backend}, side channel :{pds.spec.engine.side_channel_port}"
     access = "privileged" if efa.privileged else "IPC_LOCK"
-    return f"{backend} over EFA ({access}, hugepages {efa.hugepages}), side channel :{pds.spec.engine.side_channel_port}"
+    return (
+        f"{backend} over EFA ({access}, hugepages {efa.hugepages}), side channel "
+        f":{pds.spec.engine.side_channel_port}"
+    )
 
 
 def _model_text(pds: PDService) -> str:
@@ -95,10 +98,15 @@ def _model_text(pds: PDService) -> str:
 
 def _table(rows: list[list[str]], indent: str) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return [
+        indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
 
 
-def summarize(pds: PDService, objects: list[dict[str, Any]], defaults: RenderDefaults, schema_line: str) -> list[str]:
+def summarize(
+    pds: PDService, objects: list[dict[str, Any]], defaults: RenderDefaults, schema_line: str
+) -> list[str]:
     spec = pds.spec
     roles = [["role", "replicas x TP", "GPUs/pod", "EFA/pod", "image"]]
     for role in ENGINE_ROLES:
@@ -138,7 +146,11 @@ def _schema_check(objects: list[dict[str, Any]], validator: Validator | None) ->
             failures.append(f"{obj['kind']} {obj['metadata']['name']}: {getattr(error, 'message', error)}")
     if failures:
         return False, "INVALID: " + "; ".join(failures)
-    return True, f"{len(objects)}/{len(objects)} valid for Kubernetes {KUBERNETES_VERSION} (kubernetes-validate, strict)"
+    return (
+        True,
+        f"{len(objects)}/{len(objects)} valid for Kubernetes {KUBERNETES_VERSION} (kubernetes-validate, "
+        "strict)",
+    )
 
 
 def demo_example(path: Path, defaults: RenderDefaults, validator: Validator | None) -> tuple[bool, list[str]]:
@@ -170,23 +182,32 @@ def _display_path(path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--examples", type=Path, default=REPO_EXAMPLES, metavar="DIR", help=f"directory of PDService examples (default: {REPO_EXAMPLES})"
+        "--examples",
+        type=Path,
+        default=REPO_EXAMPLES,
+        metavar="DIR",
+        help=f"directory of PDService examples (default: {REPO_EXAMPLES})",
     )
     parser.add_argument(
         "--local-run",
         metavar="NAME",
         default=LOCAL_RUN_EXAMPLE,
-        help=f"example file in DIR to run locally in push and pull mode after rendering ('' skips it; default {LOCAL_RUN_EXAMPLE})",
+        help="example file in DIR to run locally in push and pull mode after rendering ('' skips it; "
+        f"default {LOCAL_RUN_EXAMPLE})",
     )
 
 
 def local_run(path: Path) -> tuple[bool, list[str]]:
-    """`pdctl up` the example in each mode, send requests through the router, report who served them, `pdctl down`."""
+    """`pdctl up` the example in each mode, send requests through the router, report who served them, `pdctl
+    down`."""
     try:
         (source,) = load_pdservices(str(path))
     except (InputError, ValueError) as error:
         return False, [f"{path}: cannot run locally: {error}"]
-    lines = [f"Local run of {source.pds.namespace}/{source.pds.name} ({_display_path(path)}): router and mock engines on loopback"]
+    lines = [
+        f"Local run of {source.pds.namespace}/{source.pds.name} ({_display_path(path)}): router and mock "
+        "engines on loopback"
+    ]
     with tempfile.TemporaryDirectory(prefix="pdctl-demo-") as state_root:
         for mode in TransferMode:
             try:

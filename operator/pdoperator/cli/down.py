@@ -14,7 +14,9 @@ from .validate import EXIT_OK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--filename", required=True, metavar="FILE", help="the PDService file given to pdctl up")
+    parser.add_argument(
+        "-f", "--filename", required=True, metavar="FILE", help="the PDService file given to pdctl up"
+    )
     parser.add_argument("--state-dir", type=Path, metavar="DIR", help="the state directory given to pdctl up")
 
 
@@ -25,5 +27,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(error.messages), file=sys.stderr)
         return error.exit_code
     stopped = down(args.state_dir or default_state_dir(pds.namespace, pds.name))
-    print(f"{pds.namespace}/{pds.name}: stopped {len(stopped)} processes" + (f" ({', '.join(stopped)})" if stopped else ""))
+    print(
+        f"{pds.namespace}/{pds.name}: stopped {len(stopped)} processes"
+        + (f" ({', '.join(stopped)})" if stopped else "")
+    )
     return EXIT_OK

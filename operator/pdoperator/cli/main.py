@@ -14,7 +14,10 @@ from collections.abc import Sequence
 
 # subcommand -> (module under pdoperator.cli, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("validate", "validate PDService manifests; errors name the field (exit 1 on an invalid spec)"),
+    "validate": (
+        "validate",
+        "validate PDService manifests; errors name the field (exit 1 on an invalid spec)",
+    ),
     "render": ("render", "print the manifests the operator would apply, as YAML"),
     "crd": ("crd", "print the PDService CRD generated from pdoperator.api"),
     "up": ("up", "run a PDService on this machine as local processes (mock engines), print its endpoint"),

@@ -33,29 +33,70 @@ USER_AGENT = f"pd-operator/{OPERATOR_VERSION}"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pd-operator", description="Kubernetes operator for prefill/decode disaggregated vLLM services")
+    parser = argparse.ArgumentParser(
+        prog="pd-operator", description="Kubernetes operator for prefill/decode disaggregated vLLM services"
+    )
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=[], metavar="NS", help="serve this namespace (repeatable)")
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace (the default)")
-    parser.add_argument("--peering", metavar="NAME", help="kopf peering object for several replicas (one active); standalone without it")
-    parser.add_argument("--priority", type=int, metavar="N",
-                        help="peering priority; the highest live one is active (default: random, so replicas never tie)")  # fmt: skip
-    parser.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="serve this namespace (repeatable)",
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="serve every namespace (the default)"
+    )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object for several replicas (one active); standalone without it",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="peering priority; the highest live one is active (default: random, so replicas never tie)",
+    )
+    parser.add_argument(
+        "--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port"
+    )
     parser.add_argument("--log-format", choices=sorted(LOG_FORMATS), default="full", help="log line format")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--cluster-domain", help=f"cluster DNS domain of Service names (default: {RenderDefaults.cluster_domain})")
-    parser.add_argument("--kv-check-interval", type=float, default=HandlerSettings.kv_check_interval_seconds, metavar="SECONDS",
-                        help="how often each PDService's router /status is read for KVTransferVerified")  # fmt: skip
-    parser.add_argument("--router-status-url", metavar="TEMPLATE",
-                        help="router /status URL with {name}, {namespace}, {port} (default: the router Service's DNS name)")  # fmt: skip
-    parser.add_argument("--api-timeout", type=float, default=HandlerSettings.api_request_timeout_seconds, metavar="SECONDS",
-                        help="deadline of one Kubernetes API request")  # fmt: skip
+    parser.add_argument(
+        "--cluster-domain",
+        help=f"cluster DNS domain of Service names (default: {RenderDefaults.cluster_domain})",
+    )
+    parser.add_argument(
+        "--kv-check-interval",
+        type=float,
+        default=HandlerSettings.kv_check_interval_seconds,
+        metavar="SECONDS",
+        help="how often each PDService's router /status is read for KVTransferVerified",
+    )
+    parser.add_argument(
+        "--router-status-url",
+        metavar="TEMPLATE",
+        help="router /status URL with {name}, {namespace}, {port} (default: the router Service's DNS name)",
+    )
+    parser.add_argument(
+        "--api-timeout",
+        type=float,
+        default=HandlerSettings.api_request_timeout_seconds,
+        metavar="SECONDS",
+        help="deadline of one Kubernetes API request",
+    )
     return parser
 
 
 def render_defaults(cluster_domain: str | None, environ: Mapping[str, str]) -> RenderDefaults:
-    """Installation-wide rendering inputs: the Helm chart passes the default images through the environment."""
+    """Installation-wide rendering inputs: the Helm chart passes the default images through the
+    environment."""
     defaults = RenderDefaults.from_environ(environ)
     return defaults if cluster_domain is None else replace(defaults, cluster_domain=cluster_domain)
 
@@ -75,8 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     defaults = render_defaults(args.cluster_domain, dict(os.environ))
-    options = HandlerSettings(kv_check_interval_seconds=args.kv_check_interval, api_request_timeout_seconds=args.api_timeout)
-    resolver = template_resolver(args.router_status_url) if args.router_status_url else service_dns_resolver(args.cluster_domain)
+    options = HandlerSettings(
+        kv_check_interval_seconds=args.kv_check_interval, api_request_timeout_seconds=args.api_timeout
+    )
+    resolver = (
+        template_resolver(args.router_status_url)
+        if args.router_status_url
+        else service_dns_resolver(args.cluster_domain)
+    )
     try:
         api = KubernetesApi.from_environment(USER_AGENT, args.api_timeout)
     except Exception as e:  # the kubernetes config loaders raise several unrelated types

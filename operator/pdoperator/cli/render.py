@@ -23,7 +23,8 @@ from .validate import EXIT_INVALID, EXIT_OK, EXIT_UNREADABLE, STDIN
 
 
 class InputError(Exception):
-    """PDService input that cannot be rendered; ``messages`` name file, document and field, ``exit_code`` follows pdctl validate."""
+    """PDService input that cannot be rendered; ``messages`` name file, document and field, ``exit_code``
+    follows pdctl validate."""
 
     def __init__(self, messages: list[str], exit_code: int = EXIT_INVALID) -> None:
         super().__init__("\n".join(messages))
@@ -80,8 +81,12 @@ def write_output_dir(directory: Path, objects: list[dict[str, Any]]) -> list[Pat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--filename", required=True, metavar="FILE", help="PDService manifest(s), YAML; - reads stdin")
-    parser.add_argument("--output-dir", type=Path, metavar="DIR", help="write one file per object into DIR instead of stdout")
+    parser.add_argument(
+        "-f", "--filename", required=True, metavar="FILE", help="PDService manifest(s), YAML; - reads stdin"
+    )
+    parser.add_argument(
+        "--output-dir", type=Path, metavar="DIR", help="write one file per object into DIR instead of stdout"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,12 +28,28 @@ from .validate import EXIT_INVALID, EXIT_OK, EXIT_UNREADABLE
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, metavar="FILE", help="a file with one PDService")
     parser.add_argument("--mode", choices=[mode.value for mode in TransferMode], help="override spec.mode")
-    parser.add_argument("--engine", choices=[runtime.value for runtime in Runtime], help="override spec.engine.runtime (vllm: real vLLM engines)")
     parser.add_argument(
-        "--connector", choices=[impl.value for impl in ConnectorImpl], help="override spec.engine.connector (vllm: upstream's NIXL connectors)"
+        "--engine",
+        choices=[runtime.value for runtime in Runtime],
+        help="override spec.engine.runtime (vllm: real vLLM engines)",
     )
-    parser.add_argument("--model-dir", type=Path, metavar="DIR", help="the model vLLM engines load (default: the tiny dense model)")
-    parser.add_argument("--state-dir", type=Path, metavar="DIR", help="where logs and the state file go (default .pdctl/<ns>.<name>)")
+    parser.add_argument(
+        "--connector",
+        choices=[impl.value for impl in ConnectorImpl],
+        help="override spec.engine.connector (vllm: upstream's NIXL connectors)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        metavar="DIR",
+        help="the model vLLM engines load (default: the tiny dense model)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="where logs and the state file go (default .pdctl/<ns>.<name>)",
+    )
 
 
 def load_single(path: str) -> PDService:
@@ -54,14 +70,25 @@ def _tiny_model(state_dir: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     try:
         pds = load_single(args.filename)
-        # --engine vllm alone runs the tiny model, in float32: bfloat16 tiny models crash vLLM's CPU worker on short prompts.
+        # --engine vllm alone runs the tiny model, in float32: bfloat16 tiny models crash vLLM's CPU worker on
         tiny = args.engine == Runtime.VLLM.value and args.model_dir is None
-        pds = local_variant(pds, mode=args.mode, runtime=args.engine, connector=args.connector, dtype="float32" if tiny else None)
+        pds = local_variant(
+            pds,
+            mode=args.mode,
+            runtime=args.engine,
+            connector=args.connector,
+            dtype="float32" if tiny else None,
+        )
     except InputError as error:
         print("\n".join(error.messages), file=sys.stderr)
         return error.exit_code
     except SpecError as error:
-        print("\n".join(f"{args.filename} (with the command line's overrides): {problem}" for problem in error.errors), file=sys.stderr)
+        print(
+            "\n".join(
+                f"{args.filename} (with the command line's overrides): {problem}" for problem in error.errors
+            ),
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     state_dir = args.state_dir or default_state_dir(pds.namespace, pds.name)
     try:
@@ -76,5 +103,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNREADABLE
     for process in processes:
         print(f"{process.name:<24} pid {process.pid:<8} {process.url}")
-    print(f"{pds.namespace}/{pds.name} is up in {pds.spec.mode.value} mode: {plan.endpoint}/v1  (logs in {state_dir})")
+    print(
+        f"{pds.namespace}/{pds.name} is up in {pds.spec.mode.value} mode: {plan.endpoint}/v1  (logs in "
+        f"{state_dir})"
+    )
     return EXIT_OK

@@ -81,9 +81,12 @@ def loopback_subnet(namespace: str, name: str) -> str:
 
 
 def expand(text: str, variables: Mapping[str, str]) -> str:
-    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, anything else stays."""
+    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, ``$$`` escapes, anything else
+    stays."""
     parts = text.split("$$")
-    return "$".join(_VARIABLE.sub(lambda match: variables.get(match.group(1), match.group(0)), part) for part in parts)
+    return "$".join(
+        _VARIABLE.sub(lambda match: variables.get(match.group(1), match.group(0)), part) for part in parts
+    )
 
 
 def _container(workload: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +94,8 @@ def _container(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pod_env(container: dict[str, Any], fields: Mapping[str, str]) -> dict[str, str]:
-    """The container's environment as the kubelet would compute it: downward-API fields, then values in order."""
+    """The container's environment as the kubelet would compute it: downward-API fields, then values in
+    order."""
     env: dict[str, str] = {}
     for item in container.get("env", []):
         field_ref = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
@@ -100,16 +104,21 @@ def _pod_env(container: dict[str, Any], fields: Mapping[str, str]) -> dict[str, 
         elif "value" in item:
             env[item["name"]] = expand(item["value"], env)
         else:
-            raise LocalRunError(f"env {item['name']} of {container['name']} comes from a Secret or ConfigMap, which a local run cannot read")
+            raise LocalRunError(
+                f"env {item['name']} of {container['name']} comes from a Secret or ConfigMap, which a local "
+                "run cannot read"
+            )
     return env
 
 
-# The images' console scripts as modules, for a source tree on PYTHONPATH that was never installed (no scripts to run).
+# The images' console scripts as modules, for a source tree on PYTHONPATH that was never installed (no scripts
+# to run).
 _CONSOLE_SCRIPT_MODULES = {"pd-mock-engine": "pdconnector.sim.main", "pd-router": "pdconnector.router.main"}
 
 
 def _executable(argv: list[str]) -> list[str]:
-    """Console scripts and python3 resolve to this interpreter's environment, wherever pdctl was started from."""
+    """Console scripts and python3 resolve to this interpreter's environment, wherever pdctl was started
+    from."""
     bin_dir = Path(sys.executable).parent
     if argv[0] in {"python3", "python"}:
         return [sys.executable, *argv[1:]]
@@ -128,7 +137,8 @@ class _VllmSetup:
 
 
 def local_vllm_env(state_dir: Path) -> dict[str, str]:
-    """What a vLLM CPU engine needs on a developer machine beyond the pod's env: offline, a small KV space, its own caches."""
+    """What a vLLM CPU engine needs on a developer machine beyond the pod's env: offline, a small KV space,
+    its own caches."""
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HOME": str(state_dir / "hf-home"),
@@ -141,13 +151,16 @@ def local_vllm_env(state_dir: Path) -> dict[str, str]:
 
 
 def _with_model_dir(argv: list[str], model_dir: Path) -> list[str]:
-    """The engine's ``--model`` pointed at a directory on this machine (the pod would download or mount it)."""
+    """The engine's ``--model`` pointed at a directory on this machine (the pod would download or mount
+    it)."""
     argv = list(argv)
     argv[argv.index("--model") + 1] = str(model_dir)
     return argv
 
 
-def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None) -> list[LocalProcess]:
+def _engine_processes(
+    statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None
+) -> list[LocalProcess]:
     role = ComponentRole(statefulset["metadata"]["labels"][LABEL_ROLE])
     container = _container(statefulset)
     http_port = next(port["containerPort"] for port in container["ports"] if port["name"] == "http")
@@ -158,7 +171,12 @@ def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int,
         fields = dict(
             zip(
                 _FIELD_REFS,
-                (pod_name, statefulset["metadata"]["namespace"], host, str(uuid.uuid5(uuid.NAMESPACE_DNS, pod_name))),
+                (
+                    pod_name,
+                    statefulset["metadata"]["namespace"],
+                    host,
+                    str(uuid.uuid5(uuid.NAMESPACE_DNS, pod_name)),
+                ),
                 strict=True,
             )
         )
@@ -166,13 +184,20 @@ def _engine_processes(statefulset: dict[str, Any], subnet: str, first_host: int,
         argv = [expand(arg, env) for arg in [*container["command"], *container.get("args", [])]]
         timeout = MOCK_STARTUP_TIMEOUT_S
         if vllm is not None:
-            argv, env, timeout = _with_model_dir(argv, vllm.model_dir), {**env, **vllm.env}, VLLM_STARTUP_TIMEOUT_S
-        processes.append(LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port, timeout))
+            argv, env, timeout = (
+                _with_model_dir(argv, vllm.model_dir),
+                {**env, **vllm.env},
+                VLLM_STARTUP_TIMEOUT_S,
+            )
+        processes.append(
+            LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port, timeout)
+        )
     return processes
 
 
 def core_bindings(ranks_per_engine: Sequence[int], cores: Sequence[int]) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` per engine: each rank its own cores, as pods with exclusive CPUs would have.
+    """``VLLM_CPU_OMP_THREADS_BIND`` per engine: each rank its own cores, as pods with exclusive CPUs would
+    have.
 
     With fewer cores than ranks, ranks share cores round-robin (one each). Ranks of one engine are
     separated by ``|``, vLLM's syntax for tensor-parallel workers."""
@@ -189,21 +214,32 @@ def core_bindings(ranks_per_engine: Sequence[int], cores: Sequence[int]) -> list
     return bindings
 
 
-def _bound_to_own_cores(pds: PDService, engines: list[LocalProcess], cores: Sequence[int]) -> list[LocalProcess]:
+def _bound_to_own_cores(
+    pds: PDService, engines: list[LocalProcess], cores: Sequence[int]
+) -> list[LocalProcess]:
     """Engines pinned to cores of their own unless the spec's env says otherwise.
 
     Unbound CPU engines on one machine each spread their OpenMP threads over every core and spin
     against each other: measured here, two tiny engines decoded at ~100 ms per token instead of ~2 ms."""
-    tp = {ComponentRole.PREFILL: pds.spec.prefill.tensor_parallel_size, ComponentRole.DECODE: pds.spec.decode.tensor_parallel_size}
+    tp = {
+        ComponentRole.PREFILL: pds.spec.prefill.tensor_parallel_size,
+        ComponentRole.DECODE: pds.spec.decode.tensor_parallel_size,
+    }
     bindings = core_bindings([tp[engine.role] for engine in engines], cores)
-    user_set = {role: any(var.name == CPU_THREAD_BINDING_ENV for var in role_spec(pds.spec, role).env) for role in tp}
+    user_set = {
+        role: any(var.name == CPU_THREAD_BINDING_ENV for var in role_spec(pds.spec, role).env) for role in tp
+    }
     return [
-        engine if user_set[engine.role] else dataclasses.replace(engine, env={**engine.env, CPU_THREAD_BINDING_ENV: binding})
+        engine
+        if user_set[engine.role]
+        else dataclasses.replace(engine, env={**engine.env, CPU_THREAD_BINDING_ENV: binding})
         for engine, binding in zip(engines, bindings, strict=True)
     ]
 
 
-def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: Path, *, model_dir: Path | None = None) -> LocalPlan:
+def plan_local_run(
+    pds: PDService, manifests: list[dict[str, Any]], state_dir: Path, *, model_dir: Path | None = None
+) -> LocalPlan:
     """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced.
 
     With ``spec.engine.runtime: vllm`` the engines load ``model_dir`` (required) instead of ``spec.model``."""
@@ -216,7 +252,10 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
             )
         for role in (ComponentRole.PREFILL, ComponentRole.DECODE):
             if (gpus := engine_gpus(pds.spec, role)) > 0:
-                raise LocalRunError(f"spec.{role.value}: {gpus} GPUs per engine; a local vLLM run uses the CPU (set resources.gpus: 0)")
+                raise LocalRunError(
+                    f"spec.{role.value}: {gpus} GPUs per engine; a local vLLM run uses the CPU (set "
+                    "resources.gpus: 0)"
+                )
         vllm = _VllmSetup(model_dir, local_vllm_env(state_dir))
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for manifest in manifests:
@@ -233,7 +272,12 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
     local_config = config.model_copy(
         update={
             role: getattr(config, role).model_copy(
-                update={"backends": [b.model_copy(update={"host": addresses[b.name]}) for b in getattr(config, role).backends]}
+                update={
+                    "backends": [
+                        b.model_copy(update={"host": addresses[b.name]})
+                        for b in getattr(config, role).backends
+                    ]
+                }
             )
             for role in ("prefill", "decode")
         }
@@ -243,5 +287,12 @@ def plan_local_run(pds: PDService, manifests: list[dict[str, Any]], state_dir: P
     argv = [*container["command"], *container.get("args", [])]
     argv[argv.index("--config") + 1] = str(state_dir / ROUTER_CONFIG_FILE)
     argv += ["--host", router_host, "--port", str(pds.spec.router.port), "--health-interval", "0.5"]
-    router = LocalProcess(f"{pds.name}-router", ComponentRole.ROUTER, tuple(_executable(argv)), {}, router_host, pds.spec.router.port)
+    router = LocalProcess(
+        f"{pds.name}-router",
+        ComponentRole.ROUTER,
+        tuple(_executable(argv)),
+        {},
+        router_host,
+        pds.spec.router.port,
+    )
     return LocalPlan(pds.name, pds.namespace, (*engines, router), dump_router_config(local_config))

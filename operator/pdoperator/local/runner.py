@@ -39,7 +39,8 @@ def default_state_dir(namespace: str, name: str) -> Path:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None once it has exited."""
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None once it has
+    exited."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -62,16 +63,28 @@ def is_running(process: RunningProcess) -> bool:
 def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
     """Start every process of ``plan`` and wait until each answers /health; on any failure stop them all."""
     if any(is_running(process) for process in read_state(state_dir)):
-        raise RuntimeError(f"{plan.namespace}/{plan.name} is already up (state in {state_dir}); run `pdctl down` first")
+        raise RuntimeError(
+            f"{plan.namespace}/{plan.name} is already up (state in {state_dir}); run `pdctl down` first"
+        )
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / ROUTER_CONFIG_FILE).write_text(plan.router_config)
     started: list[RunningProcess] = []
 
     def start(local: LocalProcess) -> Process:
-        process = Process(local.name, list(local.argv), local.url, state_dir / f"{local.name}.log", env=dict(local.env))
+        process = Process(
+            local.name, list(local.argv), local.url, state_dir / f"{local.name}.log", env=dict(local.env)
+        )
         process.start()
         assert process.popen is not None
-        started.append(RunningProcess(local.name, process.popen.pid, _start_ticks(process.popen.pid) or 0, local.url, str(process.log_path)))
+        started.append(
+            RunningProcess(
+                local.name,
+                process.popen.pid,
+                _start_ticks(process.popen.pid) or 0,
+                local.url,
+                str(process.log_path),
+            )
+        )
         _write_state(state_dir, started)
         return process
 
@@ -94,7 +107,8 @@ def _write_state(state_dir: Path, processes: list[RunningProcess]) -> None:
 
 
 def down(state_dir: Path) -> list[str]:
-    """Stop every process the state file names (SIGTERM, then SIGKILL after a deadline); returns their names."""
+    """Stop every process the state file names (SIGTERM, then SIGKILL after a deadline); returns their
+    names."""
     processes = [process for process in read_state(state_dir) if is_running(process)]
     for process in processes:
         with contextlib.suppress(ProcessLookupError):

@@ -47,23 +47,39 @@ class ModeReport:
 
 
 def _post(url: str, body: dict[str, object]) -> tuple[dict[str, str], bytes]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
         return {key.lower(): value for key, value in response.headers.items()}, response.read()
 
 
 def _complete(endpoint: str, model: str, prompt: str, stream: bool) -> ServedRequest:
-    headers, raw = _post(f"{endpoint}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream})
+    headers, raw = _post(
+        f"{endpoint}/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream},
+    )
     if stream:
-        chunks = [json.loads(line[len(b"data: ") :]) for line in raw.splitlines() if line.startswith(b"data: {")]
+        chunks = [
+            json.loads(line[len(b"data: ") :]) for line in raw.splitlines() if line.startswith(b"data: {")
+        ]
         text = "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
-        params = next((chunk["kv_transfer_params"] for chunk in chunks if chunk.get("kv_transfer_params")), {})
+        params = next(
+            (chunk["kv_transfer_params"] for chunk in chunks if chunk.get("kv_transfer_params")), {}
+        )
     else:
         body = json.loads(raw)
         text = body["choices"][0]["text"]
         params = body.get("kv_transfer_params") or {}
     received = params.get("pd_received") or {}
-    return ServedRequest(len(prompt.split()), stream, headers["x-pd-prefill"], headers["x-pd-decode"], text.strip(), received.get("bytes"))
+    return ServedRequest(
+        len(prompt.split()),
+        stream,
+        headers["x-pd-prefill"],
+        headers["x-pd-decode"],
+        text.strip(),
+        received.get("bytes"),
+    )
 
 
 def _received_bytes(plan: LocalPlan) -> int:
@@ -84,10 +100,15 @@ def tour_mode(pds: PDService, mode: TransferMode, state_dir: Path) -> ModeReport
     up(plan, state_dir)
     try:
         model = pds.spec.model.served_name or pds.spec.model.name
-        served = tuple(_complete(plan.endpoint, model, prompt, stream=index == len(PROMPTS) - 1) for index, prompt in enumerate(PROMPTS))
+        served = tuple(
+            _complete(plan.endpoint, model, prompt, stream=index == len(PROMPTS) - 1)
+            for index, prompt in enumerate(PROMPTS)
+        )
         with urllib.request.urlopen(f"{plan.endpoint}/status", timeout=REQUEST_TIMEOUT_S) as response:
             transfers = json.loads(response.read())["transfers"]
-        return ModeReport(mode, plan.endpoint, served, _received_bytes(plan), transfers["verified"], transfers["unverified"])
+        return ModeReport(
+            mode, plan.endpoint, served, _received_bytes(plan), transfers["verified"], transfers["unverified"]
+        )
     finally:
         down(state_dir)
 
@@ -98,7 +119,10 @@ def format_report(report: ModeReport) -> list[str]:
     for served in report.requests:
         kv = "-" if served.kv_bytes is None else str(served.kv_bytes)
         stream = "yes" if served.stream else "no"
-        lines.append(f"    {served.prompt_tokens:>6}  {stream:<6}  {served.prefill:<16}  {served.decode:<16}  {kv:>8}  {served.text}")
+        lines.append(
+            f"    {served.prompt_tokens:>6}  {stream:<6}  {served.prefill:<16}  {served.decode:<16}  "
+            f"{kv:>8}  {served.text}"
+        )
     lines.append(
         f"    KV bytes received by decode: {report.kv_bytes_received}; "
         f"router verified {report.verified} transfers, {report.unverified} served without one"

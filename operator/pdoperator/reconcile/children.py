@@ -73,7 +73,9 @@ def _controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
     return any(ref.get("controller") and ref.get("uid") == owner_uid for ref in refs)
 
 
-def plan(desired: list[dict[str, Any]], live: Mapping[ResourceKind, list[dict[str, Any]]], owner_uid: str) -> list[Action]:
+def plan(
+    desired: list[dict[str, Any]], live: Mapping[ResourceKind, list[dict[str, Any]]], owner_uid: str
+) -> list[Action]:
     live_by_name = {(kind, obj["metadata"]["name"]): obj for kind, objs in live.items() for obj in objs}
     actions: list[Action] = []
     wanted = set()

@@ -29,7 +29,8 @@ def _is_empty(value: Any) -> bool:
 
 
 def is_subset(desired: Any, live: Any) -> bool:
-    """True when every field of ``desired`` is in ``live`` with the same value (empty values match absent ones)."""
+    """True when every field of ``desired`` is in ``live`` with the same value (empty values match absent
+    ones)."""
     if desired is None:
         return True
     if isinstance(desired, dict):
@@ -39,13 +40,19 @@ def is_subset(desired: Any, live: Any) -> bool:
     if isinstance(desired, list):
         if not desired:
             return _is_empty(live)
-        return isinstance(live, list) and len(desired) == len(live) and all(is_subset(d, x) for d, x in zip(desired, live, strict=True))
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, x) for d, x in zip(desired, live, strict=True))
+        )
     return bool(desired == live)
 
 
-def merge_patch(last_applied: dict[str, Any], desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
-    """The smallest RFC 7386 patch after which ``desired`` is a subset of ``live`` and keys applied last time but no
-    longer desired are gone. Empty when nothing needs to change."""
+def merge_patch(
+    last_applied: dict[str, Any], desired: dict[str, Any], live: dict[str, Any]
+) -> dict[str, Any]:
+    """The smallest RFC 7386 patch after which ``desired`` is a subset of ``live`` and keys applied last time
+    but no longer desired are gone. Empty when nothing needs to change."""
     patch: dict[str, Any] = {}
     for key, want in desired.items():
         have = live.get(key)
@@ -82,8 +89,11 @@ def last_applied_of(live: dict[str, Any]) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def child_patch(desired: dict[str, Any], live: dict[str, Any], exclusive: Sequence[tuple[str, ...]] = ()) -> dict[str, Any]:
-    """The merge patch that restores a child to ``desired`` (as produced by ``with_last_applied``); empty if none.
+def child_patch(
+    desired: dict[str, Any], live: dict[str, Any], exclusive: Sequence[tuple[str, ...]] = ()
+) -> dict[str, Any]:
+    """The merge patch that restores a child to ``desired`` (as produced by ``with_last_applied``); empty if
+    none.
 
     ``exclusive`` names maps the operator owns entirely (a ConfigMap's ``data``): keys someone
     else added there are removed too, as if the operator had applied them before.

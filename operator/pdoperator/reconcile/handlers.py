@@ -1,14 +1,14 @@
-"""The kopf handlers: thin adapters from kopf's causes to ``Reconciler``.
+"""The kopf handlers: thin adapters from kopf's causes to ``Reconciler``. Each handler, its cause, its work:
 
-| handler                  | kopf cause                                 | does                                               |
-|--------------------------|--------------------------------------------|----------------------------------------------------|
-| ``configure``            | startup                                    | kopf settings (storage keys, timeouts, events)     |
-| ``login``                | login                                      | credentials from the kubernetes client's config    |
-| ``reconcile_pdservice``  | PDService create / update / resume         | children to the spec, status; PermanentError on an invalid spec |
-| ``delete_pdservice``     | PDService delete (finalizer)               | deletes the children it controls                   |
-| ``child_changed``        | labelled StatefulSet/Deployment/Service/ConfigMap events | reconciles the owner: drift, status |
-| ``verify_kv_transfer``   | timer per PDService                        | reads the router's ``/status`` -> KVTransferVerified |
-| ``close_session``        | cleanup                                    | closes the HTTP session of the router probes       |
+- ``configure``, at startup: kopf settings (storage keys, timeouts, events).
+- ``login``, at login: credentials from the kubernetes client's config.
+- ``reconcile_pdservice``, on PDService create / update / resume: children to the spec, status; PermanentError
+  on an invalid spec.
+- ``delete_pdservice``, on PDService delete (finalizer): deletes the children it controls.
+- ``child_changed``, on events of labelled StatefulSets, Deployments, Services and ConfigMaps: reconciles the
+  owner (drift, status).
+- ``verify_kv_transfer``, a timer per PDService: reads the router's ``/status`` -> KVTransferVerified.
+- ``close_session``, at cleanup: closes the HTTP session of the router probes.
 """
 
 from __future__ import annotations
@@ -55,7 +55,11 @@ def record_event(body: dict[str, Any], type_: str, reason: str, message: str) ->
 def controller_owner(body: Mapping[str, Any]) -> str | None:
     """Name of the PDService controlling a child, if any."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/"):
+        if (
+            ref.get("controller")
+            and ref.get("kind") == KIND
+            and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
+        ):
             return str(ref["name"])
     return None
 
@@ -64,7 +68,9 @@ def apply_kopf_settings(settings: kopf.OperatorSettings, options: HandlerSetting
     # kopf's bookkeeping under our own API group; annotations only, so .status stays ours.
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
     settings.posting.reporting_component = PRODUCT
     settings.posting.event_name_prefix = f"{PRODUCT}-"
     settings.networking.request_timeout = options.api_request_timeout_seconds
@@ -75,7 +81,12 @@ def apply_kopf_settings(settings: kopf.OperatorSettings, options: HandlerSetting
     settings.watching.reconnect_backoff = 1.0
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resolve_router_url: RouterUrlResolver, options: HandlerSettings) -> None:
+def register(
+    registry: kopf.OperatorRegistry,
+    reconciler: Reconciler,
+    resolve_router_url: RouterUrlResolver,
+    options: HandlerSettings,
+) -> None:
     sessions: list[aiohttp.ClientSession] = []
 
     @kopf.on.startup(id="configure", registry=registry)
@@ -115,12 +126,18 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resolve_ro
         except KubeApiError as e:
             raise kopf.TemporaryError(str(e), delay=options.retry_delay_seconds) from e
 
-    async def child_changed(body: kopf.Body, type: str | None, namespace: str | None, resource: kopf.Resource, **_: Any) -> None:
+    async def child_changed(
+        body: kopf.Body, type: str | None, namespace: str | None, resource: kopf.Resource, **_: Any
+    ) -> None:
         owner = controller_owner(body)
         if owner is None or namespace is None or type is None:
-            return  # not ours, or the initial listing (resume handlers cover what happened while the operator was away)
+            # not ours, or the initial listing (resume handlers cover what happened while the operator was
+            # away)
+            return
         meta = body.get("metadata", {})
-        if type != "DELETED" and reconciler.is_own_write(resource.plural, namespace, meta.get("name", ""), meta.get("resourceVersion")):
+        if type != "DELETED" and reconciler.is_own_write(
+            resource.plural, namespace, meta.get("name", ""), meta.get("resourceVersion")
+        ):
             return
         started = time.monotonic()
         try:
@@ -133,13 +150,29 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, resolve_ro
             metrics.observe("child", outcome, time.monotonic() - started)
 
     for kind in WATCHED_CHILD_KINDS:
-        watch = kopf.on.event(kind.group, kind.version, kind.plural, labels={LABEL_NAME: PRODUCT}, id=f"child-{kind.plural}", registry=registry)
+        watch = kopf.on.event(
+            kind.group,
+            kind.version,
+            kind.plural,
+            labels={LABEL_NAME: PRODUCT},
+            id=f"child-{kind.plural}",
+            registry=registry,
+        )
         watch(child_changed)
 
     async def fetch(pds: PDService) -> TransferCounts:
-        return await fetch_router_status(sessions[0], resolve_router_url(pds), options.router_status_timeout_seconds)
+        return await fetch_router_status(
+            sessions[0], resolve_router_url(pds), options.router_status_timeout_seconds
+        )
 
-    @kopf.timer(GROUP, VERSION, PLURAL, id="kv-transfer", interval=options.kv_check_interval_seconds, registry=registry)
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        id="kv-transfer",
+        interval=options.kv_check_interval_seconds,
+        registry=registry,
+    )
     async def verify_kv_transfer(body: kopf.Body, **_: Any) -> None:
         try:
             await reconciler.probe_kv_transfer(plain(body), fetch)

@@ -38,7 +38,14 @@ NETWORKPOLICIES = ResourceKind("networking.k8s.io", "v1", "networkpolicies", "Ne
 PODDISRUPTIONBUDGETS = ResourceKind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 
 # Every kind of child a PDService owns: the operator lists, creates, patches and deletes these.
-CHILD_KINDS: tuple[ResourceKind, ...] = (NETWORKPOLICIES, PODDISRUPTIONBUDGETS, CONFIGMAPS, SERVICES, DEPLOYMENTS, STATEFULSETS)
+CHILD_KINDS: tuple[ResourceKind, ...] = (
+    NETWORKPOLICIES,
+    PODDISRUPTIONBUDGETS,
+    CONFIGMAPS,
+    SERVICES,
+    DEPLOYMENTS,
+    STATEFULSETS,
+)
 # Children whose spec or content the operator restores when edited or deleted by hand (watched by label).
 WATCHED_CHILD_KINDS: tuple[ResourceKind, ...] = (STATEFULSETS, DEPLOYMENTS, SERVICES, CONFIGMAPS)
 

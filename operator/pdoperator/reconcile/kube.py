@@ -38,7 +38,14 @@ class KubeApi(Protocol):
 
     async def create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
-    async def patch(self, kind: ResourceKind, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+    async def patch(
+        self,
+        kind: ResourceKind,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         """RFC 7386 merge patch of the object or of its subresource."""
 
     async def delete(self, kind: ResourceKind, namespace: str, name: str) -> bool:
@@ -48,7 +55,9 @@ class KubeApi(Protocol):
 class KubernetesApi:
     """``KubeApi`` over ``kubernetes.client.ApiClient``; every request identifies itself as ``user_agent``."""
 
-    def __init__(self, client: kubernetes.client.ApiClient, user_agent: str, timeout_seconds: float = 30.0) -> None:
+    def __init__(
+        self, client: kubernetes.client.ApiClient, user_agent: str, timeout_seconds: float = 30.0
+    ) -> None:
         self._client = client
         self._client.user_agent = user_agent
         self._timeout = timeout_seconds
@@ -79,8 +88,17 @@ class KubernetesApi:
     async def create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", kind.path(namespace), body=body)
 
-    async def patch(self, kind: ResourceKind, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
-        return await self._call("PATCH", kind.path(namespace, name, subresource), body=patch, content_type=MERGE_PATCH)
+    async def patch(
+        self,
+        kind: ResourceKind,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        return await self._call(
+            "PATCH", kind.path(namespace, name, subresource), body=patch, content_type=MERGE_PATCH
+        )
 
     async def delete(self, kind: ResourceKind, namespace: str, name: str) -> bool:
         try:
@@ -102,9 +120,13 @@ class KubernetesApi:
     ) -> dict[str, Any]:
         return await asyncio.to_thread(self._call_blocking, method, path, query or [], body, content_type)
 
-    def _call_blocking(self, method: str, path: str, query: list[tuple[str, str]], body: Any, content_type: str) -> dict[str, Any]:
+    def _call_blocking(
+        self, method: str, path: str, query: list[tuple[str, str]], body: Any, content_type: str
+    ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        request = self._client.param_serialize(method, path, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"])
+        request = self._client.param_serialize(
+            method, path, query_params=query, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
         try:
             response = self._client.call_api(*request, _request_timeout=self._timeout)
             data = response.read()

@@ -44,7 +44,9 @@ def parse_router_status(payload: Any) -> TransferCounts:
     for field in ("verified", "unverified", "unconfirmable"):
         value = transfers.get(field, 0 if field == "unconfirmable" else None)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise RouterStatusError(f"router /status transfers.{field} must be a non-negative integer, got {value!r}")
+            raise RouterStatusError(
+                f"router /status transfers.{field} must be a non-negative integer, got {value!r}"
+            )
         values.append(value)
     return TransferCounts(*values)
 
@@ -56,9 +58,14 @@ class Verdict:
     message: str
 
 
-def verdict(current: TransferCounts, previous: TransferCounts | None, previous_verdict: Verdict | None) -> Verdict:
-    """The verdict on the counts; ``previous_verdict`` (an earlier verdict on counts) stands while no request arrives."""
-    restarted = previous is not None and any(now < before for now, before in zip(astuple(current), astuple(previous), strict=True))
+def verdict(
+    current: TransferCounts, previous: TransferCounts | None, previous_verdict: Verdict | None
+) -> Verdict:
+    """The verdict on the counts; ``previous_verdict`` (an earlier verdict on counts) stands while no request
+    arrives."""
+    restarted = previous is not None and any(
+        now < before for now, before in zip(astuple(current), astuple(previous), strict=True)
+    )
     base = TransferCounts(0, 0) if previous is None or restarted else previous
     new_verified = current.verified - base.verified
     new_unverified = current.unverified - base.unverified
@@ -69,17 +76,24 @@ def verdict(current: TransferCounts, previous: TransferCounts | None, previous_v
             "requests are served without a KV transfer from prefill (decode computes the prompt itself)",
         )
     if new_verified > 0:
-        return Verdict(ConditionStatus.TRUE, "TransfersVerified", "decode confirms requests are served with KV transferred from prefill")
+        return Verdict(
+            ConditionStatus.TRUE,
+            "TransfersVerified",
+            "decode confirms requests are served with KV transferred from prefill",
+        )
     if current.unconfirmable > base.unconfirmable:
         return Verdict(
             ConditionStatus.UNKNOWN,
             "NotConfirmable",
-            "decode's answers do not say whether KV arrived by transfer: upstream vLLM connectors never do, and vLLM streams carry no "
+            "decode's answers do not say whether KV arrived by transfer: upstream vLLM connectors never do, "
+            "and vLLM streams carry no "
             "kv_transfer_params (non-streaming requests with spec.engine.connector: builtin do)",
         )
     if previous_verdict is not None:
         return previous_verdict
-    return Verdict(ConditionStatus.UNKNOWN, "NoTraffic", "no request has been served since the router started")
+    return Verdict(
+        ConditionStatus.UNKNOWN, "NoTraffic", "no request has been served since the router started"
+    )
 
 
 UNREACHABLE = "RouterUnreachable"
@@ -90,7 +104,11 @@ def unreachable_verdict(error: Exception) -> Verdict:
 
 
 def as_condition(v: Verdict, previous: Condition | None, generation: int, now: str) -> Condition:
-    since = previous.last_transition_time if previous is not None and previous.status == v.status and previous.last_transition_time else now
+    since = (
+        previous.last_transition_time
+        if previous is not None and previous.status == v.status and previous.last_transition_time
+        else now
+    )
     return Condition(
         type=ConditionType.KV_TRANSFER_VERIFIED,
         status=v.status,
@@ -121,7 +139,9 @@ def template_resolver(template: str) -> RouterUrlResolver:
     return resolve
 
 
-async def fetch_router_status(session: aiohttp.ClientSession, url: str, timeout_seconds: float) -> TransferCounts:
+async def fetch_router_status(
+    session: aiohttp.ClientSession, url: str, timeout_seconds: float
+) -> TransferCounts:
     try:
         async with asyncio.timeout(timeout_seconds), session.get(url) as response:
             if response.status != 200:

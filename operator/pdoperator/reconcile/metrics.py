@@ -10,7 +10,9 @@ if TYPE_CHECKING:
     from .reconciler import Outcome
 
 RECONCILES = Counter("pd_operator_reconciles_total", "Reconciliations of PDServices.", ["trigger", "result"])
-CHILD_WRITES = Counter("pd_operator_child_writes_total", "Writes to children (create, update, delete).", ["kind", "action"])
+CHILD_WRITES = Counter(
+    "pd_operator_child_writes_total", "Writes to children (create, update, delete).", ["kind", "action"]
+)
 STATUS_WRITES = Counter("pd_operator_status_writes_total", "Writes of PDService status.")
 RECONCILE_SECONDS = Histogram("pd_operator_reconcile_seconds", "Duration of one reconciliation.", ["trigger"])
 

@@ -22,7 +22,15 @@ from pdoperator.render import ComponentRole, RenderDefaults, child_name
 from .children import Action, Create, Patch, children_selector, describe, desired_children, plan
 from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
 from .kube import KubeApi, KubeApiError
-from .kvtransfer import UNREACHABLE, RouterStatusError, TransferCounts, Verdict, as_condition, unreachable_verdict, verdict
+from .kvtransfer import (
+    UNREACHABLE,
+    RouterStatusError,
+    TransferCounts,
+    Verdict,
+    as_condition,
+    unreachable_verdict,
+    verdict,
+)
 from .status import AWAITING_ROUTER, healthy_status, invalid_status, parse_status, role_rollout, status_patch
 
 logger = logging.getLogger(__name__)
@@ -88,13 +96,16 @@ class Reconciler:
     # ---- entry points
 
     async def reconcile(self, body: dict[str, Any]) -> Outcome:
-        """Bring children and status to the spec (create/update/resume). Raises InvalidSpecError for a rejected spec."""
+        """Bring children and status to the spec (create/update/resume). Raises InvalidSpecError for a
+        rejected spec."""
         async with self._lock(_key(body)):
             return await self._reconcile(body, Trigger.SPEC)
 
     def is_own_write(self, plural: str, namespace: str, name: str, resource_version: str | None) -> bool:
         """Whether a child event only echoes the operator's own last write (nothing to reconcile)."""
-        return resource_version is not None and self._written.get((plural, namespace, name)) == resource_version
+        return (
+            resource_version is not None and self._written.get((plural, namespace, name)) == resource_version
+        )
 
     async def request(self, namespace: str, name: str) -> Outcome | None:
         """Reconcile after a child changed; calls arriving while one waits for the lock are absorbed by it."""
@@ -113,7 +124,8 @@ class Reconciler:
                 return None  # reported when the spec was written; children stay as they are
 
     async def delete_children(self, body: dict[str, Any]) -> list[str]:
-        """Delete every child this PDService controls (garbage collection would too; this does not wait for it)."""
+        """Delete every child this PDService controls (garbage collection would too; this does not wait for
+        it)."""
         key = _key(body)
         async with self._lock(key):
             uid = body["metadata"].get("uid", "")
@@ -129,7 +141,9 @@ class Reconciler:
             self._record_event(body, "Normal", "ChildrenDeleted", "; ".join(names))
         return names
 
-    async def probe_kv_transfer(self, body: dict[str, Any], fetch: Callable[[PDService], Coroutine[Any, Any, TransferCounts]]) -> bool:
+    async def probe_kv_transfer(
+        self, body: dict[str, Any], fetch: Callable[[PDService], Coroutine[Any, Any, TransferCounts]]
+    ) -> bool:
         """Ask the router whether requests are served with transferred KV; True when the condition changed."""
         try:
             pds = parse_pdservice(body)
@@ -140,7 +154,9 @@ class Reconciler:
             return False  # nothing to ask yet (or no router at all)
         key = (pds.namespace, pds.name)
         state = self._kv.setdefault(key, _KVState())
-        stored = next((c for c in stored_status.conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
+        stored = next(
+            (c for c in stored_status.conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None
+        )
         if stored is not None and stored.reason == AWAITING_ROUTER:
             stored = None  # a placeholder, not a verdict
         try:
@@ -151,12 +167,17 @@ class Reconciler:
             new = unreachable_verdict(e)
         else:
             if state.counts is None and stored is not None and stored.reason != UNREACHABLE:
-                # First probe since the operator started: the stored verdict stands, these counts are the baseline.
+                # First probe since the operator started: the stored verdict stands, these counts are the
+                # baseline.
                 state.traffic = Verdict(stored.status, stored.reason, stored.message)
                 state.counts = counts
             new = verdict(counts, state.counts, state.traffic)
             state.counts, state.traffic = counts, new
-        changed = stored is None or (stored.status, stored.reason, stored.message) != (new.status, new.reason, new.message)
+        changed = stored is None or (stored.status, stored.reason, stored.message) != (
+            new.status,
+            new.reason,
+            new.message,
+        )
         state.shown = new
         if changed:
             if new.reason == "ServedWithoutTransfer":
@@ -173,7 +194,9 @@ class Reconciler:
             pds = parse_pdservice(body)
         except SpecError as e:
             message = "; ".join(str(error) for error in e.errors)
-            written = await self._write_status(body, invalid_status(meta.get("generation", 1), previous, message, self._clock()))
+            written = await self._write_status(
+                body, invalid_status(meta.get("generation", 1), previous, message, self._clock())
+            )
             if written and trigger is Trigger.SPEC:  # once per rejected generation, not again on restarts
                 self._record_event(body, "Warning", "InvalidSpec", message)
             raise InvalidSpecError(message) from e
@@ -188,15 +211,36 @@ class Reconciler:
             if version := obj["metadata"].get("resourceVersion"):
                 self._written[(kind.plural, pds.namespace, name)] = version
         if actions:
-            self._record_event(body, "Normal", _reason(trigger, had_children), "; ".join(describe(a) for a in actions))
+            self._record_event(
+                body, "Normal", _reason(trigger, had_children), "; ".join(describe(a) for a in actions)
+            )
 
         kv = self._kv_condition((pds.namespace, pds.name), previous, pds.generation)
         rollouts = [
-            role_rollout(ComponentRole.PREFILL, pds.spec.prefill.replicas, _find(live, STATEFULSETS, child_name(pds, ComponentRole.PREFILL))),
-            role_rollout(ComponentRole.DECODE, pds.spec.decode.replicas, _find(live, STATEFULSETS, child_name(pds, ComponentRole.DECODE))),
-            role_rollout(ComponentRole.ROUTER, pds.spec.router.replicas, _find(live, DEPLOYMENTS, child_name(pds, ComponentRole.ROUTER))),
+            role_rollout(
+                ComponentRole.PREFILL,
+                pds.spec.prefill.replicas,
+                _find(live, STATEFULSETS, child_name(pds, ComponentRole.PREFILL)),
+            ),
+            role_rollout(
+                ComponentRole.DECODE,
+                pds.spec.decode.replicas,
+                _find(live, STATEFULSETS, child_name(pds, ComponentRole.DECODE)),
+            ),
+            role_rollout(
+                ComponentRole.ROUTER,
+                pds.spec.router.replicas,
+                _find(live, DEPLOYMENTS, child_name(pds, ComponentRole.ROUTER)),
+            ),
         ]
-        status = healthy_status(pds, rollouts, previous=previous, kv_condition=kv, cluster_domain=self._defaults.cluster_domain, now=self._clock())
+        status = healthy_status(
+            pds,
+            rollouts,
+            previous=previous,
+            kv_condition=kv,
+            cluster_domain=self._defaults.cluster_domain,
+            now=self._clock(),
+        )
         return Outcome(actions=actions, status_written=await self._write_status(body, status))
 
     def _kv_condition(self, key: Key, previous: Any, generation: int) -> Condition | None:
@@ -211,7 +255,9 @@ class Reconciler:
         lists = await asyncio.gather(*(self._api.list(kind, namespace, selector) for kind in CHILD_KINDS))
         return dict(zip(CHILD_KINDS, lists, strict=True))
 
-    async def _apply(self, actions: list[Action], namespace: str) -> list[tuple[ResourceKind, dict[str, Any]]]:
+    async def _apply(
+        self, actions: list[Action], namespace: str
+    ) -> list[tuple[ResourceKind, dict[str, Any]]]:
         """Run the plan; returns the objects as the server answered (empty dict for deleted ones).
 
         The writes touch distinct objects and Kubernetes tolerates any order (a StatefulSet may
@@ -242,7 +288,9 @@ class Reconciler:
         except KubeApiError as e:
             if e.status == 404:  # deleted meanwhile
                 return await self._create(action.kind, namespace, action.desired)
-            if e.status == 422:  # an immutable field changed (e.g. a StatefulSet's volumeClaimTemplates): replace the child
+            if (
+                e.status == 422
+            ):  # an immutable field changed (e.g. a StatefulSet's volumeClaimTemplates): replace the child
                 logger.warning("replacing %s %s/%s: %s", action.kind.kind, namespace, action.name, e.message)
                 await self._api.delete(action.kind, namespace, action.name)
                 return {"metadata": {"name": action.name}}
@@ -266,8 +314,12 @@ def _key(body: dict[str, Any]) -> Key:
     return body["metadata"]["namespace"], body["metadata"]["name"]
 
 
-def _find(live: dict[ResourceKind, list[dict[str, Any]]], kind: ResourceKind, name: str) -> dict[str, Any] | None:
-    return next((o for o in live.get(kind, []) if o.get("metadata", {}).get("name") == name and "spec" in o), None)
+def _find(
+    live: dict[ResourceKind, list[dict[str, Any]]], kind: ResourceKind, name: str
+) -> dict[str, Any] | None:
+    return next(
+        (o for o in live.get(kind, []) if o.get("metadata", {}).get("name") == name and "spec" in o), None
+    )
 
 
 def _reason(trigger: Trigger, had_children: bool) -> str:

@@ -23,7 +23,15 @@ from pdoperator.render.names import ComponentRole
 AWAITING_ROUTER = "AwaitingRouter"
 
 # Keys of .status the operator owns; anything else there (kopf's own bookkeeping) is left alone.
-OWNED_STATUS_KEYS = ("phase", "observedGeneration", "prefill", "decode", "router", "routerEndpoint", "conditions")
+OWNED_STATUS_KEYS = (
+    "phase",
+    "observedGeneration",
+    "prefill",
+    "decode",
+    "router",
+    "routerEndpoint",
+    "conditions",
+)
 
 
 @dataclass(frozen=True)
@@ -42,18 +50,22 @@ class RoleRollout:
 
 
 def role_rollout(role: ComponentRole, desired: int, workload: dict[str, Any] | None) -> RoleRollout:
-    """Read a StatefulSet's or Deployment's status; a missing workload has nothing ready and is not rolled out."""
+    """Read a StatefulSet's or Deployment's status; a missing workload has nothing ready and is not rolled
+    out."""
     if workload is None:
         return RoleRollout(role, desired, 0, reported=False, rolled_out=desired == 0)
     status = workload.get("status") or {}
     generation = workload.get("metadata", {}).get("generation", 0)
     observed = status.get("observedGeneration")
     reported = observed is not None and observed >= generation
-    revisions_match = status.get("currentRevision") == status.get("updateRevision")  # StatefulSets; both absent on Deployments
+    # StatefulSets; both absent on Deployments
+    revisions_match = status.get("currentRevision") == status.get("updateRevision")
     updated = status.get("updatedReplicas", 0)
     replicas = status.get("replicas", 0)
     rolled_out = reported and updated >= desired and replicas <= desired and revisions_match
-    return RoleRollout(role, desired, int(status.get("readyReplicas", 0)), reported=reported, rolled_out=rolled_out)
+    return RoleRollout(
+        role, desired, int(status.get("readyReplicas", 0)), reported=reported, rolled_out=rolled_out
+    )
 
 
 def router_endpoint(pds: PDService, cluster_domain: str) -> str:
@@ -74,7 +86,14 @@ class Conditions:
         keep = before is not None and before.status == status and before.last_transition_time
         since = before.last_transition_time if keep and before is not None else self._now
         self.items.append(
-            Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=since, observed_generation=self._generation)
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=since,
+                observed_generation=self._generation,
+            )
         )
 
     def keep(self, condition: Condition) -> None:
@@ -84,7 +103,9 @@ class Conditions:
 def parse_status(raw: dict[str, Any] | None) -> PDServiceStatus:
     """The status as stored; unreadable or foreign content counts as empty (it will be rewritten)."""
     try:
-        return PDServiceStatus.model_validate({k: v for k, v in (raw or {}).items() if k in OWNED_STATUS_KEYS})
+        return PDServiceStatus.model_validate(
+            {k: v for k, v in (raw or {}).items() if k in OWNED_STATUS_KEYS}
+        )
     except ValueError:
         return PDServiceStatus()
 
@@ -123,14 +144,23 @@ def healthy_status(
     conditions.set(ConditionType.SPEC_VALID, ConditionStatus.TRUE, "Valid", "spec passed validation")
     if not_ready or not_rolled_out:
         waiting = not_ready or not_rolled_out
-        conditions.set(ConditionType.READY, ConditionStatus.FALSE, "ReplicasNotReady", f"ready: {_role_text(waiting)}")
+        conditions.set(
+            ConditionType.READY, ConditionStatus.FALSE, "ReplicasNotReady", f"ready: {_role_text(waiting)}"
+        )
     else:
-        conditions.set(ConditionType.READY, ConditionStatus.TRUE, "AllReplicasReady", f"ready: {_role_text(rollouts)}")
+        conditions.set(
+            ConditionType.READY, ConditionStatus.TRUE, "AllReplicasReady", f"ready: {_role_text(rollouts)}"
+        )
     if not_rolled_out:
         message = "rolling out: " + ", ".join(r.role.value for r in not_rolled_out)
         conditions.set(ConditionType.PROGRESSING, ConditionStatus.TRUE, "RollingOut", message)
     else:
-        conditions.set(ConditionType.PROGRESSING, ConditionStatus.FALSE, "RolloutComplete", "every role runs the current spec")
+        conditions.set(
+            ConditionType.PROGRESSING,
+            ConditionStatus.FALSE,
+            "RolloutComplete",
+            "every role runs the current spec",
+        )
     if stalled:
         message = f"rollout finished but replicas are not ready: {_role_text(stalled)}"
         conditions.set(ConditionType.DEGRADED, ConditionStatus.TRUE, "ReplicasUnavailable", message)
@@ -140,12 +170,26 @@ def healthy_status(
     else:
         conditions.set(ConditionType.DEGRADED, ConditionStatus.FALSE, "AsExpected", "no role is impaired")
     if kv is None:  # not probed yet: the router is probed once it is ready
-        conditions.set(ConditionType.KV_TRANSFER_VERIFIED, ConditionStatus.UNKNOWN, AWAITING_ROUTER, "the router is not ready to be asked yet")
+        conditions.set(
+            ConditionType.KV_TRANSFER_VERIFIED,
+            ConditionStatus.UNKNOWN,
+            AWAITING_ROUTER,
+            "the router is not ready to be asked yet",
+        )
     else:
-        conditions.keep(kv if kv_condition is not None else kv.model_copy(update={"observed_generation": generation}))
+        conditions.keep(
+            kv if kv_condition is not None else kv.model_copy(update={"observed_generation": generation})
+        )
 
-    phase = _phase(rollouts, degraded=bool(stalled) or serving_without_transfer, settled=not not_ready and not not_rolled_out)
-    by_role = {r.role: RoleStatus(desired_replicas=r.desired, ready_replicas=r.ready, summary=r.summary) for r in rollouts}
+    phase = _phase(
+        rollouts,
+        degraded=bool(stalled) or serving_without_transfer,
+        settled=not not_ready and not not_rolled_out,
+    )
+    by_role = {
+        r.role: RoleStatus(desired_replicas=r.desired, ready_replicas=r.ready, summary=r.summary)
+        for r in rollouts
+    }
     return PDServiceStatus(
         phase=phase,
         observed_generation=generation,
@@ -166,13 +210,16 @@ def _phase(rollouts: list[RoleRollout], degraded: bool, settled: bool) -> Phase:
 
 
 def invalid_status(generation: int, previous: PDServiceStatus, message: str, now: str) -> PDServiceStatus:
-    """An invalid spec changes nothing but SpecValid and the phase: the children keep serving the last valid spec."""
+    """An invalid spec changes nothing but SpecValid and the phase: the children keep serving the last valid
+    spec."""
     conditions = Conditions(previous.conditions, generation, now)
     conditions.set(ConditionType.SPEC_VALID, ConditionStatus.FALSE, "InvalidSpec", message)
     for condition in previous.conditions:
         if condition.type != ConditionType.SPEC_VALID:
             conditions.keep(condition)
-    return previous.model_copy(update={"phase": Phase.INVALID, "observed_generation": generation, "conditions": conditions.items})
+    return previous.model_copy(
+        update={"phase": Phase.INVALID, "observed_generation": generation, "conditions": conditions.items}
+    )
 
 
 def status_patch(stored: dict[str, Any] | None, computed: PDServiceStatus) -> dict[str, Any] | None:

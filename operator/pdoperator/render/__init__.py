@@ -6,7 +6,15 @@ engine pod builder shared by prefill and decode (``engine``).
 
 from .defaults import OPERATOR_IMAGE, OPERATOR_VERSION, RenderDefaults
 from .identity import compatibility_hash, engine_id
-from .names import LABEL_COMPAT, LABEL_INSTANCE, LABEL_ROLE, ComponentRole, child_name, owner_reference, selector_labels
+from .names import (
+    LABEL_COMPAT,
+    LABEL_INSTANCE,
+    LABEL_ROLE,
+    ComponentRole,
+    child_name,
+    owner_reference,
+    selector_labels,
+)
 from .pdservice import render_pdservice
 from .router import build_router_config
 

@@ -40,7 +40,9 @@ class RenderDefaults:
     engine_startup_budget_seconds: int = 1800
     # LD_LIBRARY_PATH of engine containers with EFA: the EFA libfabric first, then the
     # CUDA image's own entries (a container env value replaces the image's, it cannot extend it).
-    efa_library_path: str = "/opt/amazon/efa/lib:/opt/amazon/openmpi/lib:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+    efa_library_path: str = (
+        "/opt/amazon/efa/lib:/opt/amazon/openmpi/lib:/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+    )
     huggingface_cache_dir: str = "/var/cache/huggingface"
     router_cpu_request: str = "250m"
     router_memory_request: str = "256Mi"

@@ -31,7 +31,8 @@ UPSTREAM_CONNECTOR_CLASS = {TransferMode.PULL: "NixlConnector", TransferMode.PUS
 KV_ROLE = {ComponentRole.PREFILL: "kv_producer", ComponentRole.DECODE: "kv_consumer"}
 
 CONTAINER_NAME = "engine"
-# The container's own filesystem, not a volume: a restarted container must not find its previous life's stale heartbeat.
+# The container's own filesystem, not a volume: a restarted container must not find its previous life's stale
+# heartbeat.
 HEARTBEAT_DIR = "/tmp/pdconnector-heartbeat"
 TRANSFER_LIVENESS = LivenessProbe()
 POD_NAME_REF = "$(POD_NAME)"
@@ -85,7 +86,11 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
         "kv_load_failure_policy": engine.kv_load_failure_policy.value,
     }
     if engine.connector is ConnectorImpl.VLLM:
-        return {"kv_connector": UPSTREAM_CONNECTOR_CLASS[spec.mode], **common, "kv_connector_extra_config": {"backends": backends}}
+        return {
+            "kv_connector": UPSTREAM_CONNECTOR_CLASS[spec.mode],
+            **common,
+            "kv_connector_extra_config": {"backends": backends},
+        }
     return {
         "kv_connector": BUILTIN_CONNECTOR_CLASS,
         "kv_connector_module_path": BUILTIN_CONNECTOR_MODULE,
@@ -95,7 +100,8 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
             "backends": backends,
             "side_channel_port": engine.side_channel_port,
             "transfer_timeout_s": engine.transfer_timeout_seconds,
-            # Decode's fence outlasts the liveness probe below killing a frozen prefill (pdconnector.protocol.liveness).
+            # Decode's fence outlasts the liveness probe below killing a frozen prefill
+            # (pdconnector.protocol.liveness).
             "fence_s": fence_seconds(engine.transfer_timeout_seconds, TRANSFER_LIVENESS),
             "heartbeat_dir": HEARTBEAT_DIR,
             "kv_cache_layout": kv_cache_layout(spec),
@@ -104,11 +110,14 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
 
 
 def kv_cache_layout(spec: PDServiceSpec) -> str:
-    """The KV cache layout both roles ask vLLM for (``pdconnector.vllm.config``): block-outermost, so a request's
-    scattered blocks cost one descriptor each instead of one per layer each. Between dense engines of different TP,
-    BHLNC keeps the head slice one engine's rank takes of every layer in one run; hybrid models' mixed attention and
-    SSM pages fit only BLHNC, which is also what equal TP needs."""
-    if spec.model.architecture is Architecture.DENSE and spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size:
+    """The KV cache layout both roles ask vLLM for (``pdconnector.vllm.config``): block-outermost, so a
+    request's scattered blocks cost one descriptor each instead of one per layer each. Between dense engines
+    of different TP, BHLNC keeps the head slice one engine's rank takes of every layer in one run; hybrid
+    models' mixed attention and SSM pages fit only BLHNC, which is also what equal TP needs."""
+    if (
+        spec.model.architecture is Architecture.DENSE
+        and spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size
+    ):
         return "BHLNC"
     return "BLHNC"
 
@@ -135,14 +144,20 @@ def _vllm_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engin
     prefix_caching = prefix_caching_enabled(spec, role)
     if prefix_caching is not None:
         args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
-    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role, pod_engine_id), separators=(",", ":"))]
+    args += [
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(spec, role, pod_engine_id), separators=(",", ":")),
+    ]
     return args
 
 
-def _mock_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engine_id: str, compat_hash: str) -> list[str]:
+def _mock_args(
+    spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engine_id: str, compat_hash: str
+) -> list[str]:
     # The mock engine's transports: bytes over TCP, or NIXL (its UCX backend) over host or GPU memory.
     transport = "mock" if spec.engine.transport.backend is TransportBackend.MOCK else "nixl"
-    # A pod with GPUs keeps its KV in them when NIXL moves it; the TCP mock transport can only move host memory.
+    # A pod with GPUs keeps its KV in them when NIXL moves it; the TCP mock transport can only move host
+    # memory.
     kv_device = ["--kv-device", "cuda"] if transport == "nixl" and engine_gpus(spec, role) > 0 else []
     return [
         "--role",
@@ -177,14 +192,21 @@ MOCK_BLOCK_SIZE = 16
 
 
 def _mock_context_args(max_model_len: int | None) -> list[str]:
-    """The mock engine refuses requests past ``--max-model-len``, like vLLM; its pool must hold one such request."""
+    """The mock engine refuses requests past ``--max-model-len``, like vLLM; its pool must hold one such
+    request."""
     if max_model_len is None:
         return []
     blocks = -(-max_model_len // MOCK_BLOCK_SIZE)
-    return ["--max-model-len", str(max_model_len), *(["--num-blocks", str(blocks)] if blocks > MOCK_POOL_BLOCKS else [])]
+    return [
+        "--max-model-len",
+        str(max_model_len),
+        *(["--num-blocks", str(blocks)] if blocks > MOCK_POOL_BLOCKS else []),
+    ]
 
 
-def engine_command(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> tuple[list[str], list[str]]:
+def engine_command(
+    pds: PDService, role: ComponentRole, defaults: RenderDefaults
+) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container; ``$(POD_NAME)`` is expanded by the kubelet."""
     spec = pds.spec
     rs = role_spec(spec, role)
@@ -192,7 +214,10 @@ def engine_command(pds: PDService, role: ComponentRole, defaults: RenderDefaults
     pod_engine_id = engine_id(spec, role, POD_NAME_REF, compat_hash)
     if spec.engine.runtime is Runtime.MOCK:
         return ["pd-mock-engine"], [*_mock_args(spec, role, rs, pod_engine_id, compat_hash), *rs.extra_args]
-    return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [*_vllm_args(spec, role, rs, pod_engine_id), *rs.extra_args]
+    return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [
+        *_vllm_args(spec, role, rs, pod_engine_id),
+        *rs.extra_args,
+    ]
 
 
 CPU_THREAD_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -221,15 +246,23 @@ def _engine_env(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaul
             env.append({"name": "HF_HOME", "value": defaults.huggingface_cache_dir})
         if hf is not None and hf.token_secret_ref is not None:
             ref = hf.token_secret_ref
-            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+            env.append(
+                {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+            )
         user_names = {var.name for var in role_spec(spec, role).env}
         if engine_gpus(spec, role) == 0 and CPU_THREAD_BINDING_ENV not in user_names:
-            # vLLM's CPU backend binds each engine's threads from core 0 regardless of its share of the node, so engines
-            # on one node and their transfer threads pile onto the same cores; the scheduler spreads them better.
+            # vLLM's CPU backend binds each engine's threads from core 0 regardless of its share of the node,
+            # so engines on one node and their transfer threads pile onto the same cores; the scheduler
+            # spreads them better.
             env.append({"name": CPU_THREAD_BINDING_ENV, "value": "nobind"})
-        if engine_gpus(spec, role) > 0 and spec.engine.transport.backend is TransportBackend.UCX and CUDA_IPC_GET_ENV not in user_names:
-            # UCX turns CUDA-IPC READs off where it sees no NVLink, and pull-mode READs between GPUs of one node then go
-            # over TCP: a 128 MiB READ took 283 ms instead of 0.66 ms on an H200 (docs/benchmarks.md). WRITEs are unaffected.
+        if (
+            engine_gpus(spec, role) > 0
+            and spec.engine.transport.backend is TransportBackend.UCX
+            and CUDA_IPC_GET_ENV not in user_names
+        ):
+            # UCX turns CUDA-IPC READs off where it sees no NVLink, and pull-mode READs between GPUs of one
+            # node then go over TCP: a 128 MiB READ took 283 ms instead of 0.66 ms on an H200
+            # (docs/benchmarks.md). WRITEs are unaffected.
             env.append({"name": CUDA_IPC_GET_ENV, "value": "y"})
     if spec.network.efa.enabled:
         env += [
@@ -273,15 +306,21 @@ def _engine_security_context(spec: PDServiceSpec) -> dict[str, Any] | None:
     return None
 
 
-def _volumes_and_mounts(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes_and_mounts(
+    spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     rs = role_spec(spec, role)
     # NCCL and NIXL exchange buffers through /dev/shm; the container default is 64Mi.
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.resources.shm_size}}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.resources.shm_size}}
+    ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.engine.runtime is Runtime.VLLM:
         pvc = spec.model.source.pvc
         if pvc is not None:
-            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+            volumes.append(
+                {"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
+            )
             mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
         else:
             volumes.append({"name": "model-cache", "emptyDir": {}})
@@ -290,14 +329,26 @@ def _volumes_and_mounts(spec: PDServiceSpec, role: ComponentRole, defaults: Rend
 
 
 def _health_probe(period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period, "timeoutSeconds": 5, "failureThreshold": failures}
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def _transfer_liveness_probe(spec: PDServiceSpec) -> dict[str, Any]:
-    """Our connector's liveness: the transfer threads' heartbeat (a frozen or stuck engine dies within the bound its
-    peers' fence counts on) and the engine's own /health."""
+    """Our connector's liveness: the transfer threads' heartbeat (a frozen or stuck engine dies within the
+    bound its peers' fence counts on) and the engine's own /health."""
     probe = TRANSFER_LIVENESS
-    command = ["python3", "-m", "pdconnector.worker.liveness", HEARTBEAT_DIR, "--max-age", str(probe.heartbeat_max_age_s)]
+    command = [
+        "python3",
+        "-m",
+        "pdconnector.worker.liveness",
+        HEARTBEAT_DIR,
+        "--max-age",
+        str(probe.heartbeat_max_age_s),
+    ]
     command += ["--url", f"http://127.0.0.1:{spec.engine.port}/health", "--timeout", str(probe.timeout_s - 1)]
     return {
         "exec": {"command": command},
@@ -312,7 +363,9 @@ def _engine_probes(spec: PDServiceSpec, defaults: RenderDefaults) -> dict[str, A
     startup_period = 10
     builtin = spec.engine.connector is not ConnectorImpl.VLLM
     return {
-        "startupProbe": _health_probe(startup_period, max(1, defaults.engine_startup_budget_seconds // startup_period)),
+        "startupProbe": _health_probe(
+            startup_period, max(1, defaults.engine_startup_budget_seconds // startup_period)
+        ),
         "readinessProbe": _health_probe(5, 3),
         "livenessProbe": _transfer_liveness_probe(spec) if builtin else _health_probe(10, 6),
     }
@@ -323,13 +376,18 @@ def _engine_affinity(pds: PDService, role: ComponentRole) -> dict[str, Any] | No
     affinity = copy.deepcopy(role_spec(pds.spec, role).affinity) or {}
     if pds.spec.network.efa.enabled:
         peer = ComponentRole.DECODE if role is ComponentRole.PREFILL else ComponentRole.PREFILL
-        term = {"labelSelector": {"matchLabels": selector_labels(pds, peer)}, "topologyKey": "kubernetes.io/hostname"}
+        term = {
+            "labelSelector": {"matchLabels": selector_labels(pds, peer)},
+            "topologyKey": "kubernetes.io/hostname",
+        }
         anti = affinity.setdefault("podAntiAffinity", {})
         anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
     return affinity or None
 
 
-def render_engine_pod_template(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> dict[str, Any]:
+def render_engine_pod_template(
+    pds: PDService, role: ComponentRole, defaults: RenderDefaults
+) -> dict[str, Any]:
     """The pod template of one engine role's StatefulSet."""
     spec = pds.spec
     rs = role_spec(spec, role)
@@ -361,13 +419,18 @@ def render_engine_pod_template(pds: PDService, role: ComponentRole, defaults: Re
     if rs.node_selector:
         pod_spec["nodeSelector"] = dict(rs.node_selector)
     if rs.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in rs.tolerations]
+        pod_spec["tolerations"] = [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in rs.tolerations
+        ]
     if (affinity := _engine_affinity(pds, role)) is not None:
         pod_spec["affinity"] = affinity
     return {
         "metadata": {
             "labels": {**object_labels(pds, role), LABEL_COMPAT: compatibility_hash(spec, defaults)},
-            "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME, **scrape_annotations(pds, spec.engine.port)},
+            "annotations": {
+                "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
+                **scrape_annotations(pds, spec.engine.port),
+            },
         },
         "spec": pod_spec,
     }

@@ -23,8 +23,11 @@ COMPAT_HASH_LENGTH = 10
 
 
 def engine_image(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> str:
-    """The image one engine role runs: its own override, else the service-wide one, else the operator's default for the runtime."""
-    runtime_default = defaults.mock_engine_image if spec.engine.runtime is Runtime.MOCK else defaults.engine_image
+    """The image one engine role runs: its own override, else the service-wide one, else the operator's
+    default for the runtime."""
+    runtime_default = (
+        defaults.mock_engine_image if spec.engine.runtime is Runtime.MOCK else defaults.engine_image
+    )
     return role_spec(spec, role).image or spec.engine.image or runtime_default
 
 

@@ -9,7 +9,8 @@ import yaml
 
 
 class _ManifestDumper(yaml.SafeDumper):
-    """Keeps the builders' key order, writes multi-line strings (the router config) as literal blocks, never emits anchors."""
+    """Keeps the builders' key order, writes multi-line strings (the router config) as literal blocks, never
+    emits anchors."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
@@ -23,7 +24,14 @@ _ManifestDumper.add_representer(str, _represent_str)
 
 
 def dump_manifest(obj: dict[str, Any]) -> str:
-    return yaml.dump(obj, Dumper=_ManifestDumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1_000_000)
+    return yaml.dump(
+        obj,
+        Dumper=_ManifestDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=1_000_000,
+    )
 
 
 def dump_manifests(objects: Iterable[dict[str, Any]]) -> str:

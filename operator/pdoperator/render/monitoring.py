@@ -1,4 +1,5 @@
-"""What lets Prometheus reach the /metrics of engines and router: pod annotations and the scrapers' NetworkPolicy peers."""
+"""What lets Prometheus reach the /metrics of engines and router: pod annotations and the scrapers'
+NetworkPolicy peers."""
 
 from __future__ import annotations
 
@@ -10,14 +11,20 @@ METRICS_PATH = "/metrics"  # vLLM, the mock engine and the router all serve it o
 
 
 def scrape_annotations(pds: PDService, port: int) -> dict[str, str]:
-    """The ``prometheus.io/*`` annotations of a pod serving /metrics on ``port``, when the spec asks for them."""
+    """The ``prometheus.io/*`` annotations of a pod serving /metrics on ``port``, when the spec asks for
+    them."""
     if not pds.spec.monitoring.pod_annotations:
         return {}
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": METRICS_PATH}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": METRICS_PATH,
+    }
 
 
 def scraper_peers(pds: PDService) -> list[dict[str, Any]]:
-    """``spec.monitoring.scrapers`` as NetworkPolicy peers: unset selectors stay unset, ``{}`` selects everything."""
+    """``spec.monitoring.scrapers`` as NetworkPolicy peers: unset selectors stay unset, ``{}`` selects
+    everything."""
     peers = []
     for scraper in pds.spec.monitoring.scrapers:
         peer: dict[str, Any] = {}

@@ -20,7 +20,8 @@ PRODUCT = "pd-operator"
 
 
 class ComponentRole(StrEnum):
-    """A child's ``inference.pdoperator.dev/role`` label; the engine roles are the data plane's ``EngineRole``."""
+    """A child's ``inference.pdoperator.dev/role`` label; the engine roles are the data plane's
+    ``EngineRole``."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -36,7 +37,8 @@ def child_name(pds: PDService, role: ComponentRole) -> str:
 
 
 def selector_labels(pds: PDService, role: ComponentRole) -> dict[str, str]:
-    """The labels that select one role's pods; immutable on a workload, so nothing here may change over its life."""
+    """The labels that select one role's pods; immutable on a workload, so nothing here may change over its
+    life."""
     return {LABEL_NAME: PRODUCT, LABEL_INSTANCE: pds.name, LABEL_ROLE: role.value}
 
 
@@ -51,12 +53,17 @@ def managed_labels(pds: PDService, component: str) -> dict[str, str]:
 
 
 def object_labels(pds: PDService, role: ComponentRole) -> dict[str, str]:
-    """Labels of a role's objects (and pods): every child carries the instance label the operator watches by."""
+    """Labels of a role's objects (and pods): every child carries the instance label the operator watches
+    by."""
     return {**selector_labels(pds, role), LABEL_COMPONENT: role.value, LABEL_MANAGED_BY: PRODUCT}
 
 
 def object_meta(pds: PDService, role: ComponentRole, name: str | None = None) -> dict[str, Any]:
-    return {"name": name or child_name(pds, role), "namespace": pds.namespace, "labels": object_labels(pds, role)}
+    return {
+        "name": name or child_name(pds, role),
+        "namespace": pds.namespace,
+        "labels": object_labels(pds, role),
+    }
 
 
 def pod_name(pds: PDService, role: ComponentRole, ordinal: int) -> str:

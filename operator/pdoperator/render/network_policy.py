@@ -23,11 +23,19 @@ from .names import (
 def _engine_pods(pds: PDService) -> dict[str, Any]:
     return {
         "matchLabels": instance_labels(pds),
-        "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": [role.value for role in ENGINE_ROLES]}],
+        "matchExpressions": [
+            {"key": LABEL_ROLE, "operator": "In", "values": [role.value for role in ENGINE_ROLES]}
+        ],
     }
 
 
-def _policy(pds: PDService, name: str, labels: dict[str, str], pod_selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+def _policy(
+    pds: PDService,
+    name: str,
+    labels: dict[str, str],
+    pod_selector: dict[str, Any],
+    ingress: list[dict[str, Any]],
+) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -47,7 +55,10 @@ def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
     http_only = [{"protocol": "TCP", "port": pds.spec.engine.port}]
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _engine_pods(pds)}]},
-        {"from": [{"podSelector": {"matchLabels": selector_labels(pds, ComponentRole.ROUTER)}}], "ports": http_only},
+        {
+            "from": [{"podSelector": {"matchLabels": selector_labels(pds, ComponentRole.ROUTER)}}],
+            "ports": http_only,
+        },
     ]
     if scrapers := scraper_peers(pds):
         ingress.append({"from": scrapers, "ports": http_only})
@@ -55,7 +66,8 @@ def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
 
 
 def render_router_network_policy(pds: PDService) -> dict[str, Any]:
-    """Ingress of the router pods: the OpenAI port from anywhere, so it works under a namespace's default-deny."""
+    """Ingress of the router pods: the OpenAI port from anywhere, so it works under a namespace's
+    default-deny."""
     return _policy(
         pds,
         child_name(pds, ComponentRole.ROUTER),

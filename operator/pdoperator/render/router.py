@@ -37,7 +37,9 @@ CONFIG_DIR = "/etc/pd-router"
 CONTAINER_NAME = "router"
 
 
-def _role_backends(pds: PDService, role: ComponentRole, compat: str, defaults: RenderDefaults) -> RoleBackends:
+def _role_backends(
+    pds: PDService, role: ComponentRole, compat: str, defaults: RenderDefaults
+) -> RoleBackends:
     spec = pds.spec
     rs = role_spec(spec, role)
     return RoleBackends(
@@ -96,8 +98,18 @@ def render_router_configmap(pds: PDService, defaults: RenderDefaults) -> dict[st
 
 
 def _router_container(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    health = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3, "failureThreshold": 3}
-    ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2}
+    health = {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 10,
+        "timeoutSeconds": 3,
+        "failureThreshold": 3,
+    }
+    ready = {
+        "httpGet": {"path": "/ready", "port": "http"},
+        "periodSeconds": 5,
+        "timeoutSeconds": 3,
+        "failureThreshold": 2,
+    }
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": pds.spec.router.image or defaults.router_image,
@@ -120,7 +132,9 @@ def _router_container(pds: PDService, defaults: RenderDefaults) -> dict[str, Any
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
     }
     if (ref := pds.spec.router.api_key_secret_ref) is not None:
-        container["env"] = [{"name": DEFAULT_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+        container["env"] = [
+            {"name": DEFAULT_API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        ]
     return container
 
 
@@ -132,7 +146,8 @@ def _router_pod_metadata(pds: PDService) -> dict[str, Any]:
 
 
 def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    """The router pods; they reload ``router.yaml`` when the ConfigMap changes, so its content is not hashed into the template."""
+    """The router pods; they reload ``router.yaml`` when the ConfigMap changes, so its content is not hashed
+    into the template."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -147,7 +162,9 @@ def render_router_deployment(pds: PDService, defaults: RenderDefaults) -> dict[s
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "containers": [_router_container(pds, defaults)],
-                    "volumes": [{"name": "config", "configMap": {"name": child_name(pds, ComponentRole.ROUTER)}}],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": child_name(pds, ComponentRole.ROUTER)}}
+                    ],
                 },
             },
         },

@@ -21,7 +21,12 @@ def render_headless_service(pds: PDService, role: ComponentRole) -> dict[str, An
             "selector": selector_labels(pds, role),
             "ports": [
                 {"name": "http", "port": pds.spec.engine.port, "targetPort": "http", "protocol": "TCP"},
-                {"name": "side-channel", "port": pds.spec.engine.side_channel_port, "targetPort": "side-channel", "protocol": "TCP"},
+                {
+                    "name": "side-channel",
+                    "port": pds.spec.engine.side_channel_port,
+                    "targetPort": "side-channel",
+                    "protocol": "TCP",
+                },
             ],
         },
     }
@@ -36,6 +41,8 @@ def render_router_service(pds: PDService) -> dict[str, Any]:
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(pds, ComponentRole.ROUTER),
-            "ports": [{"name": "http", "port": pds.spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+            "ports": [
+                {"name": "http", "port": pds.spec.router.port, "targetPort": "http", "protocol": "TCP"}
+            ],
         },
     }

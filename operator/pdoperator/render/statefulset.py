@@ -12,7 +12,9 @@ from .identity import role_spec
 from .names import ComponentRole, child_name, object_meta, selector_labels
 
 
-def render_engine_statefulset(pds: PDService, role: ComponentRole, defaults: RenderDefaults) -> dict[str, Any]:
+def render_engine_statefulset(
+    pds: PDService, role: ComponentRole, defaults: RenderDefaults
+) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

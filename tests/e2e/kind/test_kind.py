@@ -33,7 +33,10 @@ pytestmark = pytest.mark.kind
 def _local_kind_cluster() -> str | None:
     """Why the suite cannot run here, or None when a local kind cluster is reachable."""
     if os.environ.get("PD_E2E_KIND") != "1":
-        return "kind suite disabled: no Docker engine or kind cluster on this machine; run e2e/kind/run.sh where Docker and kind exist"
+        return (
+            "kind suite disabled: no Docker engine or kind cluster on this machine; run e2e/kind/run.sh "
+            "where Docker and kind exist"
+        )
     try:
         from kubernetes import config  # noqa: PLC0415 - only where the suite runs
 
@@ -57,7 +60,9 @@ if _skip_reason:
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
-    result = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        ["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
     return result.stdout
@@ -116,7 +121,16 @@ def port_forward(namespace: str, service: str, remote_port: int) -> Iterator[str
         probe.bind(("127.0.0.1", 0))
         local_port = probe.getsockname()[1]
     process = subprocess.Popen(
-        ["kubectl", "port-forward", "-n", namespace, f"svc/{service}", f"{local_port}:{remote_port}", "--address", "127.0.0.1"],
+        [
+            "kubectl",
+            "port-forward",
+            "-n",
+            namespace,
+            f"svc/{service}",
+            f"{local_port}:{remote_port}",
+            "--address",
+            "127.0.0.1",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -139,7 +153,9 @@ def _responds(url: str) -> bool:
 
 def complete(base: str, prompt: str) -> tuple[dict[str, Any], dict[str, str]]:
     body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 8}).encode()
-    request = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read()), {key.lower(): value for key, value in response.headers.items()}
 
@@ -149,7 +165,9 @@ def router_status(base: str) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def test_requests_are_served_by_distinct_prefill_and_decode_pods_with_kv_moved(namespace: str, tiny: str) -> None:
+def test_requests_are_served_by_distinct_prefill_and_decode_pods_with_kv_moved(
+    namespace: str, tiny: str
+) -> None:
     with port_forward(namespace, f"{tiny}-router", 8000) as base:
         for i in range(4):
             body, headers = complete(base, f"t{i} t1 t2 t3")
@@ -159,13 +177,25 @@ def test_requests_are_served_by_distinct_prefill_and_decode_pods_with_kv_moved(n
         assert router_status(base)["transfers"]["verified"] >= 4
     wait_for(
         "KVTransferVerified=True",
-        lambda: any(c["type"] == "KVTransferVerified" and c["status"] == "True" for c in pdservice(namespace, tiny)["status"]["conditions"]),
+        lambda: any(
+            c["type"] == "KVTransferVerified" and c["status"] == "True"
+            for c in pdservice(namespace, tiny)["status"]["conditions"]
+        ),
         timeout_s=120,
     )
 
 
 def test_scaling_decode_to_two_serves_from_both(namespace: str, tiny: str) -> None:
-    kubectl("patch", "pdservice", tiny, "-n", namespace, "--type=merge", "-p", '{"spec":{"decode":{"replicas":2}}}')
+    kubectl(
+        "patch",
+        "pdservice",
+        tiny,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"decode":{"replicas":2}}}',
+    )
     wait_for("two ready decode replicas", lambda: is_ready(namespace, tiny, decode_replicas=2))
     with port_forward(namespace, f"{tiny}-router", 8000) as base:
         decoders = {complete(base, f"t{i} t9")[1]["x-pd-decode"] for i in range(16)}
@@ -186,6 +216,17 @@ def test_deleting_the_pdservice_removes_its_children(namespace: str, tiny: str) 
     selector = f"app.kubernetes.io/instance={tiny}"
     wait_for(
         "children garbage-collected",
-        lambda: not kubectl("get", "statefulsets,deployments,services,configmaps", "-n", namespace, "-l", selector, "-o", "name").strip(),
+        lambda: (
+            not kubectl(
+                "get",
+                "statefulsets,deployments,services,configmaps",
+                "-n",
+                namespace,
+                "-l",
+                selector,
+                "-o",
+                "name",
+            ).strip()
+        ),
         timeout_s=120,
     )

@@ -1,5 +1,6 @@
-"""The GPU transfer benchmark end to end on host memory (``--device cpu``): two processes, real NIXL, the planner's
-descriptors for real model layouts, the staged path; the figures themselves only mean something on a GPU."""
+"""The GPU transfer benchmark end to end on host memory (``--device cpu``): two processes, real NIXL, the
+planner's descriptors for real model layouts, the staged path; the figures themselves only mean something on a
+GPU."""
 
 from __future__ import annotations
 
@@ -10,27 +11,49 @@ import pytest
 from pdconnector.bench import gpu_transfer_bench
 from pdconnector.transport import nixl_unavailable_reason
 
-pytestmark = pytest.mark.skipif(nixl_unavailable_reason() is not None, reason=f"needs NIXL: {nixl_unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    nixl_unavailable_reason() is not None, reason=f"needs NIXL: {nixl_unavailable_reason()}"
+)
 
 
 def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_path: Path) -> None:
-    gpu_transfer_bench.main([str(tmp_path), "--device", "cpu", "--models", "qwen3-32b-tp8", "--tokens", "64", "--repeat", "1", "--chunk-mib", "1"])
+    gpu_transfer_bench.main(
+        [
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--models",
+            "qwen3-32b-tp8",
+            "--tokens",
+            "64",
+            "--repeat",
+            "1",
+            "--chunk-mib",
+            "1",
+        ]
+    )
     cases = json.loads((tmp_path / "gpu-transfer-bench.json").read_text())["cases"]
     by_key = {(c["placement"], c["blocks"], c["operation"]): c for c in cases}
     assert len(cases) == len(by_key) == 2 * 2 * 2  # placements x block orders x write/read
-    # 64 tokens = 4 blocks of 16, 64 layers: one descriptor per layer per block, or one per block when scattered
+    # 64 tokens = 4 blocks of 16, 64 layers: one descriptor per layer per block, or one per block when
+    # scattered
     assert by_key["layer_outer", "scattered", "write"]["descriptors"] == 4 * 64
     assert by_key["block_outer", "scattered", "write"]["descriptors"] == 4
     assert by_key["block_outer", "contiguous", "read"]["descriptors"] == 1
-    assert {c["nbytes"] for c in cases} == {64 * 64 * 2 * 128 * 2}  # tokens x layers x K,V x head_dim x bf16 (1 head)
+    # tokens x layers x K,V x head_dim x bf16 (1 head)
+    assert {c["nbytes"] for c in cases} == {64 * 64 * 2 * 128 * 2}
     for case in cases:
         assert case["post_to_done_ms"] > 0 and case["copy_ms"] > 0 and case["vs_copy"] > 0
         assert (case["post_to_notified_ms"] is not None) == (case["operation"] == "write")
         assert case["verified"] is (True if case["operation"] == "write" else None)
-        assert (case["staged"] is not None) == (case["blocks"] == "scattered" and case["operation"] == "write")
+        assert (case["staged"] is not None) == (
+            case["blocks"] == "scattered" and case["operation"] == "write"
+        )
     (staged,) = by_key["block_outer", "scattered", "write"]["staged"]
-    assert staged["chunks"] == 2 and staged["post_to_scattered_ms"] > 0  # 2 MiB in 1 MiB chunks: both staging halves used
-    assert staged["verified"] is True  # gathered, written and scattered: every byte where the direct WRITE put it
+    # 2 MiB in 1 MiB chunks: both staging halves used
+    assert staged["chunks"] == 2 and staged["post_to_scattered_ms"] > 0
+    # gathered, written and scattered: every byte where the direct WRITE put it
+    assert staged["verified"] is True
 
 
 def test_the_fingerprint_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one() -> None:
@@ -38,5 +61,9 @@ def test_the_fingerprint_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_
 
     buffer = torch.arange(64, dtype=torch.uint8)
     rows = torch.tensor([3, 1, 2])
-    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) == gpu_transfer_bench.fingerprint(torch, buffer.clone(), rows, 8)
-    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) != gpu_transfer_bench.fingerprint(torch, buffer, torch.tensor([1, 3, 2]), 8)
+    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) == gpu_transfer_bench.fingerprint(
+        torch, buffer.clone(), rows, 8
+    )
+    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) != gpu_transfer_bench.fingerprint(
+        torch, buffer, torch.tensor([1, 3, 2]), 8
+    )

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import pytest
-from pdconnector.layout import AttentionSpec, KVModel, LayerKind, SsmSpec, format_volume_table, transfer_volume, transfer_volume_table
+from pdconnector.layout import (
+    AttentionSpec,
+    KVModel,
+    LayerKind,
+    SsmSpec,
+    format_volume_table,
+    transfer_volume,
+    transfer_volume_table,
+)
 
 
 def _hybrid(kernel_block: int) -> KVModel:
     attention = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
-    ssm = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
+    ssm = SsmSpec.mamba2(
+        num_heads=128,
+        head_dim=80,
+        n_groups=8,
+        state_size=128,
+        conv_kernel=4,
+        conv_dtype_bytes=2,
+        state_dtype_bytes=4,
+    )
     return KVModel((LayerKind.SSM,) * 6 + (LayerKind.ATTENTION,) * 2, 1312, attention, ssm, kernel_block)
 
 
@@ -17,7 +33,8 @@ def test_attention_volume_grows_with_length_and_ssm_volume_does_not() -> None:
     assert [r.num_tokens for r in rows] == [1024, 2048, 4096]
     assert rows[0].ssm_optimal == rows[2].ssm_optimal == 6 * 5_316_608
     assert rows[0].ssm_naive == 6 * 5_373_952
-    # naive: whole 1312-token blocks; optimal: the 32-token kernel blocks holding tokens (4,096 B per token per layer)
+    # naive: whole 1312-token blocks; optimal: the 32-token kernel blocks holding tokens (4,096 B per token
+    # per layer)
     assert rows[0].attention_naive == 2 * 1312 * 4096 and rows[0].attention_optimal == 2 * 1024 * 4096
     assert rows[1].attention_naive == 2 * 2 * 1312 * 4096 and rows[1].attention_optimal == 2 * 2048 * 4096
     # 4096 tokens fill 3 blocks and 160 tokens of a fourth: the naive transfer ships that block whole

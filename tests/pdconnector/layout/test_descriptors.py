@@ -8,21 +8,51 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdconnector.layout import AttentionLayout, AttentionSpec, ConvLayout, KVModel, LayerKind, RankLayout, SsmSpec, plan_transfer
+from pdconnector.layout import (
+    AttentionLayout,
+    AttentionSpec,
+    ConvLayout,
+    KVModel,
+    LayerKind,
+    RankLayout,
+    SsmSpec,
+    plan_transfer,
+)
 from pdconnector.layout.descriptors import descriptor_ids, descriptor_tables
 
-LAYERS = (LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM)
+LAYERS = (
+    LayerKind.SSM,
+    LayerKind.ATTENTION,
+    LayerKind.SSM,
+    LayerKind.SSM,
+    LayerKind.ATTENTION,
+    LayerKind.SSM,
+)
 
 
 def _model(attention_layout: AttentionLayout, conv_layout: ConvLayout, gdn: bool) -> KVModel:
     attention = AttentionSpec(num_kv_heads=4, head_dim=4, dtype_bytes=2, layout=attention_layout)
     if gdn:
         ssm = SsmSpec.gdn(
-            num_k_heads=4, num_v_heads=8, head_k_dim=2, head_v_dim=2, conv_kernel=3, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=conv_layout
+            num_k_heads=4,
+            num_v_heads=8,
+            head_k_dim=2,
+            head_v_dim=2,
+            conv_kernel=3,
+            conv_dtype_bytes=2,
+            state_dtype_bytes=4,
+            conv_layout=conv_layout,
         )
     else:
         ssm = SsmSpec.mamba2(
-            num_heads=8, head_dim=2, n_groups=4, state_size=2, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=conv_layout
+            num_heads=8,
+            head_dim=2,
+            n_groups=4,
+            state_size=2,
+            conv_kernel=4,
+            conv_dtype_bytes=2,
+            state_dtype_bytes=4,
+            conv_layout=conv_layout,
         )
     return KVModel(LAYERS, 16, attention, ssm, kernel_block_size=4)
 
@@ -68,11 +98,19 @@ def test_same_tp_ids_follow_upstream_formulas() -> None:
     # groups: ssm (layers 0, 3), ssm (2, 5), attention (1, 4); attention blocks 7 -> kernel blocks 28..31
     src_ids, _ = descriptor_ids(rank, rank, [[3], [5], [7]], [[3], [5], [7]])
     attention = [r * n_phys + b for r in range(regions) for b in range(28, 32)]
-    ssm = [regions * n_phys + (r * 4 + sub) * n_logical + block for block in (3, 5) for r in range(regions) for sub in range(4)]
+    ssm = [
+        regions * n_phys + (r * 4 + sub) * n_logical + block
+        for block in (3, 5)
+        for r in range(regions)
+        for sub in range(4)
+    ]
     assert src_ids.tolist() == attention + ssm
     # x, B, C and the temporal state of block 3, region 1, at the page offsets of the DS layout
     first = regions * n_phys + (1 * 4) * n_logical + 3
-    entries = [(int(src_table.offset[first + sub * n_logical]), int(src_table.length[first + sub * n_logical])) for sub in range(4)]
+    entries = [
+        (int(src_table.offset[first + sub * n_logical]), int(src_table.length[first + sub * n_logical]))
+        for sub in range(4)
+    ]
     x, b, temporal = 8 // 2 * 2 * 3 * 2, 4 // 2 * 2 * 3 * 2, 8 // 2 * 2 * 2 * 4
     page = 3 * rank.page_bytes
     assert entries == [(page, x), (page + x, b), (page + x + b, b), (page + x + 2 * b, temporal)]

@@ -43,7 +43,12 @@ def _ssm_spec(draw: st.DrawFn, family: SsmFamily) -> SsmSpec:
     conv_bytes = draw(st.sampled_from((1, 2)))
     state_bytes = draw(st.sampled_from((2, 4)))
     conv_layout = draw(st.sampled_from(tuple(ConvLayout)))
-    common = {"conv_kernel": conv_kernel, "conv_dtype_bytes": conv_bytes, "state_dtype_bytes": state_bytes, "conv_layout": conv_layout}
+    common = {
+        "conv_kernel": conv_kernel,
+        "conv_dtype_bytes": conv_bytes,
+        "state_dtype_bytes": state_bytes,
+        "conv_layout": conv_layout,
+    }
     if family is SsmFamily.MAMBA2:
         return SsmSpec.mamba2(
             num_heads=draw(st.sampled_from((4, 8))),
@@ -60,7 +65,9 @@ def _ssm_spec(draw: st.DrawFn, family: SsmFamily) -> SsmSpec:
             head_v_dim=draw(st.sampled_from((1, 3))),
             **common,
         )
-    return SsmSpec.mamba1(intermediate_size=draw(st.sampled_from((4, 12))), state_size=draw(st.sampled_from((1, 3))), **common)
+    return SsmSpec.mamba1(
+        intermediate_size=draw(st.sampled_from((4, 12))), state_size=draw(st.sampled_from((1, 3))), **common
+    )
 
 
 @st.composite
@@ -142,22 +149,33 @@ def cases(draw: st.DrawFn, family: str | None = None) -> Case:
     groups = RankLayout(model, 1, 0, 1).groups
     attention_blocks = draw(st.integers(1, 3))
     counts = [attention_blocks if g.kind is LayerKind.ATTENTION else draw(st.integers(1, 2)) for g in groups]
-    p_blocks, d_blocks = draw(st.integers(sum(counts), sum(counts) + 6)), draw(st.integers(sum(counts), sum(counts) + 6))
+    p_blocks, d_blocks = (
+        draw(st.integers(sum(counts), sum(counts) + 6)),
+        draw(st.integers(sum(counts), sum(counts) + 6)),
+    )
     num_tokens = None
     if model.num_attention_layers and draw(st.booleans()):
-        num_tokens = draw(st.integers((attention_blocks - 1) * model.block_size + 1, attention_blocks * model.block_size))
+        num_tokens = draw(
+            st.integers((attention_blocks - 1) * model.block_size + 1, attention_blocks * model.block_size)
+        )
     placements = st.sampled_from(placements_for(model))
     src, dst = _block_ids(draw, p_blocks, counts), _block_ids(draw, d_blocks, counts)
-    return Case(model, p_tp, d_tp, p_blocks, d_blocks, src, dst, num_tokens, draw(placements), draw(placements))
+    return Case(
+        model, p_tp, d_tp, p_blocks, d_blocks, src, dst, num_tokens, draw(placements), draw(placements)
+    )
 
 
 def placements_for(model: KVModel) -> list[BlockPlacement]:
-    """What vLLM can build for the model: block-outer caches are never split into kernel blocks, head-outer ones
-    hold head-major attention only."""
+    """What vLLM can build for the model: block-outer caches are never split into kernel blocks, head-outer
+    ones hold head-major attention only."""
     if model.physical_blocks_per_logical != 1:
         return [BlockPlacement.LAYER_OUTER]
     head_major = model.attention is not None and model.attention.layout is AttentionLayout.PACKED_HND
-    return list(BlockPlacement) if head_major and not model.num_ssm_layers else [BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER]
+    return (
+        list(BlockPlacement)
+        if head_major and not model.num_ssm_layers
+        else [BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,8 +183,8 @@ def placements_for(model: KVModel) -> list[BlockPlacement]:
 
 
 def page_positions(layout: RankLayout, kind: LayerKind, slot: int, unit: int) -> tuple[int, np.ndarray]:
-    """(region, byte offsets) of the real bytes of one unit's page, in page order, from the placements' definitions
-    (vLLM's [L, B, ...], [B, L, H, ...] and [B, H, L, ...] orders)."""
+    """(region, byte offsets) of the real bytes of one unit's page, in page order, from the placements'
+    definitions (vLLM's [L, B, ...], [B, L, H, ...] and [B, H, L, ...] orders)."""
     nbytes = (layout.attention_schema if kind is LayerKind.ATTENTION else layout.ssm_schema).nbytes
     page = layout.page_bytes
     if layout.placement is BlockPlacement.LAYER_OUTER:
@@ -180,7 +198,9 @@ def page_positions(layout: RankLayout, kind: LayerKind, slot: int, unit: int) ->
     return 0, (block + (heads * layout.num_slots + slot) * head + np.arange(head)[None, :]).ravel()
 
 
-def requested_units(layout: RankLayout, group_kind: LayerKind, blocks: tuple[int, ...], num_tokens: int | None) -> list[int]:
+def requested_units(
+    layout: RankLayout, group_kind: LayerKind, blocks: tuple[int, ...], num_tokens: int | None
+) -> list[int]:
     """The units (kernel blocks for attention, logical blocks for SSM) of a group's blocks that hold state."""
     if group_kind is LayerKind.SSM:
         return list(blocks)
@@ -193,8 +213,11 @@ def requested_units(layout: RankLayout, group_kind: LayerKind, blocks: tuple[int
     ]
 
 
-def requested_bytes(layout: RankLayout, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None) -> list[np.ndarray]:
-    """Per region, the bytes holding state of the requested blocks (padding and empty kernel blocks excluded)."""
+def requested_bytes(
+    layout: RankLayout, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None
+) -> list[np.ndarray]:
+    """Per region, the bytes holding state of the requested blocks (padding and empty kernel blocks
+    excluded)."""
     masks = [np.zeros(r.nbytes, dtype=bool) for r in layout.regions]
     for group in layout.groups:
         for slot in group.slots:
@@ -213,11 +236,18 @@ def byte_positions(region: np.ndarray, offset: np.ndarray, length: np.ndarray) -
 
 
 def byte_mapping(plan: TransferPlan) -> np.ndarray:
-    pairs = np.stack([byte_positions(plan.src_region, plan.src_offset, plan.length), byte_positions(plan.dst_region, plan.dst_offset, plan.length)])
+    pairs = np.stack(
+        [
+            byte_positions(plan.src_region, plan.src_offset, plan.length),
+            byte_positions(plan.dst_region, plan.dst_offset, plan.length),
+        ]
+    )
     return pairs[:, np.lexsort(pairs[::-1])]
 
 
-def touched(masks_shape: list[np.ndarray], region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+def touched(
+    masks_shape: list[np.ndarray], region: np.ndarray, offset: np.ndarray, length: np.ndarray
+) -> list[np.ndarray]:
     counts = [np.zeros(m.size, dtype=np.int64) for m in masks_shape]
     positions = byte_positions(region, offset, length)
     for r, count in enumerate(counts):
@@ -232,7 +262,9 @@ def touched(masks_shape: list[np.ndarray], region: np.ndarray, offset: np.ndarra
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_every_destination_byte_of_the_request_is_written_exactly_once_from_inside_registered_regions(case: Case) -> None:
+def test_every_destination_byte_of_the_request_is_written_exactly_once_from_inside_registered_regions(
+    case: Case,
+) -> None:
     prefill, decode = case.prefill, case.decode
     for d in decode:
         want = requested_bytes(d, case.dst, case.num_tokens)
@@ -247,13 +279,20 @@ def test_every_destination_byte_of_the_request_is_written_exactly_once_from_insi
                 continue
             writers.append(p.tp_rank)
             assert (plan.length > 0).all()
-            for side, layout, region, offset in (("src", p, plan.src_region, plan.src_offset), ("dst", d, plan.dst_region, plan.dst_offset)):
+            for side, layout, region, offset in (
+                ("src", p, plan.src_region, plan.src_offset),
+                ("dst", d, plan.dst_region, plan.dst_offset),
+            ):
                 sizes = np.asarray(layout.region_nbytes)
                 assert (region >= 0).all() and (region < sizes.size).all(), side
                 assert (offset >= 0).all() and (offset + plan.length <= sizes[region]).all(), side
-            src_touch = touched(requested_bytes(p, case.src, case.num_tokens), plan.src_region, plan.src_offset, plan.length)
+            src_touch = touched(
+                requested_bytes(p, case.src, case.num_tokens), plan.src_region, plan.src_offset, plan.length
+            )
             for count, mask in zip(src_touch, requested_bytes(p, case.src, case.num_tokens), strict=True):
-                assert not count[~mask].any(), "a source byte outside the requested state (padding or another block) is read"
+                assert not count[~mask].any(), (
+                    "a source byte outside the requested state (padding or another block) is read"
+                )
             for region, count in enumerate(touched(want, plan.dst_region, plan.dst_offset, plan.length)):
                 written[region] += count
         assert tuple(writers) == writers_for(d.tp_rank, case.p_tp, case.d_tp)
@@ -304,7 +343,9 @@ def _shard(array: np.ndarray, tp: int, rank: int) -> np.ndarray:
     return array[rank * rows : (rank + 1) * rows]
 
 
-def reference_attention_page(spec: AttentionSpec, tokens: int, tp: int, rank: int, seed: tuple[int, ...]) -> bytes:
+def reference_attention_page(
+    spec: AttentionSpec, tokens: int, tp: int, rank: int, seed: tuple[int, ...]
+) -> bytes:
     """K and V of shape (heads, tokens, head_dim, dtype bytes), head-sharded, in the layout's byte order."""
     rng = np.random.default_rng(seed)
     k = _shard(_rand(rng, spec.num_kv_heads, tokens, spec.head_dim, spec.dtype_bytes), tp, rank)
@@ -324,7 +365,9 @@ def reference_ssm_page(spec: SsmSpec, tp: int, rank: int, seed: tuple[int, ...])
     concatenated (column-parallel in_proj), stored (dim, kernel-1) for DS or transposed for SD;
     then the temporal state sharded along its first axis."""
     rng = np.random.default_rng(seed)
-    parts = [_shard(_rand(rng, p.dim, spec.conv_rows, spec.conv_dtype_bytes), tp, rank) for p in spec.projections]
+    parts = [
+        _shard(_rand(rng, p.dim, spec.conv_rows, spec.conv_dtype_bytes), tp, rank) for p in spec.projections
+    ]
     conv = np.concatenate(parts)  # (dim_local, rows, b)
     if spec.conv_layout is ConvLayout.SD:
         conv = conv.transpose(1, 0, 2)
@@ -332,7 +375,13 @@ def reference_ssm_page(spec: SsmSpec, tp: int, rank: int, seed: tuple[int, ...])
     return np.ascontiguousarray(conv).tobytes() + np.ascontiguousarray(temporal).tobytes()
 
 
-def fill_reference(layout: RankLayout, pools: list[np.ndarray], blocks: tuple[tuple[int, ...], ...], tags, num_tokens: int | None) -> None:
+def fill_reference(
+    layout: RankLayout,
+    pools: list[np.ndarray],
+    blocks: tuple[tuple[int, ...], ...],
+    tags,
+    num_tokens: int | None,
+) -> None:
     model = layout.model
     ratio = model.physical_blocks_per_logical
     for group in layout.groups:
@@ -340,10 +389,19 @@ def fill_reference(layout: RankLayout, pools: list[np.ndarray], blocks: tuple[tu
             for position, (block, tag) in enumerate(zip(blocks[group.index], tags[group.index], strict=True)):
                 if group.kind is LayerKind.ATTENTION:
                     for k in range(ratio):
-                        if num_tokens is not None and (position * ratio + k) * model.kernel_block_size >= num_tokens:
+                        if (
+                            num_tokens is not None
+                            and (position * ratio + k) * model.kernel_block_size >= num_tokens
+                        ):
                             continue
                         assert model.attention is not None
-                        page = reference_attention_page(model.attention, model.kernel_block_size, layout.tp_size, layout.tp_rank, (0, slot, tag, k))
+                        page = reference_attention_page(
+                            model.attention,
+                            model.kernel_block_size,
+                            layout.tp_size,
+                            layout.tp_rank,
+                            (0, slot, tag, k),
+                        )
                         region, positions = page_positions(layout, group.kind, slot, block * ratio + k)
                         pools[region][positions] = np.frombuffer(page, dtype=np.uint8)
                 else:
@@ -374,27 +432,70 @@ def run_simulation(case: Case) -> None:
 HYBRIDS = {
     "attention": (None, AttentionLayout.PACKED_HND),
     "attention-legacy-flash": (None, AttentionLayout.SPLIT_NHD),
-    "mamba2": (SsmSpec.mamba2(num_heads=8, head_dim=4, n_groups=4, state_size=4, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4), None),
-    "mamba2-sd": (
+    "mamba2": (
         SsmSpec.mamba2(
-            num_heads=8, head_dim=4, n_groups=4, state_size=4, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=ConvLayout.SD
+            num_heads=8,
+            head_dim=4,
+            n_groups=4,
+            state_size=4,
+            conv_kernel=4,
+            conv_dtype_bytes=2,
+            state_dtype_bytes=4,
         ),
         None,
     ),
-    "gdn": (SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=6, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4), None),
-    "mamba1": (SsmSpec.mamba1(intermediate_size=16, state_size=4, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4), None),
+    "mamba2-sd": (
+        SsmSpec.mamba2(
+            num_heads=8,
+            head_dim=4,
+            n_groups=4,
+            state_size=4,
+            conv_kernel=4,
+            conv_dtype_bytes=2,
+            state_dtype_bytes=4,
+            conv_layout=ConvLayout.SD,
+        ),
+        None,
+    ),
+    "gdn": (
+        SsmSpec.gdn(
+            num_k_heads=4,
+            num_v_heads=8,
+            head_k_dim=4,
+            head_v_dim=6,
+            conv_kernel=4,
+            conv_dtype_bytes=2,
+            state_dtype_bytes=4,
+        ),
+        None,
+    ),
+    "mamba1": (
+        SsmSpec.mamba1(
+            intermediate_size=16, state_size=4, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4
+        ),
+        None,
+    ),
 }
 
 
 def _hybrid_case(name: str, p_tp: int, d_tp: int) -> Case:
     ssm, layout = HYBRIDS[name]
-    attention = AttentionSpec(num_kv_heads=4, head_dim=8, dtype_bytes=2, layout=layout or AttentionLayout.PACKED_HND)
+    attention = AttentionSpec(
+        num_kv_heads=4, head_dim=8, dtype_bytes=2, layout=layout or AttentionLayout.PACKED_HND
+    )
     kernel_block = 4
     if ssm is None:
         model = KVModel((LayerKind.ATTENTION,) * 3, 8, attention, None, kernel_block)
         src, dst = ((3, 4, 5),), ((9, 2, 0),)
     else:
-        layers = (LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION, LayerKind.SSM, LayerKind.SSM, LayerKind.ATTENTION)
+        layers = (
+            LayerKind.SSM,
+            LayerKind.SSM,
+            LayerKind.ATTENTION,
+            LayerKind.SSM,
+            LayerKind.SSM,
+            LayerKind.ATTENTION,
+        )
         needed = -(-sum(s.nbytes for s in ssm.segments) // (2 * kernel_block * attention.bytes_per_token))
         model = KVModel(layers, 2 * kernel_block * needed, attention, ssm, kernel_block)
         # groups: ssm (layers 0, 3), ssm (1, 4), attention (2, 5)
@@ -417,7 +518,9 @@ SUPPORTED_PAIRS = [
 
 
 @pytest.mark.parametrize(("name", "p_tp", "d_tp"), SUPPORTED_PAIRS)
-def test_each_decode_rank_holds_exactly_its_shard_of_the_prefill_engines_state(name: str, p_tp: int, d_tp: int) -> None:
+def test_each_decode_rank_holds_exactly_its_shard_of_the_prefill_engines_state(
+    name: str, p_tp: int, d_tp: int
+) -> None:
     run_simulation(_hybrid_case(name, p_tp, d_tp))
 
 
@@ -426,7 +529,9 @@ def test_the_simulation_fails_when_a_decode_rank_receives_another_ranks_shard() 
     original_plan = Case.plan
 
     def swapped(self: Case, p: RankLayout, d: RankLayout, *, merge: bool = True) -> TransferPlan:
-        return original_plan(self, p, RankLayout(d.model, d.tp_size, 1 - d.tp_rank, d.num_blocks, d.placement), merge=merge)
+        return original_plan(
+            self, p, RankLayout(d.model, d.tp_size, 1 - d.tp_rank, d.num_blocks, d.placement), merge=merge
+        )
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Case, "plan", swapped)
@@ -436,7 +541,16 @@ def test_the_simulation_fails_when_a_decode_rank_receives_another_ranks_shard() 
 
 def test_trimmed_attention_leaves_the_empty_tail_of_the_last_logical_block_untouched() -> None:
     case = _hybrid_case("mamba2", 2, 4)
-    trimmed = Case(case.model, 2, 4, case.p_blocks, case.d_blocks, case.src, case.dst, num_tokens=2 * case.model.block_size + 3)
+    trimmed = Case(
+        case.model,
+        2,
+        4,
+        case.p_blocks,
+        case.d_blocks,
+        case.src,
+        case.dst,
+        num_tokens=2 * case.model.block_size + 3,
+    )
     run_simulation(trimmed)
     moved = sum(trimmed.plan(p, d).nbytes for p in trimmed.prefill for d in trimmed.decode)
     assert moved < sum(case.plan(p, d).nbytes for p in case.prefill for d in case.decode)
@@ -448,12 +562,22 @@ def test_trimmed_attention_leaves_the_empty_tail_of_the_last_logical_block_untou
 
 def _nemotron_like(kernel_block: int = 16, ratio: int = 1) -> KVModel:
     attention = AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
-    ssm = SsmSpec.mamba2(num_heads=128, head_dim=80, n_groups=8, state_size=128, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
+    ssm = SsmSpec.mamba2(
+        num_heads=128,
+        head_dim=80,
+        n_groups=8,
+        state_size=128,
+        conv_kernel=4,
+        conv_dtype_bytes=2,
+        state_dtype_bytes=4,
+    )
     layers = (LayerKind.SSM, LayerKind.ATTENTION) * 2
     return KVModel(layers, 1312, attention, ssm, 1312 // ratio if ratio > 1 else 1312)
 
 
-def test_homogeneous_ssm_block_goes_as_one_descriptor_of_real_bytes_and_conv_as_three_before_merging() -> None:
+def test_homogeneous_ssm_block_goes_as_one_descriptor_of_real_bytes_and_conv_as_three_before_merging() -> (
+    None
+):
     model = _nemotron_like()
     p, d = RankLayout(model, 2, 1, 8), RankLayout(model, 2, 1, 8)
     # groups: ssm (layers 0, 2), attention (1, 3)
@@ -513,7 +637,9 @@ def test_kernel_blocks_subdivide_logical_blocks_for_attention_only() -> None:
 
 
 def _qwen_like(layers: int = 4, heads: int = 8) -> KVModel:
-    return KVModel((LayerKind.ATTENTION,) * layers, 16, AttentionSpec(num_kv_heads=heads, head_dim=128, dtype_bytes=2))
+    return KVModel(
+        (LayerKind.ATTENTION,) * layers, 16, AttentionSpec(num_kv_heads=heads, head_dim=128, dtype_bytes=2)
+    )
 
 
 SCATTERED = [[9, 2, 7, 4]]
@@ -523,7 +649,9 @@ SCATTERED = [[9, 2, 7, 4]]
     ("placement", "descriptors"),
     [(BlockPlacement.LAYER_OUTER, 4 * 4), (BlockPlacement.BLOCK_OUTER, 4), (BlockPlacement.HEAD_OUTER, 4)],
 )
-def test_block_outer_placements_move_a_scattered_block_of_every_layer_as_one_descriptor(placement: BlockPlacement, descriptors: int) -> None:
+def test_block_outer_placements_move_a_scattered_block_of_every_layer_as_one_descriptor(
+    placement: BlockPlacement, descriptors: int
+) -> None:
     model = _qwen_like()
     p, d = RankLayout(model, 2, 1, 12, placement), RankLayout(model, 2, 1, 12, placement)
     plan = plan_transfer(p, d, SCATTERED, [[3, 11, 0, 5]])
@@ -536,11 +664,17 @@ def test_block_outer_placements_move_a_scattered_block_of_every_layer_as_one_des
 
 @pytest.mark.parametrize(
     ("placement", "descriptors"),
-    [(BlockPlacement.LAYER_OUTER, 4 * 4), (BlockPlacement.BLOCK_OUTER, 4 * 4), (BlockPlacement.HEAD_OUTER, 4)],
+    [
+        (BlockPlacement.LAYER_OUTER, 4 * 4),
+        (BlockPlacement.BLOCK_OUTER, 4 * 4),
+        (BlockPlacement.HEAD_OUTER, 4),
+    ],
 )
-def test_head_outer_keeps_a_heterogeneous_tp_head_slice_of_every_layer_in_one_run(placement: BlockPlacement, descriptors: int) -> None:
-    """Decode TP 4 takes 2 of the 8 heads from a TP-1 prefill: per block, those heads of every layer sit together only
-    when heads are outside layers (BHLNC); in BLHNC they are one run per layer."""
+def test_head_outer_keeps_a_heterogeneous_tp_head_slice_of_every_layer_in_one_run(
+    placement: BlockPlacement, descriptors: int
+) -> None:
+    """Decode TP 4 takes 2 of the 8 heads from a TP-1 prefill: per block, those heads of every layer sit
+    together only when heads are outside layers (BHLNC); in BLHNC they are one run per layer."""
     model = _qwen_like()
     p, d = RankLayout(model, 1, 0, 12, placement), RankLayout(model, 4, 3, 12, placement)
     plan = plan_transfer(p, d, SCATTERED, [[3, 11, 0, 5]])
@@ -548,16 +682,21 @@ def test_head_outer_keeps_a_heterogeneous_tp_head_slice_of_every_layer_in_one_ru
     assert plan.nbytes == 4 * 4 * d.attention_page_bytes
     if placement is BlockPlacement.HEAD_OUTER:
         # heads 6 and 7 of every layer: the last quarter of each prefill block
-        assert plan.src_offset.tolist() == [b * p.block_stride + 3 * p.block_stride // 4 for b in SCATTERED[0]]
+        assert plan.src_offset.tolist() == [
+            b * p.block_stride + 3 * p.block_stride // 4 for b in SCATTERED[0]
+        ]
 
 
 def test_prefill_and_decode_may_place_blocks_differently() -> None:
-    """A BLHNC prefill writing into an LBHNC decode: one run per layer per block, each at its own side's address."""
+    """A BLHNC prefill writing into an LBHNC decode: one run per layer per block, each at its own side's
+    address."""
     model = _qwen_like(layers=2)
     p, d = RankLayout(model, 1, 0, 8, BlockPlacement.BLOCK_OUTER), RankLayout(model, 1, 0, 8)
     plan = plan_transfer(p, d, [[5]], [[2]])
     page = p.attention_page_bytes
-    assert sorted(zip(plan.src_offset.tolist(), plan.dst_region.tolist(), plan.dst_offset.tolist(), strict=True)) == [
+    assert sorted(
+        zip(plan.src_offset.tolist(), plan.dst_region.tolist(), plan.dst_offset.tolist(), strict=True)
+    ) == [
         (5 * 2 * page, 0, 2 * page),
         (5 * 2 * page + page, 1, 2 * page),
     ]
@@ -565,7 +704,10 @@ def test_prefill_and_decode_may_place_blocks_differently() -> None:
 
 def test_hybrid_block_outer_fuses_attention_layers_and_sends_each_ssm_slot_without_its_padding() -> None:
     model = _nemotron_like()
-    p, d = RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER), RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER)
+    p, d = (
+        RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER),
+        RankLayout(model, 2, 1, 8, BlockPlacement.BLOCK_OUTER),
+    )
     assert len(p.regions) == 1 and p.block_stride == 2 * p.page_bytes
     # groups: ssm (layers 0, 2), attention (1, 3); both alias slots 0 and 1 of every block
     plan = plan_transfer(p, d, [[5], [1, 2]], [[0], [3, 4]])
@@ -592,14 +734,20 @@ def test_to_descriptors_adds_region_base_addresses() -> None:
     src, dst = plan.to_descriptors([1000, 10**12], [5, 7 * 10**11])
     assert src.dtype == dst.dtype == np.int64 and src.shape == dst.shape == (len(plan), 3)
     assert (src[:, 2] == 0).all() and (src[:, 1] == plan.length).all()
-    assert src[:, 0].tolist() == [[1000, 10**12][r] + o for r, o in zip(plan.src_region.tolist(), plan.src_offset.tolist(), strict=True)]
-    assert dst[:, 0].tolist() == [[5, 7 * 10**11][r] + o for r, o in zip(plan.dst_region.tolist(), plan.dst_offset.tolist(), strict=True)]
+    assert src[:, 0].tolist() == [
+        [1000, 10**12][r] + o for r, o in zip(plan.src_region.tolist(), plan.src_offset.tolist(), strict=True)
+    ]
+    assert dst[:, 0].tolist() == [
+        [5, 7 * 10**11][r] + o
+        for r, o in zip(plan.dst_region.tolist(), plan.dst_offset.tolist(), strict=True)
+    ]
     with pytest.raises(ValueError, match="dst_region_addrs"):
         plan.to_descriptors([1, 2], [3])
 
 
 def test_descriptors_name_each_sides_device() -> None:
-    """Rank 5 of a TP-8 prefill (cuda:5) writing into rank 2 of a decode (cuda:2): every row names its own side's device."""
+    """Rank 5 of a TP-8 prefill (cuda:5) writing into rank 2 of a decode (cuda:2): every row names its own
+    side's device."""
     model = _nemotron_like()
     p = RankLayout(model, 1, 0, 4)
     plan = plan_transfer(p, p, [[1], [2]], [[3], [0]])
@@ -614,13 +762,18 @@ def test_naive_bytes_count_whole_pages_per_writer() -> None:
     model = _nemotron_like()
     for p_tp, d_tp in [(1, 1), (1, 2), (2, 1), (4, 2)]:
         plans = [
-            plan_transfer(RankLayout(model, p_tp, p, 4), RankLayout(model, d_tp, d, 4), [[0], [1, 2]], [[3], [0, 1]])
+            plan_transfer(
+                RankLayout(model, p_tp, p, 4), RankLayout(model, d_tp, d, 4), [[0], [1, 2]], [[3], [0, 1]]
+            )
             for p in range(p_tp)
             for d in range(d_tp)
         ]
         d_page = RankLayout(model, d_tp, 0, 4).page_bytes
         assert sum(plan.naive_nbytes for plan in plans) == d_tp * d_page * 2 * 3
-        assert sum(plan.naive_nbytes - plan.nbytes for plan in plans) == d_tp * 2 * RankLayout(model, d_tp, 0, 4).ssm_padding_bytes
+        assert (
+            sum(plan.naive_nbytes - plan.nbytes for plan in plans)
+            == d_tp * 2 * RankLayout(model, d_tp, 0, 4).ssm_padding_bytes
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +784,9 @@ def test_naive_bytes_count_whole_pages_per_writer() -> None:
     ("p_tp", "d_tp", "decode_rank", "writers"),
     [(1, 1, 0, (0,)), (1, 4, 3, (0,)), (2, 4, 3, (1,)), (4, 1, 0, (0, 1, 2, 3)), (4, 2, 1, (2, 3))],
 )
-def test_writers_and_targets_are_inverse(p_tp: int, d_tp: int, decode_rank: int, writers: tuple[int, ...]) -> None:
+def test_writers_and_targets_are_inverse(
+    p_tp: int, d_tp: int, decode_rank: int, writers: tuple[int, ...]
+) -> None:
     assert writers_for(decode_rank, p_tp, d_tp) == writers
     assert expected_notifications(p_tp, d_tp) == len(writers)
     for p in writers:
@@ -670,7 +825,12 @@ def test_unsupported_tp_combinations_are_refused() -> None:
     with pytest.raises(ValueError, match=r"num_kv_heads \(6\) is not divisible by tp_size 4"):
         RankLayout(model, 4, 0, 4)
     mamba1 = KVModel(
-        (LayerKind.SSM,), 16, None, SsmSpec.mamba1(intermediate_size=8, state_size=2, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4)
+        (LayerKind.SSM,),
+        16,
+        None,
+        SsmSpec.mamba1(
+            intermediate_size=8, state_size=2, conv_kernel=4, conv_dtype_bytes=2, state_dtype_bytes=4
+        ),
     )
     with pytest.raises(ValueError, match="mamba1 state transfer needs equal TP"):
         plan_transfer(RankLayout(mamba1, 1, 0, 4), RankLayout(mamba1, 2, 0, 4), [[0]], [[0]])
@@ -685,5 +845,7 @@ def test_different_models_are_refused() -> None:
 
 def test_num_tokens_beyond_the_given_blocks_is_refused() -> None:
     p = RankLayout(_nemotron_like(), 1, 0, 4)
-    with pytest.raises(ValueError, match="num_tokens 1313 does not fit the 1 kernel blocks given for KV group 1"):
+    with pytest.raises(
+        ValueError, match="num_tokens 1313 does not fit the 1 kernel blocks given for KV group 1"
+    ):
         plan_transfer(p, p, [[0], [1]], [[0], [1]], num_tokens=1313)

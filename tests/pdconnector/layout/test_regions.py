@@ -56,11 +56,17 @@ def test_nemotron_h_at_tp4_shards_every_sub_projection_and_keeps_engine_wide_pad
     assert rank.ssm_schema.sizes.tolist() == [15_360, 1_536, 1_536, 1_310_720]
     assert rank.ssm_schema.offsets.tolist() == [0, 15_360, 16_896, 18_432]
     assert rank.ssm_padding_bytes * 4 == 57_344
-    assert transfer_volume(model, 1024, tp_size=4).ssm_naive - transfer_volume(model, 1024, tp_size=4).ssm_optimal == 1_548_288
+    assert (
+        transfer_volume(model, 1024, tp_size=4).ssm_naive
+        - transfer_volume(model, 1024, tp_size=4).ssm_optimal
+        == 1_548_288
+    )
 
 
 def test_bf16_ssm_cache_gives_a_smaller_block_with_the_same_padding() -> None:
-    model = model_from_hf_config({**NEMOTRON_NANO_9B_V2, "mamba_ssm_cache_dtype": None}, ssm_state_dtype_bytes=2)
+    model = model_from_hf_config(
+        {**NEMOTRON_NANO_9B_V2, "mamba_ssm_cache_dtype": None}, ssm_state_dtype_bytes=2
+    )
     rank = RankLayout(model, 1, 0, 4)
     # temporal 2,621,440 + conv 73,728 = 2,695,168 B; 16 x ceil(2,695,168 / 65,536) = 672 tokens.
     assert rank.ssm_state_bytes == 2_695_168
@@ -79,18 +85,29 @@ def test_hma_groups_cut_layers_by_the_smallest_kind_and_share_one_region_per_slo
     assert len(rank.regions) == 4
     # every KV layer has a region; a region holds one layer of each group (one Mamba slot stays empty)
     assert sorted(rank.layer_slots) == list(range(31))
-    per_region = [sorted(layer for layer, r in rank.layer_slots.items() if r == region) for region in range(4)]
+    per_region = [
+        sorted(layer for layer, r in rank.layer_slots.items() if r == region) for region in range(4)
+    ]
     assert [len(layers) for layers in per_region] == [8, 8, 8, 7]
     assert per_region[0] == sorted(g.layers[0] for g in groups)
     assert all(r.nbytes == 10 * rank.page_bytes for r in rank.regions)
     # Counts within 1.5x of each other: the larger count is the group size (attention padded to 4 slots).
     mixed = group_layers((LayerKind.ATTENTION,) * 3 + (LayerKind.SSM,) * 4)
-    assert [(g.kind, g.layers) for g in mixed] == [(LayerKind.ATTENTION, (0, 1, 2)), (LayerKind.SSM, (3, 4, 5, 6))]
+    assert [(g.kind, g.layers) for g in mixed] == [
+        (LayerKind.ATTENTION, (0, 1, 2)),
+        (LayerKind.SSM, (3, 4, 5, 6)),
+    ]
 
 
 def test_dense_llama_has_one_group_and_one_region_per_layer_without_padding() -> None:
     model = model_from_hf_config(
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128, "torch_dtype": "float32"}
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_size": 128,
+            "torch_dtype": "float32",
+        }
     )
     assert model.block_size == 16 and model.attention == AttentionSpec(2, 32, 4)
     rank = RankLayout(model, 2, 1, 5)
@@ -121,7 +138,14 @@ def test_gdn_hybrid_from_layer_types() -> None:
 
 def test_conv_layout_sd_interleaves_sub_projections_per_row() -> None:
     ssm = SsmSpec.mamba2(
-        num_heads=4, head_dim=2, n_groups=2, state_size=3, conv_kernel=3, conv_dtype_bytes=2, state_dtype_bytes=4, conv_layout=ConvLayout.SD
+        num_heads=4,
+        head_dim=2,
+        n_groups=2,
+        state_size=3,
+        conv_kernel=3,
+        conv_dtype_bytes=2,
+        state_dtype_bytes=4,
+        conv_layout=ConvLayout.SD,
     )
     rank = RankLayout(KVModel((LayerKind.SSM,), 16, None, ssm), 2, 0, 2)
     # two rows of [x (2 heads x 2), B (1 group x 3), C (1 x 3)] x 2 B, then the temporal state 2 x 2 x 3 x 4 B
@@ -144,7 +168,9 @@ def test_invalid_descriptions_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"attention num_kv_heads \(8\) is not divisible by tp_size 16"):
         RankLayout(model, 16, 0, 4)
     mamba_only = KVModel((LayerKind.SSM,), 16, None, model.ssm)
-    with pytest.raises(ValueError, match=r"mamba2 conv projection B units \(8\) is not divisible by tp_size 16"):
+    with pytest.raises(
+        ValueError, match=r"mamba2 conv projection B units \(8\) is not divisible by tp_size 16"
+    ):
         RankLayout(mamba_only, 16, 0, 4)
     with pytest.raises(ValueError, match=r"tp_rank 2 must lie in \[0, tp_size=2\)"):
         RankLayout(model, 2, 2, 4)

@@ -8,12 +8,28 @@ from pdconnector.protocol.messages import CompletionMessage, FailureMessage, Fai
 from pdconnector.protocol.params import EngineRole
 
 
-def completion(rank: int, attempt: int = 0, transfer_id: str = "tx-1", nbytes: int = 100, tp: int = 4) -> CompletionMessage:
-    return CompletionMessage(transfer_id=transfer_id, attempt=attempt, prefill_rank=rank, prefill_tp_size=tp, bytes_written=nbytes)
+def completion(
+    rank: int, attempt: int = 0, transfer_id: str = "tx-1", nbytes: int = 100, tp: int = 4
+) -> CompletionMessage:
+    return CompletionMessage(
+        transfer_id=transfer_id, attempt=attempt, prefill_rank=rank, prefill_tp_size=tp, bytes_written=nbytes
+    )
 
 
-def failure(attempt: int = 0, reason: FailureReason = FailureReason.WRITE_FAILED, transfer_id: str = "tx-1", rank: int = 2) -> FailureMessage:
-    return FailureMessage(transfer_id=transfer_id, attempt=attempt, side=EngineRole.PREFILL, rank=rank, reason=reason, detail="remote disconnect")
+def failure(
+    attempt: int = 0,
+    reason: FailureReason = FailureReason.WRITE_FAILED,
+    transfer_id: str = "tx-1",
+    rank: int = 2,
+) -> FailureMessage:
+    return FailureMessage(
+        transfer_id=transfer_id,
+        attempt=attempt,
+        side=EngineRole.PREFILL,
+        rank=rank,
+        reason=reason,
+        detail="remote disconnect",
+    )
 
 
 FENCE_S = 50.0
@@ -74,9 +90,15 @@ def test_a_failure_from_one_writer_fences_the_transfer_and_aborts_the_others(tra
     assert result.failed == ()  # rank 3 may still be writing into the blocks
     assert result.aborts == (AbortWriters("tx-1", 0, (3,), "write_failed: remote disconnect"),)
     assert tracker.fenced() == 1
-    assert tracker.on_failure(failure(rank=3, reason=FailureReason.CANCELLED), now=0.6)  # rank 3's answer: nothing in flight
+    # rank 3's answer: nothing in flight
+    assert tracker.on_failure(failure(rank=3, reason=FailureReason.CANCELLED), now=0.6)
     (failed,) = tracker.poll(now=0.6).failed
-    assert (failed.side, failed.reason, failed.attempt, failed.unconfirmed) == (EngineRole.PREFILL, FailureReason.WRITE_FAILED, 0, ())
+    assert (failed.side, failed.reason, failed.attempt, failed.unconfirmed) == (
+        EngineRole.PREFILL,
+        FailureReason.WRITE_FAILED,
+        0,
+        (),
+    )
     assert "remote disconnect" in failed.detail
     assert tracker.fenced() == 0 and "tx-1" not in tracker
 
@@ -123,7 +145,11 @@ def test_at_the_deadline_the_silent_writers_are_aborted_and_the_blocks_kept_for_
     assert tracker.next_deadline() == 10.0 + FENCE_S
     assert tracker.poll(now=10.0 + FENCE_S - 0.01) == PollResult()
     (failed,) = tracker.poll(now=10.0 + FENCE_S).failed
-    assert (failed.side, failed.reason, failed.unconfirmed) == (EngineRole.DECODE, FailureReason.TIMEOUT, (3,))
+    assert (failed.side, failed.reason, failed.unconfirmed) == (
+        EngineRole.DECODE,
+        FailureReason.TIMEOUT,
+        (3,),
+    )
     assert len(tracker) == 0
 
 
@@ -147,9 +173,14 @@ def test_a_cancel_aborts_every_writer_and_fences_from_the_deadline_not_from_now(
     assert not tracker.cancel("tx-1", FailureReason.CANCELLED, "again", now=2.0)
     result = tracker.poll(now=1.0)
     assert result.aborts == (AbortWriters("tx-1", 0, (2, 3), "cancelled: client went away"),)
-    assert tracker.poll(now=10.0 + FENCE_S - 0.01).failed == ()  # a silent writer may post until the registration's lifetime ends
+    # a silent writer may post until the registration's lifetime ends
+    assert tracker.poll(now=10.0 + FENCE_S - 0.01).failed == ()
     (failed,) = tracker.poll(now=10.0 + FENCE_S).failed
-    assert (failed.side, failed.reason, failed.unconfirmed) == (EngineRole.DECODE, FailureReason.CANCELLED, (2, 3))
+    assert (failed.side, failed.reason, failed.unconfirmed) == (
+        EngineRole.DECODE,
+        FailureReason.CANCELLED,
+        (2, 3),
+    )
 
 
 def test_writers_known_gone_end_the_fence_after_the_grace(tracker):
@@ -178,7 +209,9 @@ def test_expecting_a_stale_attempt_or_no_writers_is_a_caller_bug(tracker):
     with pytest.raises(ValueError, match="non-empty"):
         tracker.expect("tx-2", attempt=0, writer_ranks=(), deadline=1.0)
     tracker.cancel("tx-1", FailureReason.CANCELLED, "gone", now=0.0)
-    with pytest.raises(ValueError, match="supersede"):  # a fenced transfer is not reused until its blocks are free
+    with pytest.raises(
+        ValueError, match="supersede"
+    ):  # a fenced transfer is not reused until its blocks are free
         tracker.expect("tx-1", attempt=1, writer_ranks=(2, 3), deadline=1.0)
 
 
@@ -202,7 +235,8 @@ def test_many_transfers_are_tracked_independently():
     assert len(tracker) == 1
 
 
-# --- every interleaving ---------------------------------------------------------------------------------------------
+# --- every interleaving
+# ---------------------------------------------------------------------------------------------
 
 WRITERS = (0, 1)
 DEADLINE = 10.0
@@ -212,7 +246,8 @@ MACHINE_FENCE_S = 5.0
 class FenceMachine(RuleBasedStateMachine):
     """Completions, failures and abort answers from two writers, cancels and time, in any order. A writer may
     touch the blocks until it completed or answered; the tracker must not report the transfer's end before
-    every writer did or the fence passed, and must report it exactly once, by deadline + fence at the latest."""
+    every writer did or the fence passed, and must report it exactly once, by deadline + fence at the
+    latest."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -227,7 +262,9 @@ class FenceMachine(RuleBasedStateMachine):
     def observe(self) -> None:
         result = self.tracker.poll(self.now)
         for abort in result.aborts:
-            assert set(abort.ranks) == set(WRITERS) - self.quiet, "aborted a writer that already answered, or missed one"
+            assert set(abort.ranks) == set(WRITERS) - self.quiet, (
+                "aborted a writer that already answered, or missed one"
+            )
         ended = [*result.finished, *result.failed]
         if not ended:
             return
@@ -237,7 +274,9 @@ class FenceMachine(RuleBasedStateMachine):
             assert self.completed == set(WRITERS) and self.failed_at is None
             return
         (failure,) = result.failed
-        fence_end = max(self.failed_at if self.failed_at is not None else DEADLINE, DEADLINE) + MACHINE_FENCE_S
+        fence_end = (
+            max(self.failed_at if self.failed_at is not None else DEADLINE, DEADLINE) + MACHINE_FENCE_S
+        )
         assert self.quiet >= set(WRITERS) or self.now >= fence_end, "released blocks a writer may still touch"
         assert set(failure.unconfirmed) == set(WRITERS) - self.quiet
 
@@ -254,12 +293,17 @@ class FenceMachine(RuleBasedStateMachine):
             return  # prefill never fails a rank it completed
         if self.tracker.on_failure(failure(transfer_id="tx", rank=rank), now=self.now):
             self.quiet.add(rank)
-            self.failed_at = self.now if self.failed_at is None and self.completed != set(WRITERS) else self.failed_at
+            self.failed_at = (
+                self.now if self.failed_at is None and self.completed != set(WRITERS) else self.failed_at
+            )
         self.observe()
 
     @rule()
     def decode_cancels(self) -> None:
-        if self.tracker.cancel("tx", FailureReason.CANCELLED, "aborted", now=self.now) and self.failed_at is None:
+        if (
+            self.tracker.cancel("tx", FailureReason.CANCELLED, "aborted", now=self.now)
+            and self.failed_at is None
+        ):
             self.failed_at = self.now
         self.observe()
 
@@ -276,7 +320,8 @@ class FenceMachine(RuleBasedStateMachine):
             assert self.reported
 
     def teardown(self) -> None:
-        # Two late polls: the first notices the deadline (the fence counts from then, as the aborts only leave then).
+        # Two late polls: the first notices the deadline (the fence counts from then, as the aborts only leave
+        # then).
         for _ in range(2):
             self.now = max(self.now, DEADLINE) + MACHINE_FENCE_S
             self.observe()
@@ -284,4 +329,6 @@ class FenceMachine(RuleBasedStateMachine):
 
 
 def test_the_fence_holds_under_any_interleaving():
-    run_state_machine_as_test(FenceMachine, settings=settings(max_examples=300, stateful_step_count=30, deadline=None))
+    run_state_machine_as_test(
+        FenceMachine, settings=settings(max_examples=300, stateful_step_count=30, deadline=None)
+    )

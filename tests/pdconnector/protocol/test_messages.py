@@ -59,7 +59,9 @@ def assert_rejected(data: bytes, field: str) -> ProtocolError:
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,40}", fullmatch=True)
 attempts = st.integers(0, 2**31 - 1)
-ranks_and_sizes = st.integers(1, 1024).flatmap(lambda size: st.tuples(st.integers(0, size - 1), st.just(size)))
+ranks_and_sizes = st.integers(1, 1024).flatmap(
+    lambda size: st.tuples(st.integers(0, size - 1), st.just(size))
+)
 
 
 @st.composite
@@ -73,7 +75,9 @@ def registrations(draw: st.DrawFn) -> RegistrationMessage:
         transfer_id=draw(ids),
         attempt=draw(attempts),
         decode_engine_id=draw(ids),
-        decode_host=draw(st.sampled_from(["10.1.2.3", "[fd00::1]", "decode-0.decode.ns.svc", "fe80::1%eth0"])),
+        decode_host=draw(
+            st.sampled_from(["10.1.2.3", "[fd00::1]", "decode-0.decode.ns.svc", "fe80::1%eth0"])
+        ),
         decode_port=draw(st.integers(1, 65535)),
         decode_tp_rank=rank,
         decode_tp_size=size,
@@ -92,7 +96,11 @@ def registrations(draw: st.DrawFn) -> RegistrationMessage:
 def completions(draw: st.DrawFn) -> CompletionMessage:
     rank, size = draw(ranks_and_sizes)
     return CompletionMessage(
-        transfer_id=draw(ids), attempt=draw(attempts), prefill_rank=rank, prefill_tp_size=size, bytes_written=draw(st.integers(0, 2**62))
+        transfer_id=draw(ids),
+        attempt=draw(attempts),
+        prefill_rank=rank,
+        prefill_tp_size=size,
+        bytes_written=draw(st.integers(0, 2**62)),
     )
 
 
@@ -105,7 +113,13 @@ failures = st.builds(
     reason=st.sampled_from(FailureReason),
     detail=st.text(max_size=100),
 )
-aborts = st.builds(AbortMessage, transfer_id=ids, attempt=attempts, decode_rank=st.integers(0, 1023), detail=st.text(max_size=100))
+aborts = st.builds(
+    AbortMessage,
+    transfer_id=ids,
+    attempt=attempts,
+    decode_rank=st.integers(0, 1023),
+    detail=st.text(max_size=100),
+)
 read_dones = st.integers(1, 1024).flatmap(
     lambda tp: st.builds(
         ReadDoneMessage,
@@ -140,7 +154,9 @@ def test_block_ids_are_encoded_compactly_as_binary_integers(registration):
 
 # --- frame-level rejections -------------------------------------------------------------------
 
-msgpack_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+msgpack_scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8)
+)
 
 
 def assert_decodes_or_protocol_error(data: bytes) -> None:
@@ -168,7 +184,9 @@ def test_random_bodies_behind_a_valid_header_only_ever_raise_protocol_error(body
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(msgpack_scalars, lambda inner: st.lists(inner) | st.dictionaries(st.text(max_size=8), inner)))
+@given(
+    st.recursive(msgpack_scalars, lambda inner: st.lists(inner) | st.dictionaries(st.text(max_size=8), inner))
+)
 def test_arbitrary_msgpack_documents_only_ever_raise_protocol_error(document):
     assert_decodes_or_protocol_error(frame(document))
 
@@ -201,7 +219,9 @@ def test_oversized_frames_are_rejected_before_parsing():
 
 
 def test_encode_refuses_a_frame_the_receiver_would_refuse(registration):
-    huge = registration(block_ids=(tuple(range(100_000, 100_000 + MAX_BLOCKS_PER_GROUP)),), num_blocks=1_000_000)
+    huge = registration(
+        block_ids=(tuple(range(100_000, 100_000 + MAX_BLOCKS_PER_GROUP)),), num_blocks=1_000_000
+    )
     with pytest.raises(ProtocolError) as caught:
         encode(huge)
     assert caught.value.field == "payload"
@@ -269,17 +289,70 @@ def test_out_of_bounds_registration_fields_are_named(overrides, field):
 
 
 def test_a_block_group_longer_than_the_bound_is_rejected():
-    assert_rejected(frame(raw_registration(block_ids=[[0] * (MAX_BLOCKS_PER_GROUP + 1)], num_blocks=1)), "block_ids[0]")
+    assert_rejected(
+        frame(raw_registration(block_ids=[[0] * (MAX_BLOCKS_PER_GROUP + 1)], num_blocks=1)), "block_ids[0]"
+    )
 
 
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"type": "complete", "transfer_id": "tx-1", "attempt": 0, "prefill_rank": 2, "prefill_tp_size": 2, "bytes_written": 1}, "prefill_rank"),
-        ({"type": "complete", "transfer_id": "tx-1", "attempt": 0, "prefill_rank": 0, "prefill_tp_size": 2, "bytes_written": -1}, "bytes_written"),
-        ({"type": "fail", "transfer_id": "tx-1", "attempt": 0, "side": "middle", "rank": 0, "reason": "timeout"}, "side"),
-        ({"type": "fail", "transfer_id": "tx-1", "attempt": 0, "side": "decode", "rank": 0, "reason": "bored"}, "reason"),
-        ({"type": "fail", "transfer_id": "tx-1", "attempt": 0, "side": "decode", "rank": 0, "reason": "timeout", "detail": "x" * 1025}, "detail"),
+        (
+            {
+                "type": "complete",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "prefill_rank": 2,
+                "prefill_tp_size": 2,
+                "bytes_written": 1,
+            },
+            "prefill_rank",
+        ),
+        (
+            {
+                "type": "complete",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "prefill_rank": 0,
+                "prefill_tp_size": 2,
+                "bytes_written": -1,
+            },
+            "bytes_written",
+        ),
+        (
+            {
+                "type": "fail",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "side": "middle",
+                "rank": 0,
+                "reason": "timeout",
+            },
+            "side",
+        ),
+        (
+            {
+                "type": "fail",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "side": "decode",
+                "rank": 0,
+                "reason": "bored",
+            },
+            "reason",
+        ),
+        (
+            {
+                "type": "fail",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "side": "decode",
+                "rank": 0,
+                "reason": "timeout",
+                "detail": "x" * 1025,
+            },
+            "detail",
+        ),
         ({"type": "abort", "transfer_id": "tx-1", "attempt": 0, "decode_rank": 1024}, "decode_rank"),
     ],
 )
@@ -305,7 +378,8 @@ def test_a_registration_with_a_prefix_hit_carries_its_cached_block_count_across_
 
 
 def test_a_registration_without_a_prefix_hit_is_framed_as_before_the_field_existed(registration):
-    """Peers that predate ``cached_blocks`` (and refuse unknown fields) still read registrations without a hit."""
+    """Peers that predate ``cached_blocks`` (and refuse unknown fields) still read registrations without a
+    hit."""
     body = msgspec.msgpack.decode(encode(registration())[len(HEADER) :])
     assert "cached_blocks" not in body
     assert decode(frame(body)).cached_blocks == 0
@@ -342,8 +416,19 @@ def test_a_refused_registration_with_a_readable_id_gets_a_failure_notice_naming_
         b"garbage",
         HEADER + b"\xc1",
         frame(raw_registration(transfer_id="bad id", block_ids=[[-1]])),  # nobody to address
-        frame({"type": "complete", "transfer_id": "tx-1", "attempt": 0, "prefill_rank": 9, "prefill_tp_size": 2, "bytes_written": 0}),
-        MAGIC + bytes([PROTOCOL_VERSION + 1]) + msgspec.msgpack.encode(raw_registration(block_ids=[[-1]])),  # the sender would not read our answer
+        frame(
+            {
+                "type": "complete",
+                "transfer_id": "tx-1",
+                "attempt": 0,
+                "prefill_rank": 9,
+                "prefill_tp_size": 2,
+                "bytes_written": 0,
+            }
+        ),
+        MAGIC
+        + bytes([PROTOCOL_VERSION + 1])
+        + msgspec.msgpack.encode(raw_registration(block_ids=[[-1]])),  # the sender would not read our answer
     ],
 )
 def test_frames_that_are_not_answerable_registrations_get_no_notice(data):

@@ -26,12 +26,16 @@ def test_minted_transfer_ids_are_unique_and_valid_on_the_wire():
 
 @pytest.mark.parametrize("mode", list(TransferMode))
 def test_the_prefill_leg_reads_back_as_a_prefill_role(mode):
-    assert parse_transfer_params(prefill_leg_params(mode, "tx-1")) == TransferRequest(mode=mode, role=EngineRole.PREFILL, transfer_id="tx-1")
+    assert parse_transfer_params(prefill_leg_params(mode, "tx-1")) == TransferRequest(
+        mode=mode, role=EngineRole.PREFILL, transfer_id="tx-1"
+    )
 
 
 def test_the_push_decode_leg_reads_back_with_the_prefill_coordinates():
     request = parse_transfer_params(push_decode_leg_params("tx-1", PREFILL))
-    assert request == TransferRequest(mode=TransferMode.PUSH, role=EngineRole.DECODE, transfer_id="tx-1", remote=PREFILL)
+    assert request == TransferRequest(
+        mode=TransferMode.PUSH, role=EngineRole.DECODE, transfer_id="tx-1", remote=PREFILL
+    )
 
 
 def test_the_pull_decode_leg_reads_back_with_the_remote_blocks_per_group():

@@ -1,4 +1,5 @@
-"""Prefill's pull-mode holds: blocks wait for every decode rank that READs them, a plain abort or the lease."""
+"""Prefill's pull-mode holds: blocks wait for every decode rank that READs them, a plain abort or the
+lease."""
 
 from __future__ import annotations
 
@@ -16,8 +17,16 @@ def holds(rank: int = 0, tp: int = 1) -> PullHolds:
     return table
 
 
-def read_done_message(transfer_id: str, attempt: int, decode_rank: int, decode_tp_size: int) -> ReadDoneMessage:
-    return ReadDoneMessage(transfer_id=transfer_id, attempt=attempt, decode_rank=decode_rank, decode_tp_size=decode_tp_size, bytes_read=64)
+def read_done_message(
+    transfer_id: str, attempt: int, decode_rank: int, decode_tp_size: int
+) -> ReadDoneMessage:
+    return ReadDoneMessage(
+        transfer_id=transfer_id,
+        attempt=attempt,
+        decode_rank=decode_rank,
+        decode_tp_size=decode_tp_size,
+        bytes_read=64,
+    )
 
 
 def test_read_done_names_decode_tp_and_round_trips() -> None:
@@ -30,7 +39,8 @@ def test_read_done_names_decode_tp_and_round_trips() -> None:
 def test_blocks_are_released_once_every_reading_decode_rank_is_done() -> None:
     table = holds(rank=1, tp=2)  # decode TP 4: prefill rank 1 is read by decode ranks 2 and 3
     assert table.notice_received(read_done_message("tx-1", 0, 2, 4), now=1.0) is None
-    assert table.notice_received(read_done_message("tx-1", 0, 0, 4), now=1.0) is None  # not one of this rank's readers
+    # not one of this rank's readers
+    assert table.notice_received(read_done_message("tx-1", 0, 0, 4), now=1.0) is None
     released = table.notice_received(read_done_message("tx-1", 0, 3, 4), now=1.5)
     assert released is not None and released.outcome is Outcome.WRITTEN and released.blocks == BLOCKS
     assert released.stages == {"hold": 1.5}  # held from the prefill's end to the last reader's notice
@@ -44,7 +54,9 @@ def test_one_reader_suffices_when_decode_tp_is_smaller() -> None:
 
 
 def test_a_plain_abort_releases_at_once() -> None:
-    released = holds().notice_received(AbortMessage(transfer_id="tx-1", attempt=0, decode_rank=0, detail="READ failed"), now=1.0)
+    released = holds().notice_received(
+        AbortMessage(transfer_id="tx-1", attempt=0, decode_rank=0, detail="READ failed"), now=1.0
+    )
     assert released is not None and released.outcome is Outcome.CANCELLED and "READ failed" in released.detail
 
 
@@ -79,7 +91,9 @@ def test_early_notices_count_per_reader_and_an_early_abort_releases_too() -> Non
     assert table.hold(BLOCKS, now=0.1) is None  # decode rank 3 has not read yet
     released = table.notice_received(read_done_message("tx-1", 0, 3, 4), now=0.2)
     assert released is not None and released.outcome is Outcome.WRITTEN
-    table.notice_received(AbortMessage(transfer_id="tx-2", attempt=0, decode_rank=0, detail="READ failed"), now=0.3)
+    table.notice_received(
+        AbortMessage(transfer_id="tx-2", attempt=0, decode_rank=0, detail="READ failed"), now=0.3
+    )
     released = table.hold(PrefillBlocks("tx-2", ((3,),), 5), now=0.4)
     assert released is not None and released.outcome is Outcome.CANCELLED and "READ failed" in released.detail
 

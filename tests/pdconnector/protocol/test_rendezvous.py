@@ -18,7 +18,12 @@ from pdconnector.protocol.rendezvous import (
 )
 
 LIMITS = RendezvousLimits(
-    max_entries=8, registration_lease_s=10.0, prefill_lease_s=100.0, write_timeout_s=5.0, tombstone_ttl_s=1000.0, registration_lifetime_s=500.0
+    max_entries=8,
+    registration_lease_s=10.0,
+    prefill_lease_s=100.0,
+    write_timeout_s=5.0,
+    tombstone_ttl_s=1000.0,
+    registration_lifetime_s=500.0,
 )
 BLOCKS = ((1, 2, 3),)
 BLOCK_SIZE = 16
@@ -27,7 +32,9 @@ T = TypeVar("T")
 
 def table(prefill_rank: int = 0, prefill_tp: int = 1, **kwargs) -> RendezvousTable:
     kwargs.setdefault("block_size", BLOCK_SIZE)
-    return RendezvousTable(prefill_rank=prefill_rank, prefill_tp_size=prefill_tp, limits=kwargs.pop("limits", LIMITS), **kwargs)
+    return RendezvousTable(
+        prefill_rank=prefill_rank, prefill_tp_size=prefill_tp, limits=kwargs.pop("limits", LIMITS), **kwargs
+    )
 
 
 def only(events: list[Event], kind: type[T]) -> T:
@@ -99,19 +106,26 @@ def test_transfers_are_paired_by_transfer_id_only(registration):
 
 # --- decode's prefix-cache hit (cached_blocks) ------------------------------------------------
 
-# vLLM's group order for a hybrid model here: attention group 0, SSM group 1 (already reduced to its state block).
+# vLLM's group order for a hybrid model here: attention group 0, SSM group 1 (already reduced to its state
+# block).
 HYBRID_PREFILL = PrefillBlocks("tx-1", ((1, 2, 3, 4, 5), (9,)), 5 * BLOCK_SIZE - 3)
 SSM_GROUPS = frozenset({1})
 
 
 def test_prefill_skips_the_blocks_decode_holds_and_writes_the_rest_one_for_one(registration):
-    """Prefill computed 5 blocks; decode holds the first 2 from its prefix cache and registers 3 for the rest."""
+    """Prefill computed 5 blocks; decode holds the first 2 from its prefix cache and registers 3 for the
+    rest."""
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", ((1, 2, 3, 4, 5),), 5 * BLOCK_SIZE - 3, now=0.0)
-    start = only(rendezvous.registration_received(registration(block_ids=((30, 31, 32),), cached_blocks=2), now=0.0), StartWrite)
-    assert start.prefill == PrefillBlocks("tx-1", ((3, 4, 5),), 3 * BLOCK_SIZE - 3)  # the tokens those 3 blocks hold
+    start = only(
+        rendezvous.registration_received(registration(block_ids=((30, 31, 32),), cached_blocks=2), now=0.0),
+        StartWrite,
+    )
+    # the tokens those 3 blocks hold
+    assert start.prefill == PrefillBlocks("tx-1", ((3, 4, 5),), 3 * BLOCK_SIZE - 3)
     closed = only(rendezvous.write_done(start.key, now=1.0), Closed)
-    assert closed.blocks == PrefillBlocks("tx-1", ((1, 2, 3, 4, 5),), 5 * BLOCK_SIZE - 3)  # every held block is released
+    # every held block is released
+    assert closed.blocks == PrefillBlocks("tx-1", ((1, 2, 3, 4, 5),), 5 * BLOCK_SIZE - 3)
 
 
 def test_the_offset_applies_to_attention_groups_only_and_ssm_state_moves_whole(registration):
@@ -129,20 +143,41 @@ MISFITS = {  # registration's block_ids, its cached_blocks, what decode is told
     "too-few-after-the-offset": (
         ((30, 31), (40,)),
         2,
-        "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 5 blocks of which decode holds the first 2",
+        "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 5 blocks of which decode holds the "
+        "first 2",
     ),
-    "offset-not-applied": (((30, 31, 32, 33, 34), (40,)), 2, "block_ids[0]: decode rank 0 registered 5 blocks"),
-    "ssm-group-offset": (((30, 31, 32), (40, 41)), 2, "block_ids[1]: decode rank 0 registered 2 blocks, prefill has 1 state blocks"),
-    "more-cached-than-computed": (((), (40,)), 6, "cached_blocks: decode rank 0 holds 6 blocks of KV group 0, prefill has only 5"),
-    "every-token-cached": (((), (40,)), 5, "cached_blocks: decode rank 0 holds 80 tokens, prefill computed only 77"),
+    "offset-not-applied": (
+        ((30, 31, 32, 33, 34), (40,)),
+        2,
+        "block_ids[0]: decode rank 0 registered 5 blocks",
+    ),
+    "ssm-group-offset": (
+        ((30, 31, 32), (40, 41)),
+        2,
+        "block_ids[1]: decode rank 0 registered 2 blocks, prefill has 1 state blocks",
+    ),
+    "more-cached-than-computed": (
+        ((), (40,)),
+        6,
+        "cached_blocks: decode rank 0 holds 6 blocks of KV group 0, prefill has only 5",
+    ),
+    "every-token-cached": (
+        ((), (40,)),
+        5,
+        "cached_blocks: decode rank 0 holds 80 tokens, prefill computed only 77",
+    ),
 }
 
 
 @pytest.mark.parametrize(("block_ids", "cached", "detail"), MISFITS.values(), ids=MISFITS.keys())
-def test_a_registration_that_does_not_fit_the_prefill_blocks_after_the_offset_fails_clearly(registration, block_ids, cached, detail):
+def test_a_registration_that_does_not_fit_the_prefill_blocks_after_the_offset_fails_clearly(
+    registration, block_ids, cached, detail
+):
     rendezvous = table(ssm_groups=SSM_GROUPS)
     rendezvous.prefill_finished("tx-1", HYBRID_PREFILL.block_ids, HYBRID_PREFILL.num_tokens, now=0.0)
-    events = rendezvous.registration_received(registration(block_ids=block_ids, cached_blocks=cached), now=0.0)
+    events = rendezvous.registration_received(
+        registration(block_ids=block_ids, cached_blocks=cached), now=0.0
+    )
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.INVALID_REGISTRATION
     assert events[0].message.detail.startswith(detail), events[0].message.detail
@@ -177,14 +212,20 @@ def test_a_lower_attempt_is_ignored(registration):
     assert start.key.attempt == 3
 
 
-def test_reregistration_after_preemption_rewrites_and_the_stale_write_never_completes_the_new_attempt(registration):
+def test_reregistration_after_preemption_rewrites_and_the_stale_write_never_completes_the_new_attempt(
+    registration,
+):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     first = only(rendezvous.registration_received(registration(attempt=0), now=0.0), StartWrite)
     # Decode was preempted while the first WRITE was in flight and registered fresh blocks.
-    second = only(rendezvous.registration_received(registration(attempt=1, block_ids=((40, 41, 42),)), now=1.0), StartWrite)
+    second = only(
+        rendezvous.registration_received(registration(attempt=1, block_ids=((40, 41, 42),)), now=1.0),
+        StartWrite,
+    )
     assert second.key == WriteKey("tx-1", 1, 0)
-    assert rendezvous.write_done(first.key, now=2.0) == []  # the stale write completing does not finish attempt 1
+    # the stale write completing does not finish attempt 1
+    assert rendezvous.write_done(first.key, now=2.0) == []
     assert "tx-1" in rendezvous
     closed = only(rendezvous.write_done(second.key, now=3.0), Closed)
     assert closed.outcome is Outcome.WRITTEN
@@ -208,8 +249,10 @@ def test_blocks_stay_held_until_a_stale_write_still_reading_them_ends(registrati
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     first = only(rendezvous.registration_received(registration(attempt=0), now=0.0), StartWrite)
     second = only(rendezvous.registration_received(registration(attempt=1), now=1.0), StartWrite)
-    assert rendezvous.write_done(second.key, now=2.0) == []  # attempt 1 written, but attempt 0's WRITE still reads the blocks
-    closed = only(rendezvous.write_failed(first.key, "peer reset", now=3.0), Closed)  # a stale failure does not fail the transfer
+    # attempt 1 written, but attempt 0's WRITE still reads the blocks
+    assert rendezvous.write_done(second.key, now=2.0) == []
+    # a stale failure does not fail the transfer
+    closed = only(rendezvous.write_failed(first.key, "peer reset", now=3.0), Closed)
     assert closed.outcome is Outcome.WRITTEN
 
 
@@ -238,7 +281,8 @@ def test_finished_blocks_without_a_registration_expire_at_the_lease_and_are_free
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     assert rendezvous.next_deadline() == LIMITS.registration_lease_s
     assert rendezvous.expire(now=LIMITS.registration_lease_s - 0.001) == []
-    closed = only(rendezvous.expire(now=LIMITS.registration_lease_s), Closed)  # no decode known: nobody to notify
+    # no decode known: nobody to notify
+    closed = only(rendezvous.expire(now=LIMITS.registration_lease_s), Closed)
     assert closed.outcome is Outcome.EXPIRED
     assert closed.blocks == PrefillBlocks("tx-1", BLOCKS, 48)
     assert "decode did not register" in closed.detail
@@ -280,28 +324,40 @@ def test_a_prefill_finishing_after_its_registration_expired_is_freed_at_once(reg
 def test_a_new_attempt_renews_the_lease_on_held_blocks(registration):
     rendezvous = table(prefill_tp=1)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    # Decode TP 2: rank 0 registers attempt 0, then both ranks are preempted; rank 0 registers attempt 1 at t=8.
-    first = only(rendezvous.registration_received(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0), StartWrite)
+    # Decode TP 2: rank 0 registers attempt 0, then both ranks are preempted; rank 0 registers attempt 1 at
+    # t=8.
+    first = only(
+        rendezvous.registration_received(registration(attempt=0, decode_rank=0, decode_tp=2), now=1.0),
+        StartWrite,
+    )
     rendezvous.write_done(first.key, now=2.0)
-    second = only(rendezvous.registration_received(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0), StartWrite)
+    second = only(
+        rendezvous.registration_received(registration(attempt=1, decode_rank=0, decode_tp=2), now=8.0),
+        StartWrite,
+    )
     rendezvous.write_done(second.key, now=9.0)
-    assert not any(isinstance(event, Closed) for event in rendezvous.expire(now=12.0))  # the old lease (t=10) no longer applies
+    # the old lease (t=10) no longer applies
+    assert not any(isinstance(event, Closed) for event in rendezvous.expire(now=12.0))
     events = rendezvous.expire(now=18.0)
     assert isinstance(events[-1], Closed)
 
 
-def test_a_write_past_its_deadline_is_cancelled_and_decode_told_only_once_the_cancel_is_confirmed(registration):
+def test_a_write_past_its_deadline_is_cancelled_and_decode_told_only_once_the_cancel_is_confirmed(
+    registration,
+):
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
     assert rendezvous.expire(now=start.deadline - 0.01) == []
     assert only(rendezvous.expire(now=start.deadline), AbandonWrite).key == start.key
-    assert rendezvous.expire(now=start.deadline + 1) == []  # asked once; blocks still pinned, decode not told yet
+    # asked once; blocks still pinned, decode not told yet
+    assert rendezvous.expire(now=start.deadline + 1) == []
     events = rendezvous.write_failed(start.key, "cancelled", now=start.deadline + 2)
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.WRITE_TIMEOUT
     assert (events[1].outcome, events[1].blocks) == (Outcome.FAILED, start.prefill)
-    assert rendezvous.write_done(start.key, now=start.deadline + 3) == []  # the ended write's late result is ignored
+    # the ended write's late result is ignored
+    assert rendezvous.write_done(start.key, now=start.deadline + 3) == []
 
 
 def test_a_write_that_cannot_be_cancelled_keeps_the_blocks_until_it_really_ends(registration):
@@ -363,9 +419,14 @@ def test_a_failed_write_tells_decode_and_frees_the_blocks(registration):
 def test_after_one_destination_fails_the_blocks_wait_for_the_other_write_in_flight(registration):
     rendezvous = table(prefill_tp=1)  # decode TP 2: this prefill rank writes decode ranks 0 and 1
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    to_0 = only(rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
-    to_1 = only(rendezvous.registration_received(registration(decode_rank=1, decode_tp=2), now=0.0), StartWrite)
-    assert rendezvous.write_failed(to_0.key, "boom", now=1.0) == []  # rank 1 is told once nothing writes into it
+    to_0 = only(
+        rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite
+    )
+    to_1 = only(
+        rendezvous.registration_received(registration(decode_rank=1, decode_tp=2), now=0.0), StartWrite
+    )
+    # rank 1 is told once nothing writes into it
+    assert rendezvous.write_failed(to_0.key, "boom", now=1.0) == []
     events = rendezvous.write_done(to_1.key, now=2.0)
     assert kinds(events) == [NotifyDecode, NotifyDecode, Closed]
     assert {event.agent for event in events[:2]} == {"decode-0-rank0", "decode-0-rank1"}
@@ -381,7 +442,9 @@ def test_a_local_cancel_tells_every_registered_decode_rank(registration):
     assert events[1].outcome is Outcome.CANCELLED
 
 
-def test_a_decode_abort_before_prefill_finishes_is_answered_at_once_and_frees_the_blocks_when_it_does(registration):
+def test_a_decode_abort_before_prefill_finishes_is_answered_at_once_and_frees_the_blocks_when_it_does(
+    registration,
+):
     rendezvous = table()
     ack = only(rendezvous.abort_received(abort(), now=0.0, sender=DECODE_AGENT), NotifyDecode)
     assert (ack.agent, ack.message.reason, ack.message.attempt) == (DECODE_AGENT, FailureReason.CANCELLED, 0)
@@ -394,7 +457,8 @@ def test_a_decode_abort_during_a_write_is_answered_once_the_write_ended(registra
     rendezvous = table()
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
     start = only(rendezvous.registration_received(registration(), now=0.0), StartWrite)
-    assert rendezvous.abort_received(abort(), now=1.0, sender=DECODE_AGENT) == []  # decode keeps its blocks meanwhile
+    # decode keeps its blocks meanwhile
+    assert rendezvous.abort_received(abort(), now=1.0, sender=DECODE_AGENT) == []
     events = rendezvous.write_done(start.key, now=2.0)
     assert kinds(events) == [NotifyDecode, Closed]
     assert (events[0].agent, events[0].message.reason) == (DECODE_AGENT, FailureReason.CANCELLED)
@@ -415,23 +479,38 @@ def test_an_abort_of_a_superseded_attempt_is_ignored(registration):
     ("prefill", "decode", "reason"),
     [
         ((0, 2), (0, 3), FailureReason.INCOMPATIBLE),  # neither TP size divides the other
-        ((1, 2), (0, 4), FailureReason.INVALID_REGISTRATION),  # prefill rank 1 of 2 writes decode ranks 2 and 3 of 4
+        (
+            (1, 2),
+            (0, 4),
+            FailureReason.INVALID_REGISTRATION,
+        ),  # prefill rank 1 of 2 writes decode ranks 2 and 3 of 4
         ((2, 4), (0, 2), FailureReason.INVALID_REGISTRATION),  # prefill rank 2 of 4 writes decode rank 1 of 2
     ],
 )
-def test_a_registration_this_rank_cannot_serve_is_refused_without_opening_an_entry(registration, prefill, decode, reason):
+def test_a_registration_this_rank_cannot_serve_is_refused_without_opening_an_entry(
+    registration, prefill, decode, reason
+):
     (prefill_rank, prefill_tp), (decode_rank, decode_tp) = prefill, decode
     rendezvous = table(prefill_rank=prefill_rank, prefill_tp=prefill_tp)
-    notify = only(rendezvous.registration_received(registration(decode_rank=decode_rank, decode_tp=decode_tp), now=0.0), NotifyDecode)
+    notify = only(
+        rendezvous.registration_received(registration(decode_rank=decode_rank, decode_tp=decode_tp), now=0.0),
+        NotifyDecode,
+    )
     assert notify.message.reason is reason
     assert notify.message.rank == prefill_rank
     assert len(rendezvous) == 0
 
 
 def test_registrations_are_accepted_from_exactly_the_decode_ranks_this_rank_writes(registration):
-    rendezvous = table(prefill_rank=1, prefill_tp=2)  # decode TP 4: prefill rank 1 writes decode ranks 2 and 3
+    # decode TP 4: prefill rank 1 writes decode ranks 2 and 3
+    rendezvous = table(prefill_rank=1, prefill_tp=2)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    starts = [only(rendezvous.registration_received(registration(decode_rank=rank, decode_tp=4), now=0.0), StartWrite) for rank in (2, 3)]
+    starts = [
+        only(
+            rendezvous.registration_received(registration(decode_rank=rank, decode_tp=4), now=0.0), StartWrite
+        )
+        for rank in (2, 3)
+    ]
     assert [start.key.decode_rank for start in starts] == [2, 3]
     assert rendezvous.write_done(starts[0].key, now=1.0) == []
     assert only(rendezvous.write_done(starts[1].key, now=1.0), Closed).outcome is Outcome.WRITTEN
@@ -441,14 +520,21 @@ def test_several_prefill_ranks_each_write_their_chunk_into_one_decode_rank(regis
     for prefill_rank in range(4):
         rendezvous = table(prefill_rank=prefill_rank, prefill_tp=4)
         rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-        start = only(rendezvous.registration_received(registration(decode_rank=prefill_rank // 2, decode_tp=2), now=0.0), StartWrite)
+        start = only(
+            rendezvous.registration_received(
+                registration(decode_rank=prefill_rank // 2, decode_tp=2), now=0.0
+            ),
+            StartWrite,
+        )
         assert only(rendezvous.write_done(start.key, now=1.0), Closed).outcome is Outcome.WRITTEN
 
 
 def test_a_missing_decode_rank_expires_the_transfer_and_tells_the_ranks_that_registered(registration):
     rendezvous = table(prefill_tp=1)
     rendezvous.prefill_finished("tx-1", BLOCKS, 48, now=0.0)
-    start = only(rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite)
+    start = only(
+        rendezvous.registration_received(registration(decode_rank=0, decode_tp=2), now=0.0), StartWrite
+    )
     assert rendezvous.write_done(start.key, now=1.0) == []  # decode rank 1 never registers
     events = rendezvous.expire(now=LIMITS.registration_lease_s)
     assert kinds(events) == [NotifyDecode, Closed]
@@ -458,10 +544,19 @@ def test_a_missing_decode_rank_expires_the_transfer_and_tells_the_ranks_that_reg
 
 def test_a_layout_fingerprint_mismatch_is_refused(registration):
     rendezvous = table(layout_fingerprint="llama-2l-f32-bs16")
-    notify = only(rendezvous.registration_received(registration(layout_fingerprint="llama-2l-bf16-bs16"), now=0.0), NotifyDecode)
+    notify = only(
+        rendezvous.registration_received(registration(layout_fingerprint="llama-2l-bf16-bs16"), now=0.0),
+        NotifyDecode,
+    )
     assert notify.message.reason is FailureReason.INCOMPATIBLE
-    assert rendezvous.registration_received(registration("tx-2", layout_fingerprint="llama-2l-f32-bs16"), now=0.0) == []
-    assert rendezvous.registration_received(registration("tx-3", layout_fingerprint=""), now=0.0) == []  # unspecified: not compared
+    assert (
+        rendezvous.registration_received(
+            registration("tx-2", layout_fingerprint="llama-2l-f32-bs16"), now=0.0
+        )
+        == []
+    )
+    # unspecified: not compared
+    assert rendezvous.registration_received(registration("tx-3", layout_fingerprint=""), now=0.0) == []
     assert len(rendezvous) == 2
 
 
@@ -480,7 +575,11 @@ def test_a_block_count_mismatch_fails_the_transfer_before_any_write_naming_both_
     events = rendezvous.registration_received(registration(block_ids=((10, 11),)), now=0.0)
     assert kinds(events) == [NotifyDecode, Closed]
     assert events[0].message.reason is FailureReason.INVALID_REGISTRATION
-    assert events[0].message.detail == "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 3 blocks of which decode holds the first 0"
+    assert (
+        events[0].message.detail
+        == "block_ids[0]: decode rank 0 registered 2 blocks, prefill has 3 blocks of which decode holds the "
+        "first 0"
+    )
     assert events[1].blocks == PrefillBlocks("tx-1", BLOCKS, 48)
 
 
@@ -507,7 +606,8 @@ def test_a_full_table_rejects_new_transfers_clearly_and_stays_bounded(registrati
     notify = only(rendezvous.registration_received(registration("tx-4"), now=0.0), NotifyDecode)
     assert notify.message.reason is FailureReason.CAPACITY
     assert len(rendezvous) == 2
-    assert only(rendezvous.registration_received(registration("tx-1"), now=0.0), StartWrite)  # existing transfers still pair
+    # existing transfers still pair
+    assert only(rendezvous.registration_received(registration("tx-1"), now=0.0), StartWrite)
 
 
 def test_reporting_a_prefill_finished_twice_is_a_caller_bug():

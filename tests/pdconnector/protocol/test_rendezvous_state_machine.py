@@ -13,7 +13,13 @@ once every write has ended and every deadline passed, nothing is left held or op
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from pdconnector.protocol.messages import AbortMessage, RegistrationMessage
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
@@ -29,7 +35,14 @@ from pdconnector.protocol.rendezvous import (
 )
 
 TRANSFER_IDS = [f"tx-{index}" for index in range(6)]
-LIMITS = RendezvousLimits(max_entries=4, registration_lease_s=3.0, prefill_lease_s=5.0, write_timeout_s=2.0, tombstone_ttl_s=4.0, max_tombstones=3)
+LIMITS = RendezvousLimits(
+    max_entries=4,
+    registration_lease_s=3.0,
+    prefill_lease_s=5.0,
+    write_timeout_s=2.0,
+    tombstone_ttl_s=4.0,
+    max_tombstones=3,
+)
 PREFILL_RANK, PREFILL_TP = 0, 2  # writes decode rank 0 of TP 1 or 2, ranks 0 and 1 of TP 4
 BLOCK_SIZE = 16
 ABORTING_AGENT = "decode-0-rank0"  # aborts come from the agent of decode rank 0
@@ -40,7 +53,9 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = RendezvousTable(prefill_rank=PREFILL_RANK, prefill_tp_size=PREFILL_TP, block_size=BLOCK_SIZE, limits=LIMITS)
+        self.table = RendezvousTable(
+            prefill_rank=PREFILL_RANK, prefill_tp_size=PREFILL_TP, block_size=BLOCK_SIZE, limits=LIMITS
+        )
         self.now = 0.0
         self.prefill_reported: set[str] = set()
         self.held: dict[str, PrefillBlocks] = {}
@@ -58,22 +73,35 @@ class RendezvousMachine(RuleBasedStateMachine):
     def apply(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, StartWrite):
-                assert event.key not in self.in_flight and event.key not in self.ended, "a write started twice"
+                assert event.key not in self.in_flight and event.key not in self.ended, (
+                    "a write started twice"
+                )
                 lifetime = event.registration.lifetime_ms / 1000 or LIMITS.registration_lifetime_s
-                assert self.now < self.received_at[event.registration] + lifetime, "a write started after its registration's lifetime"
+                assert self.now < self.received_at[event.registration] + lifetime, (
+                    "a write started after its registration's lifetime"
+                )
                 held = self.held.get(event.key.transfer_id)
                 assert held is not None, "a write started on blocks the table does not hold"
-                assert event.prefill == paired_blocks(held, event.registration, block_size=BLOCK_SIZE, ssm_groups=frozenset())
+                assert event.prefill == paired_blocks(
+                    held, event.registration, block_size=BLOCK_SIZE, ssm_groups=frozenset()
+                )
                 assert event.registration in self.sent
-                assert event.registration.attempt == event.key.attempt and event.registration.decode_tp_rank == event.key.decode_rank
+                assert (
+                    event.registration.attempt == event.key.attempt
+                    and event.registration.decode_tp_rank == event.key.decode_rank
+                )
                 self.in_flight[event.key] = event
             elif isinstance(event, AbandonWrite):
-                assert event.key in self.in_flight and event.key not in self.cancelling, "cancelled a write that was not in flight, or twice"
+                assert event.key in self.in_flight and event.key not in self.cancelling, (
+                    "cancelled a write that was not in flight, or twice"
+                )
                 self.cancelling.add(event.key)
             elif isinstance(event, NotifyDecode):
                 assert event.agent in self.agents, "notified an agent that never registered or aborted"
                 transfer_id = event.message.transfer_id
-                assert not any(key.transfer_id == transfer_id for key in self.in_flight), "told decode to free while a write is in flight"
+                assert not any(key.transfer_id == transfer_id for key in self.in_flight), (
+                    "told decode to free while a write is in flight"
+                )
             else:
                 self.close(event)
 
@@ -87,7 +115,9 @@ class RendezvousMachine(RuleBasedStateMachine):
             assert transfer_id not in self.released, "blocks released twice"
             assert self.held.pop(transfer_id, None) == event.blocks, "released blocks the table did not hold"
             self.released.add(transfer_id)
-            assert not any(key.transfer_id == transfer_id for key in self.in_flight), "blocks released while a write reads them"
+            assert not any(key.transfer_id == transfer_id for key in self.in_flight), (
+                "blocks released while a write reads them"
+            )
 
     def call(self, transfer_id: str, events: list[Event]) -> None:
         was_open = transfer_id in self.open
@@ -97,13 +127,18 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     # --- rules --------------------------------------------------------------------------------
 
-    @rule(transfer_id=st.sampled_from(TRANSFER_IDS), blocks=st.lists(st.integers(0, 99), min_size=1, max_size=3))
+    @rule(
+        transfer_id=st.sampled_from(TRANSFER_IDS), blocks=st.lists(st.integers(0, 99), min_size=1, max_size=3)
+    )
     def prefill_finishes(self, transfer_id: str, blocks: list[int]) -> None:
         if transfer_id in self.prefill_reported:
             return  # transfer ids are minted once per request: a prefill never finishes twice
         self.prefill_reported.add(transfer_id)
         self.held[transfer_id] = PrefillBlocks(transfer_id, (tuple(blocks),), len(blocks) * BLOCK_SIZE)
-        self.call(transfer_id, self.table.prefill_finished(transfer_id, (tuple(blocks),), len(blocks) * BLOCK_SIZE, self.now))
+        self.call(
+            transfer_id,
+            self.table.prefill_finished(transfer_id, (tuple(blocks),), len(blocks) * BLOCK_SIZE, self.now),
+        )
 
     @rule(
         transfer_id=st.sampled_from(TRANSFER_IDS),
@@ -115,13 +150,28 @@ class RendezvousMachine(RuleBasedStateMachine):
         lifetime_ms=st.sampled_from([0, 1000, 4000]),
     )
     def decode_registers(
-        self, *, transfer_id: str, attempt: int, layout: tuple[int, int], groups: int, registered: int, cached: int, lifetime_ms: int
+        self,
+        *,
+        transfer_id: str,
+        attempt: int,
+        layout: tuple[int, int],
+        groups: int,
+        registered: int,
+        cached: int,
+        lifetime_ms: int,
     ) -> None:
-        """Registered and cached block counts that fit the prefill's blocks or do not (then the transfer fails)."""
+        """Registered and cached block counts that fit the prefill's blocks or do not (then the transfer
+        fails)."""
         decode_tp, decode_rank = layout
         blocks = (tuple(range(50, 50 + registered)),) * groups
         message = self.build_registration(
-            transfer_id, attempt, decode_rank=decode_rank, decode_tp=decode_tp, block_ids=blocks, cached_blocks=cached, lifetime_ms=lifetime_ms
+            transfer_id,
+            attempt,
+            decode_rank=decode_rank,
+            decode_tp=decode_tp,
+            block_ids=blocks,
+            cached_blocks=cached,
+            lifetime_ms=lifetime_ms,
         )
         self.sent.add(message)
         self.agents.add(message.agent_name)
@@ -141,7 +191,11 @@ class RendezvousMachine(RuleBasedStateMachine):
         del self.in_flight[key]
         self.cancelling.discard(key)
         self.ended.add(key)
-        events = self.table.write_done(key, self.now) if succeeded else self.table.write_failed(key, "transport error", self.now)
+        events = (
+            self.table.write_done(key, self.now)
+            if succeeded
+            else self.table.write_failed(key, "transport error", self.now)
+        )
         self.call(key.transfer_id, events)
 
     @precondition(lambda self: self.ended)
@@ -186,7 +240,9 @@ class RendezvousMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.now += LIMITS.prefill_lease_s + LIMITS.registration_lease_s + LIMITS.write_timeout_s + 1
         self.apply(self.table.expire(self.now))
-        assert set(self.cancelling) == set(self.in_flight), "a write outlived its deadline without being cancelled"
+        assert set(self.cancelling) == set(self.in_flight), (
+            "a write outlived its deadline without being cancelled"
+        )
         for key in sorted(self.in_flight, key=repr):  # the transport ends every write, if only much later
             self.end_write(key, False)
         self.apply(self.table.expire(self.now))
@@ -195,5 +251,9 @@ class RendezvousMachine(RuleBasedStateMachine):
 
 
 def test_rendezvous_table_invariants_hold_under_any_interleaving(registration):
-    machine = type("BoundRendezvousMachine", (RendezvousMachine,), {"build_registration": staticmethod(registration)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None))
+    machine = type(
+        "BoundRendezvousMachine", (RendezvousMachine,), {"build_registration": staticmethod(registration)}
+    )
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None)
+    )

@@ -17,7 +17,11 @@ def test_a_push_on_prefill_splits_into_waiting_for_decode_posting_writing_and_ho
     stages = line.stages()
     assert stages.keys() == {"registration", "post", "write", "hold"}
     assert stages["registration"] == 0.5
-    assert abs(stages["post"] - 0.0002) < 1e-9 and abs(stages["write"] - 0.0198) < 1e-9 and abs(stages["hold"] - 0.52) < 1e-9
+    assert (
+        abs(stages["post"] - 0.0002) < 1e-9
+        and abs(stages["write"] - 0.0198) < 1e-9
+        and abs(stages["hold"] - 0.52) < 1e-9
+    )
 
 
 def test_a_registration_that_came_before_the_prefill_finished_waited_for_nothing() -> None:

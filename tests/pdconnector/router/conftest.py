@@ -42,8 +42,12 @@ CANNED_ANSWERS: dict[str, tuple[int, dict[str, Any]]] = {
     "error500": (500, {"error": {"message": "engine exploded", "code": "boom"}}),
     "reject400": (400, {"error": {"message": "prompt too long", "code": "bad"}}),
     "transfer_failed": (504, {"error": {"message": "no KV within 1 s", "code": "kv_transfer_timeout"}}),
-    # What our connector's prefill answers when it cannot keep the KV for decode: a success status, the error in the body.
-    "pd_error": (200, {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": {"pd_error": "transfer_id missing"}}),
+    # What our connector's prefill answers when it cannot keep the KV for decode: a success status, the error
+    # in the body.
+    "pd_error": (
+        200,
+        {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": {"pd_error": "transfer_id missing"}},
+    ),
 }
 
 
@@ -59,11 +63,15 @@ class FakeEngine:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)  # a hanging handler waits on this
-    wait_for: FakeEngine | None = None  # answer only after this engine got a request (proves concurrent dispatch)
+    wait_for: FakeEngine | None = (
+        None  # answer only after this engine got a request (proves concurrent dispatch)
+    )
     health_status: int = 200
     health_body: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
     health_stalls: float = 0  # this many of the next /health calls never answer (math.inf: all of them)
-    stream_reports: bool = True  # the final stream event carries kv_transfer_params, as the mock engine's do (vLLM's never)
+    stream_reports: bool = (
+        True  # the final stream event carries kv_transfer_params, as the mock engine's do (vLLM's never)
+    )
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -108,11 +116,17 @@ class FakeEngine:
             "remote_host": self.host,
             "remote_port": 5600,
         }
-        return {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": returned if params.get("transfer_mode") == "pull" else None}
+        return {
+            "choices": [{"index": 0, "text": " t1"}],
+            "kv_transfer_params": returned if params.get("transfer_mode") == "pull" else None,
+        }
 
     def decode_answer(self, body: dict[str, Any]) -> dict[str, Any]:
         tid = body["kv_transfer_params"]["transfer_id"]
-        return {"choices": [{"index": 0, "text": " t1 t2 t3", "finish_reason": "length"}], "kv_transfer_params": {RECEIVED_KEY: {"transfer_id": tid}}}
+        return {
+            "choices": [{"index": 0, "text": " t1 t2 t3", "finish_reason": "length"}],
+            "kv_transfer_params": {RECEIVED_KEY: {"transfer_id": tid}},
+        }
 
     async def stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -122,7 +136,9 @@ class FakeEngine:
             if index == 2:
                 chunk["choices"][0]["finish_reason"] = "length"
             if index == 2 and self.stream_reports:
-                chunk["kv_transfer_params"] = {RECEIVED_KEY: {"transfer_id": body["kv_transfer_params"]["transfer_id"]}}
+                chunk["kv_transfer_params"] = {
+                    RECEIVED_KEY: {"transfer_id": body["kv_transfer_params"]["transfer_id"]}
+                }
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if self.behaviour == "die_mid_stream" and index == 1:
                 request.transport.close()  # type: ignore[union-attr]
@@ -132,10 +148,21 @@ class FakeEngine:
         return response
 
 
-def router_config(prefill_engines: list[FakeEngine], decode_engines: list[FakeEngine], ports: tuple[int, int], **overrides: Any) -> RouterConfig:
+def router_config(
+    prefill_engines: list[FakeEngine],
+    decode_engines: list[FakeEngine],
+    ports: tuple[int, int],
+    **overrides: Any,
+) -> RouterConfig:
     def role(engines: list[FakeEngine], service: str, port: int) -> dict[str, Any]:
         backends = [{"name": e.name, "host": e.host, "engine_id": f"{e.name}-c0ffee"} for e in engines]
-        return {"service": service, "namespace": "default", "http_port": port, "replicas": len(engines), "backends": backends}
+        return {
+            "service": service,
+            "namespace": "default",
+            "http_port": port,
+            "replicas": len(engines),
+            "backends": backends,
+        }
 
     data: dict[str, Any] = {
         "name": "tiny",
@@ -201,7 +228,9 @@ async def make_router(cluster: Cluster) -> AsyncIterator[Callable[..., Any]]:
     clients: list[TestClient] = []
 
     async def make(options: RouterOptions | None = None, **overrides: Any) -> TestClient:
-        options = options or RouterOptions(health=HealthSettings(interval_s=0.1, timeout_s=0.5, failures_to_eject=1), refresh_interval_s=0.1)
+        options = options or RouterOptions(
+            health=HealthSettings(interval_s=0.1, timeout_s=0.5, failures_to_eject=1), refresh_interval_s=0.1
+        )
         client = TestClient(TestServer(create_app(cluster.config(**overrides), options)))
         await client.start_server()
         clients.append(client)
@@ -214,7 +243,8 @@ async def make_router(cluster: Cluster) -> AsyncIterator[Callable[..., Any]]:
 
 @pytest.fixture(scope="module")
 def threaded_router() -> Iterator[str]:
-    """A router with healthy fake engines on its own event loop thread, for synchronous (hypothesis) tests: its base URL."""
+    """A router with healthy fake engines on its own event loop thread, for synchronous (hypothesis) tests:
+    its base URL."""
     loop = asyncio.new_event_loop()
     ready: concurrent.futures.Future[str] = concurrent.futures.Future()
     stop = asyncio.Event()
@@ -223,8 +253,14 @@ def threaded_router() -> Iterator[str]:
         prefill = [FakeEngine("p0", "prefill", "127.0.0.30")]
         decode = [FakeEngine("d0", "decode", "127.0.0.31")]
         ports = (free_port_on(["127.0.0.30"]), free_port_on(["127.0.0.31"]))
-        servers = [TestServer(prefill[0].app(), host="127.0.0.30", port=ports[0]), TestServer(decode[0].app(), host="127.0.0.31", port=ports[1])]
-        router = TestServer(create_app(router_config(prefill, decode, ports, max_request_body_bytes=4096), RouterOptions()), host="127.0.0.1")
+        servers = [
+            TestServer(prefill[0].app(), host="127.0.0.30", port=ports[0]),
+            TestServer(decode[0].app(), host="127.0.0.31", port=ports[1]),
+        ]
+        router = TestServer(
+            create_app(router_config(prefill, decode, ports, max_request_body_bytes=4096), RouterOptions()),
+            host="127.0.0.1",
+        )
         for server in [*servers, router]:
             await server.start_server()
         ready.set_result(f"http://127.0.0.1:{router.port}")

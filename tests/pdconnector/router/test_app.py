@@ -26,13 +26,30 @@ MODEL = "tiny"
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "7"}', 400, "max_tokens"),
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": true}', 400, "max_tokens"),
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400, "stream"),
-        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "kv_transfer_params": {}}', 400, "kv_transfer_params"),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "x", "kv_transfer_params": {}}',
+            400,
+            "kv_transfer_params",
+        ),
         ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
-        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400, "messages[0].role"),
-        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 3}]}', 400, "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny", "messages": [{"content": "x"}]}',
+            400,
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": 3}]}',
+            400,
+            "messages[0].content",
+        ),
     ],
 )
-async def test_bad_input_is_a_4xx_naming_the_field_and_reaches_no_engine(cluster, make_router, path, body, status, field):  # noqa: PLR0917
+async def test_bad_input_is_a_4xx_naming_the_field_and_reaches_no_engine(  # noqa: PLR0917
+    cluster, make_router, path, body, status, field
+):
     client = await make_router()
     response = await client.post(path, data=body, headers={"Content-Type": "application/json"})
     assert response.status == status
@@ -53,15 +70,21 @@ async def test_api_key_is_required_on_v1_when_configured(cluster, make_router):
     client = await make_router(options=RouterOptions(api_key="s3cret"))
     body = {"model": MODEL, "prompt": "x"}
     assert (await client.post("/v1/completions", json=body)).status == 401
-    assert (await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})).status == 401
+    assert (
+        await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    ).status == 401
     assert (await client.get("/v1/models")).status == 401
-    assert (await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})).status == 200
+    assert (
+        await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    ).status == 200
     assert (await client.get("/health")).status == 200
 
 
 async def test_request_id_is_propagated_to_both_legs_and_generated_when_absent(cluster, make_router):
     client = await make_router()
-    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "abc-123"})
+    response = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"X-Request-Id": "abc-123"}
+    )
     assert response.headers["X-Request-Id"] == "abc-123"
     generated = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert len(generated.headers["X-Request-Id"]) == 32
@@ -117,10 +140,18 @@ async def test_config_file_changes_are_applied_live_and_broken_files_ignored(clu
     await asyncio.sleep(0.3)
     assert await decode_names() == ["d1"]
     for _ in range(3):
-        assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).headers["x-pd-decode"] == "d1"
+        assert (await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).headers[
+            "x-pd-decode"
+        ] == "d1"
 
 
 async def test_assistant_turn_without_content_is_accepted(cluster, make_router):
     client = await make_router()
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
-    assert (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})).status == 200
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    assert (
+        await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    ).status == 200

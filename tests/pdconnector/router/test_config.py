@@ -22,7 +22,11 @@ def role(name: str, replicas: int, tp: int = 1) -> RoleBackends:
         tp_size=tp,
         replicas=replicas,
         backends=[
-            EngineBackend(name=f"svc-{name}-{i}", host=f"svc-{name}-{i}.svc-{name}.ns.svc.cluster.local", engine_id=f"svc-{name}-{i}-abc")
+            EngineBackend(
+                name=f"svc-{name}-{i}",
+                host=f"svc-{name}-{i}.svc-{name}.ns.svc.cluster.local",
+                engine_id=f"svc-{name}-{i}-abc",
+            )
             for i in range(replicas)
         ],
     )
@@ -42,7 +46,12 @@ def config(**overrides) -> RouterConfig:
 
 
 def test_a_dumped_config_loads_back_equal(tmp_path):
-    original = config(api_key_env="KEY", policy="round-robin", timeouts=Timeouts(prefill_s=3, transfer_s=2), max_model_len=2048)
+    original = config(
+        api_key_env="KEY",
+        policy="round-robin",
+        timeouts=Timeouts(prefill_s=3, transfer_s=2),
+        max_model_len=2048,
+    )
     path = tmp_path / "router.yaml"
     path.write_text(dump_router_config(original))
     assert load_router_config(path) == original
@@ -56,9 +65,17 @@ def test_dumping_is_stable_text():
 
 def test_defaults_cover_everything_but_identity_and_backends():
     cfg = config()
-    assert (cfg.policy, cfg.connector, cfg.listen_port, cfg.api_key_env) == ("least-loaded", "builtin", 8000, None)
-    assert cfg.max_model_len is None  # spec.model.maxModelLen unset: the model's own length, which only the engines know
-    assert cfg.timeouts == Timeouts(connect_s=5.0, prefill_s=120.0, transfer_s=60.0, decode_first_token_s=60.0)
+    assert (cfg.policy, cfg.connector, cfg.listen_port, cfg.api_key_env) == (
+        "least-loaded",
+        "builtin",
+        8000,
+        None,
+    )
+    # spec.model.maxModelLen unset: the model's own length, which only the engines know
+    assert cfg.max_model_len is None
+    assert cfg.timeouts == Timeouts(
+        connect_s=5.0, prefill_s=120.0, transfer_s=60.0, decode_first_token_s=60.0
+    )
     assert cfg.max_request_body_bytes == 8 * 1024 * 1024
     assert (cfg.prefill.http_port, cfg.prefill.side_channel_port) == (8000, 5600)
 

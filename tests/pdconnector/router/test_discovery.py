@@ -23,7 +23,9 @@ async def test_names_that_do_not_resolve_keep_their_last_address(cluster):
             "namespace": "default",
             "http_port": 8000,
             "replicas": 1,
-            "backends": [{"name": "p0", "host": "p0.tiny-prefill.default.svc.cluster.local", "engine_id": "p0-c0ffee"}],
+            "backends": [
+                {"name": "p0", "host": "p0.tiny-prefill.default.svc.cluster.local", "engine_id": "p0-c0ffee"}
+            ],
         }
     )
     await book.refresh(renamed)  # the name does not resolve here: the previous answer stays
@@ -41,6 +43,11 @@ def test_prefill_coordinates_carry_engine_id_address_side_channel_and_tp(cluster
     specs = backend_specs(config, {cluster.prefill[0].host: "10.0.0.9"})
     p0 = next(s for s in specs if s.name == "p0")
     coordinates = p0.prefill_coordinates()
-    assert (coordinates.engine_id, coordinates.host, coordinates.side_channel_port, coordinates.tp_size) == ("p0-c0ffee", "10.0.0.9", 5600, 1)
+    assert (coordinates.engine_id, coordinates.host, coordinates.side_channel_port, coordinates.tp_size) == (
+        "p0-c0ffee",
+        "10.0.0.9",
+        5600,
+        1,
+    )
     assert all(s.compat_hash == "c0ffee" for s in specs)
     assert p0.base_url == f"http://10.0.0.9:{cluster.prefill_port}"

@@ -1,4 +1,5 @@
-"""Active health checks eject failing backends and re-admit them once they answer again; one stuck backend never takes the service down."""
+"""Active health checks eject failing backends and re-admit them once they answer again; one stuck backend
+never takes the service down."""
 
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ from pdconnector.router.health import HealthSettings, probe_all
 async def test_probe_ejects_after_threshold_and_readmits_on_success(cluster):
     pool = BackendPool()
     engine = cluster.decode[0]
-    pool.replace([BackendSpec(name=engine.name, role=EngineRole.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
+    pool.replace(
+        [
+            BackendSpec(
+                name=engine.name,
+                role=EngineRole.DECODE,
+                host=engine.host,
+                http_port=cluster.decode_port,
+                engine_id="d0",
+            )
+        ]
+    )
     backend = pool.all()[0]
     settings = HealthSettings(timeout_s=0.5, failures_to_eject=2)
     async with aiohttp.ClientSession() as session:
@@ -48,7 +59,16 @@ async def test_advertised_compat_hash_is_learned_from_health(cluster):
     engine = cluster.prefill[0]
     engine.health_body = {"status": "ok", "compat_hash": "old"}
     pool.replace(
-        [BackendSpec(name=engine.name, role=EngineRole.PREFILL, host=engine.host, http_port=cluster.prefill_port, engine_id="p0", compat_hash="new")]
+        [
+            BackendSpec(
+                name=engine.name,
+                role=EngineRole.PREFILL,
+                host=engine.host,
+                http_port=cluster.prefill_port,
+                engine_id="p0",
+                compat_hash="new",
+            )
+        ]
     )
     async with aiohttp.ClientSession() as session:
         await probe_all(session, pool, HealthSettings())
@@ -58,7 +78,17 @@ async def test_advertised_compat_hash_is_learned_from_health(cluster):
 async def test_one_unanswered_health_check_does_not_eject_a_busy_backend(cluster):
     pool = BackendPool()
     engine = cluster.decode[0]
-    pool.replace([BackendSpec(name=engine.name, role=EngineRole.DECODE, host=engine.host, http_port=cluster.decode_port, engine_id="d0")])
+    pool.replace(
+        [
+            BackendSpec(
+                name=engine.name,
+                role=EngineRole.DECODE,
+                host=engine.host,
+                http_port=cluster.decode_port,
+                engine_id="d0",
+            )
+        ]
+    )
     backend = pool.all()[0]
     settings = HealthSettings(timeout_s=0.2, failures_to_eject=2)
     engine.health_stalls = 1
@@ -69,7 +99,9 @@ async def test_one_unanswered_health_check_does_not_eject_a_busy_backend(cluster
     assert backend.healthy and backend.consecutive_failures == 0
 
 
-WEDGE_WATCH = RouterOptions(health=HealthSettings(interval_s=0.05, timeout_s=0.2, failures_to_eject=2), refresh_interval_s=0.05)
+WEDGE_WATCH = RouterOptions(
+    health=HealthSettings(interval_s=0.05, timeout_s=0.2, failures_to_eject=2), refresh_interval_s=0.05
+)
 
 
 async def backend_states(client) -> dict[str, bool]:
@@ -84,20 +116,27 @@ async def until_state(client, name: str, healthy: bool) -> None:
     raise AssertionError(f"{name} never became {'healthy' if healthy else 'ejected'}")
 
 
-async def test_a_decode_that_stops_answering_is_left_out_while_the_other_serves_every_request(cluster, make_router):
+async def test_a_decode_that_stops_answering_is_left_out_while_the_other_serves_every_request(
+    cluster, make_router
+):
     wedged, other = cluster.decode
     wedged.health_stalls = math.inf
     wedged.behaviour = "hang"
-    client = await make_router(options=WEDGE_WATCH, policy="round-robin")  # round-robin would alternate onto the wedged one
+    # round-robin would alternate onto the wedged one
+    client = await make_router(options=WEDGE_WATCH, policy="round-robin")
     await until_state(client, wedged.name, healthy=False)
     for _ in range(6):
-        response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}
+        )
         assert response.status == 200 and response.headers["x-pd-decode"] == other.name
     assert not wedged.bodies
     assert (await client.get("/ready")).status == 200
 
 
-async def test_a_lone_decode_that_stops_answering_is_a_503_saying_why_until_it_answers_again(cluster, make_router):
+async def test_a_lone_decode_that_stops_answering_is_a_503_saying_why_until_it_answers_again(
+    cluster, make_router
+):
     decode = cluster.decode[0]
     client = await make_router(options=WEDGE_WATCH, decode_engines=[decode])
     decode.health_stalls = math.inf
@@ -106,7 +145,10 @@ async def test_a_lone_decode_that_stops_answering_is_a_503_saying_why_until_it_a
     assert response.status == 503 and response.headers["Retry-After"] == "1"
     error = (await response.json())["error"]
     assert error["code"] == "no_decode_backend"
-    assert error["message"] == ("No healthy decode backend is available: d0: ejected (2 failure(s) in a row, last: /health gave no answer in 0.2 s)")
+    assert error["message"] == (
+        "No healthy decode backend is available: d0: ejected (2 failure(s) in a row, last: /health gave no "
+        "answer in 0.2 s)"
+    )
     decode.health_stalls = 0  # no longer busy: the next check it passes re-admits it
     await until_state(client, decode.name, healthy=True)
     assert (await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})).status == 200

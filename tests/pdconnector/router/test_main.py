@@ -28,6 +28,8 @@ def test_configured_api_key_env_must_be_set(cluster, tmp_path, capsys, monkeypat
 
 
 def test_json_logs_carry_extra_fields():
-    record = logging.makeLogRecord({"name": "x", "levelname": "INFO", "msg": "request finished", "request_id": "r1", "outcome": "ok"})
+    record = logging.makeLogRecord(
+        {"name": "x", "levelname": "INFO", "msg": "request finished", "request_id": "r1", "outcome": "ok"}
+    )
     entry = json.loads(JsonFormatter().format(record))
     assert entry["message"] == "request finished" and entry["request_id"] == "r1" and entry["outcome"] == "ok"

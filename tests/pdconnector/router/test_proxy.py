@@ -30,7 +30,10 @@ async def status_of(client):
 
 async def test_pull_sends_prefill_leg_then_decode_leg_with_returned_params(cluster, make_router):
     client = await make_router(mode="pull")
-    response = await client.post("/v1/completions", json={**COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 2})
+    response = await client.post(
+        "/v1/completions",
+        json={**COMPLETION, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 2},
+    )
     assert response.status == 200
     await response.read()
     prefill = next(e for e in cluster.prefill if e.bodies)
@@ -38,7 +41,10 @@ async def test_pull_sends_prefill_leg_then_decode_leg_with_returned_params(clust
     leg = prefill.bodies[0]
     assert leg["max_tokens"] == 1 and leg["stream"] is False
     assert "stream_options" not in leg and "min_tokens" not in leg
-    assert leg["kv_transfer_params"]["do_remote_decode"] is True and leg["kv_transfer_params"]["transfer_mode"] == "pull"
+    assert (
+        leg["kv_transfer_params"]["do_remote_decode"] is True
+        and leg["kv_transfer_params"]["transfer_mode"] == "pull"
+    )
     decode_params = decode.bodies[0]["kv_transfer_params"]
     assert decode_params["remote_block_ids"] == [[1, 2]] and decode_params["remote_engine_id"] == prefill.name
     assert decode_params["transfer_id"] == leg["kv_transfer_params"]["transfer_id"]
@@ -58,27 +64,37 @@ async def test_push_dispatches_both_legs_concurrently_with_prefill_coordinates(c
     prefill = next(e for e in cluster.prefill if e.bodies)
     params = decode.bodies[0]["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["transfer_mode"] == "push"
-    assert params["remote_engine_id"] == f"{prefill.name}-c0ffee" and params["remote_host"] == prefill.host and params["remote_port"] == 5600
+    assert (
+        params["remote_engine_id"] == f"{prefill.name}-c0ffee"
+        and params["remote_host"] == prefill.host
+        and params["remote_port"] == 5600
+    )
     assert params["transfer_id"] == prefill.bodies[0]["kv_transfer_params"]["transfer_id"]
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "body", "expected"), [("/v1/completions", COMPLETION, "cmpl-req-7-0"), ("/v1/chat/completions", CHAT, "chatcmpl-req-7")]
+    ("endpoint", "body", "expected"),
+    [("/v1/completions", COMPLETION, "cmpl-req-7-0"), ("/v1/chat/completions", CHAT, "chatcmpl-req-7")],
 )
-async def test_push_to_upstream_vllm_connectors_names_the_prefill_request_it_pairs_with(cluster, make_router, endpoint, body, expected):
+async def test_push_to_upstream_vllm_connectors_names_the_prefill_request_it_pairs_with(
+    cluster, make_router, endpoint, body, expected
+):
     client = await make_router(mode="push", connector="vllm")
     response = await client.post(endpoint, json=body, headers={"X-Request-Id": "req-7"})
     assert response.status == 200, await response.text()
     decode = next(e for e in cluster.decode if e.bodies)
     assert decode.bodies[0]["kv_transfer_params"]["remote_request_id"] == expected
-    # Upstream engines never confirm how KV arrived: the request proves nothing, rather than "served without transfer".
+    # Upstream engines never confirm how KV arrived: the request proves nothing, rather than "served without
+    # transfer".
     assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 0, "unconfirmable": 1}
 
 
 async def test_push_to_our_connector_sends_no_upstream_request_id(cluster, make_router):
     response = await (await make_router(mode="push")).post("/v1/completions", json=COMPLETION)
     assert response.status == 200
-    assert "remote_request_id" not in next(e for e in cluster.decode if e.bodies).bodies[0]["kv_transfer_params"]
+    assert (
+        "remote_request_id" not in next(e for e in cluster.decode if e.bodies).bodies[0]["kv_transfer_params"]
+    )
 
 
 async def test_push_sequential_sends_decode_leg_only_after_prefill_answered(cluster, make_router):
@@ -88,7 +104,8 @@ async def test_push_sequential_sends_decode_leg_only_after_prefill_answered(clus
         engine.arrived = asyncio.Event()
     for d in cluster.decode:
         d.wait_for = cluster.prefill[0]
-    cluster.prefill[0].wait_for = cluster.decode[0]  # would need concurrency: sequential dispatch cannot satisfy it
+    # would need concurrency: sequential dispatch cannot satisfy it
+    cluster.prefill[0].wait_for = cluster.decode[0]
     cluster.prefill[1].wait_for = cluster.decode[0]
     response = await client.post("/v1/completions", json=COMPLETION)
     assert response.status == 504
@@ -116,7 +133,10 @@ async def test_each_leg_is_timed_per_mode_and_role(cluster, make_router, stream)
 
 async def test_streaming_is_relayed_event_by_event_and_verified_from_final_chunk(cluster, make_router):
     client = await make_router()
-    response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
     assert response.headers["Content-Type"].startswith("text/event-stream")
     events = [line for line in (await response.text()).split("\n\n") if line]
     assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:3]] == [" t0", " t1", " t2"]
@@ -133,8 +153,11 @@ async def test_answer_reporting_no_receipt_counts_as_unverified(cluster, make_ro
     assert (await status_of(client))["transfers"] == {"verified": 0, "unverified": 1, "unconfirmable": 0}
 
 
-async def test_answers_that_say_nothing_about_their_kv_count_as_unconfirmable_not_as_served_without_transfer(cluster, make_router):
-    # vLLM's streams never carry kv_transfer_params: counting them unverified would cry "no transfer" on every chat client.
+async def test_answers_that_say_nothing_about_their_kv_count_as_unconfirmable_not_as_served_without_transfer(
+    cluster, make_router
+):
+    # vLLM's streams never carry kv_transfer_params: counting them unverified would cry "no transfer" on every
+    # chat client.
     for d in cluster.decode:
         d.stream_reports = False
         d.decode_answer = lambda body: {"choices": [{"index": 0, "text": "x"}]}  # type: ignore[method-assign]
@@ -164,9 +187,15 @@ PATIENT = {"connect_s": 1, "prefill_s": 30, "transfer_s": 30, "decode_first_toke
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
-    ("behaviour", "detail"), [("error500", "HTTP 500: engine exploded"), ("pd_error", "it kept no KV for decode: transfer_id missing")]
+    ("behaviour", "detail"),
+    [
+        ("error500", "HTTP 500: engine exploded"),
+        ("pd_error", "it kept no KV for decode: transfer_id missing"),
+    ],
 )
-async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_engine_and_transfer(cluster, make_router, behaviour, detail, stream):
+async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_engine_and_transfer(
+    cluster, make_router, behaviour, detail, stream
+):
     decode = cluster.decode[0]
     decode.behaviour = "hang"  # as a decode engine waiting for KV that prefill will never write
     for p in cluster.prefill:
@@ -183,7 +212,8 @@ async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_
     error = (await response.json())["error"]
     assert error["code"] == "prefill_failed"
     assert error["message"] == (
-        f"The prefill leg failed on {prefill.name} (engine id {prefill.name}-c0ffee, http://{prefill.host}:{cluster.prefill_port})"
+        f"The prefill leg failed on {prefill.name} (engine id {prefill.name}-c0ffee, "
+        f"http://{prefill.host}:{cluster.prefill_port})"
         f" for transfer {transfer_id}: {detail}"
     )
     assert response.headers["x-pd-transfer-id"] == transfer_id
@@ -193,7 +223,9 @@ async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
 
 
-async def test_a_pull_prefill_reporting_pd_error_is_its_failure_not_a_bad_decode_request(cluster, make_router):
+async def test_a_pull_prefill_reporting_pd_error_is_its_failure_not_a_bad_decode_request(
+    cluster, make_router
+):
     for p in cluster.prefill:
         p.behaviour = "pd_error"
     response = await (await make_router(mode="pull")).post("/v1/completions", json=COMPLETION)

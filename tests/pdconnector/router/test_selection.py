@@ -9,7 +9,10 @@ from pdconnector.router.selection import NoBackend, Policy, Selector, candidates
 
 
 def backends(*names: str) -> list[Backend]:
-    return [Backend(BackendSpec(name=n, role=EngineRole.DECODE, host="127.0.0.1", http_port=8000, engine_id=n)) for n in names]
+    return [
+        Backend(BackendSpec(name=n, role=EngineRole.DECODE, host="127.0.0.1", http_port=8000, engine_id=n))
+        for n in names
+    ]
 
 
 def test_least_outstanding_picks_the_idlest_backend():
@@ -47,7 +50,9 @@ def pool_of(prefills: list[tuple[str, str | None]], decodes: list[tuple[str, str
     """Backends by (name, compat hash); every one healthy."""
     pool = BackendPool()
     specs = [
-        BackendSpec(name=name, role=role, host="127.0.0.1", http_port=8000, engine_id=name, compat_hash=compat)
+        BackendSpec(
+            name=name, role=role, host="127.0.0.1", http_port=8000, engine_id=name, compat_hash=compat
+        )
         for role, members in ((EngineRole.PREFILL, prefills), (EngineRole.DECODE, decodes))
         for name, compat in members
     ]
@@ -75,7 +80,10 @@ def test_backends_that_refused_the_request_are_skipped_and_named_when_none_is_le
     with pytest.raises(NoBackend) as none:
         pick_backend(pool, SELECTORS, EngineRole.DECODE, refused={"d0", "d1"})
     assert none.value.role is EngineRole.DECODE
-    assert none.value.reasons == ["d0: refused this request's connection", "d1: refused this request's connection"]
+    assert none.value.reasons == [
+        "d0: refused this request's connection",
+        "d1: refused this request's connection",
+    ]
 
 
 def test_no_partner_for_any_backend_names_the_partner_role_and_why():

@@ -1,4 +1,5 @@
-"""Mock engines served in the test process (aiohttp test servers), for the transfer tests on host and GPU pools."""
+"""Mock engines served in the test process (aiohttp test servers), for the transfer tests on host and GPU
+pools."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ Serve = Callable[..., Awaitable[tuple[TestClient, MockEngine]]]
 
 
 def serving(app: web.Application) -> TestServer:
-    """A test server for an engine app, run as pd-mock-engine runs it: a client that disconnects cancels its request."""
+    """A test server for an engine app, run as pd-mock-engine runs it: a client that disconnects cancels its
+    request."""
     return TestServer(app, handler_cancellation=True)
 
 
@@ -49,17 +51,28 @@ async def eventually(condition: Callable[[], bool], within_s: float) -> bool:
 
 @contextlib.asynccontextmanager
 async def engine_servers(transport: str, device: KVDevice = KVDevice.CPU) -> AsyncIterator[Serve]:
-    """``serve(role, name, transfer_timeout_s=5, lease_s=5, prefill_s=0, decode_s=0)`` starts an engine of 64 blocks of 16
-    tokens on ``device`` moving KV over ``transport`` (``*_s``: seconds per token); every engine started is stopped on exit."""
+    """``serve(role, name, transfer_timeout_s=5, lease_s=5, prefill_s=0, decode_s=0)`` starts an engine of 64
+    blocks of 16 tokens on ``device`` moving KV over ``transport`` (``*_s``: seconds per token); every engine
+    started is stopped on exit."""
     clients: list[TestClient] = []
 
     async def serve(
-        role: EngineRole | None, name: str, *, transfer_timeout_s: float = 5.0, lease_s: float = 5.0, prefill_s: float = 0.0, decode_s: float = 0.0
+        role: EngineRole | None,
+        name: str,
+        *,
+        transfer_timeout_s: float = 5.0,
+        lease_s: float = 5.0,
+        prefill_s: float = 0.0,
+        decode_s: float = 0.0,
     ) -> tuple[TestClient, MockEngine]:
         pool = KVPool(64, 16, device=device)
-        mover = create_mover(transport, pool=pool, engine_id=name, host="127.0.0.1", side_channel_port=0, lease_s=lease_s)
+        mover = create_mover(
+            transport, pool=pool, engine_id=name, host="127.0.0.1", side_channel_port=0, lease_s=lease_s
+        )
         latency = LatencyModel(prefill_s_per_token=prefill_s, decode_s_per_token=decode_s)
-        settings = EngineSettings(role=role, engine_id=name, latency=latency, transfer_timeout_s=transfer_timeout_s)
+        settings = EngineSettings(
+            role=role, engine_id=name, latency=latency, transfer_timeout_s=transfer_timeout_s
+        )
         engine = MockEngine(settings, pool, mover, EngineMetrics(pool))
         client = TestClient(serving(create_engine_app(engine, MODEL)))
         await client.start_server()

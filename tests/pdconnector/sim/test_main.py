@@ -16,7 +16,9 @@ def test_pools_live_in_host_memory_unless_asked_otherwise():
     assert build_parser().parse_args(["--role", "both", *ENGINE]).kv_device == "cpu"
 
 
-@pytest.mark.skipif(kv_device_unavailable_reason(KVDevice.CUDA) is None, reason="this machine has a CUDA device")
+@pytest.mark.skipif(
+    kv_device_unavailable_reason(KVDevice.CUDA) is None, reason="this machine has a CUDA device"
+)
 def test_cuda_pools_without_a_cuda_device_exit_2_naming_the_flag():
     argv = [sys.executable, "-m", "pdconnector.sim.main", "--role", "both", "--kv-device", "cuda", *ENGINE]
     result = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
@@ -37,8 +39,14 @@ def test_a_request_spans_at_most_2048_tokens_unless_asked_otherwise():
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--max-model-len", "1025", "--num-blocks", "64"], "--max-model-len 1025 is more than the KV pool holds (--num-blocks 64 x --block-size 16"),
-        (["--max-model-len", "1"], "--max-model-len 1: a request needs room for at least one prompt and one output token"),
+        (
+            ["--max-model-len", "1025", "--num-blocks", "64"],
+            "--max-model-len 1025 is more than the KV pool holds (--num-blocks 64 x --block-size 16",
+        ),
+        (
+            ["--max-model-len", "1"],
+            "--max-model-len 1: a request needs room for at least one prompt and one output token",
+        ),
     ],
 )
 def test_a_context_length_the_pool_cannot_serve_is_refused_before_starting(flags, says, capsys):

@@ -1,8 +1,18 @@
-"""The mock model: deterministic, prefix-consistent KV; output tokens that depend on every KV byte of the prompt."""
+"""The mock model: deterministic, prefix-consistent KV; output tokens that depend on every KV byte of the
+prompt."""
 
 from __future__ import annotations
 
-from pdconnector.sim.model import VOCAB_SIZE, block_tags, chat_prompt, detokenize, generate, prefill, reference_tokens, tokenize
+from pdconnector.sim.model import (
+    VOCAB_SIZE,
+    block_tags,
+    chat_prompt,
+    detokenize,
+    generate,
+    prefill,
+    reference_tokens,
+    tokenize,
+)
 from pdconnector.sim.pool import KVPool
 
 
@@ -40,6 +50,9 @@ def test_a_single_flipped_kv_byte_changes_the_output():
 
 
 def test_chat_template_is_fixed():
-    assert chat_prompt([{"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "text", "text": "be brief"}]}]) == (
-        "user: hi\nsystem: be brief\nassistant:"
-    )
+    assert chat_prompt(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        ]
+    ) == ("user: hi\nsystem: be brief\nassistant:")

@@ -13,7 +13,8 @@ from pdconnector.sim.pool import KVDevice, KVPool, OutOfBlocks
 from pdconnector.sim.worker_mover import memory_regions
 from pdconnector.transport.base import Device
 
-# sha256 of every pool byte after prefilling range(40) into blocks 0..2 of an 8-block pool, before pools could live on GPUs.
+# sha256 of every pool byte after prefilling range(40) into blocks 0..2 of an 8-block pool, before pools could
+# live on GPUs.
 HOST_POOL_DIGEST = "38741d715b3a33d00f562f3db0d7ab0c7838ca813c22ada3323ce66e485dc5aa"
 
 
@@ -42,7 +43,9 @@ def test_double_free_is_refused():
 
 def test_every_rank_has_one_buffer_per_layout_region():
     pool = KVPool(num_blocks=8, block_size=16, tp_size=2)
-    assert [[b.nbytes for b in rank] for rank in pool.buffers] == [[r.nbytes for r in layout.regions] for layout in pool.layouts]
+    assert [[b.nbytes for b in rank] for rank in pool.buffers] == [
+        [r.nbytes for r in layout.regions] for layout in pool.layouts
+    ]
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -98,7 +101,8 @@ def test_pages_read_back_as_written_and_other_blocks_stay_untouched():
 
 def test_a_host_pool_never_imports_torch():
     code = (
-        "import sys; from pdconnector.sim.model import reference_tokens; import pdconnector.sim.main, pdconnector.sim.worker_mover; "
+        "import sys; from pdconnector.sim.model import reference_tokens; import pdconnector.sim.main, "
+        "pdconnector.sim.worker_mover; "
         "reference_tokens(list(range(20)), 4); assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

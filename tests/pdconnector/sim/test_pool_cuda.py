@@ -1,4 +1,5 @@
-"""KV pools in GPU memory: byte-exact pages, VRAM regions on the rank's device, and KV moved between engines by NIXL."""
+"""KV pools in GPU memory: byte-exact pages, VRAM regions on the rank's device, and KV moved between engines
+by NIXL."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from pdconnector.protocol.params import EngineRole, TransferMode, mint_transfer_id, prefill_leg_params, pull_decode_leg_params, push_decode_leg_params
+from pdconnector.protocol.params import (
+    EngineRole,
+    TransferMode,
+    mint_transfer_id,
+    prefill_leg_params,
+    pull_decode_leg_params,
+    push_decode_leg_params,
+)
 from pdconnector.sim.cluster import LocalCluster
 from pdconnector.sim.model import prefill, reference_tokens, tokenize
 from pdconnector.sim.movers import mover_unavailable_reason
@@ -20,7 +28,10 @@ from pdconnector.transport.base import Device
 
 from tests.pdconnector.sim.engines import MODEL, PROMPT, engine_servers, leg
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def test_pages_round_trip_byte_exactly_through_gpu_memory():
@@ -61,19 +72,31 @@ async def gpu_pair():
 
 
 async def test_nixl_moves_a_prompts_kv_between_gpu_pools_in_push_and_pull(gpu_pair):
-    (p_client, prefill_engine), (d_client, decode_engine) = await gpu_pair(EngineRole.PREFILL, "p0"), await gpu_pair(EngineRole.DECODE, "d0")
+    (p_client, prefill_engine), (d_client, decode_engine) = (
+        await gpu_pair(EngineRole.PREFILL, "p0"),
+        await gpu_pair(EngineRole.DECODE, "d0"),
+    )
     page_bytes = prefill_engine.pool.layouts[0].page_bytes
     for mode in (TransferMode.PUSH, TransferMode.PULL):
         tid = mint_transfer_id()
         if mode is TransferMode.PUSH:
             decode_leg = asyncio.ensure_future(
-                d_client.post("/v1/completions", json=leg(push_decode_leg_params(tid, prefill_engine.mover.side_channel())))
+                d_client.post(
+                    "/v1/completions",
+                    json=leg(push_decode_leg_params(tid, prefill_engine.mover.side_channel())),
+                )
             )
             await p_client.post("/v1/completions", json=leg(prefill_leg_params(mode, tid), 1))
             answer = await (await decode_leg).json()
         else:
-            first = await (await p_client.post("/v1/completions", json=leg(prefill_leg_params(mode, tid), 1))).json()
-            answer = await (await d_client.post("/v1/completions", json=leg(pull_decode_leg_params(first["kv_transfer_params"], tid)))).json()
+            first = await (
+                await p_client.post("/v1/completions", json=leg(prefill_leg_params(mode, tid), 1))
+            ).json()
+            answer = await (
+                await d_client.post(
+                    "/v1/completions", json=leg(pull_decode_leg_params(first["kv_transfer_params"], tid))
+                )
+            ).json()
         # The decode engine computed nothing: its tokens come from KV bytes NIXL put into its GPU pool.
         assert answer["choices"][0]["token_ids"] == reference_tokens(PROMPT, 5), mode
         received = answer["kv_transfer_params"]["pd_received"]
@@ -91,7 +114,14 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
     if (reason := mover_unavailable_reason("nixl", KVDevice.CUDA)) is not None:
         pytest.fail(f"NIXL must be able to move GPU memory here: {reason}")
     args = ["--kv-device", "cuda", "--transfer-timeout", "10", "--lease", "10"]
-    cluster = LocalCluster(workdir=tmp_path_factory.mktemp("gpu"), subnet=180, prefill_count=1, decode_count=1, engine_args=args, transport="nixl")
+    cluster = LocalCluster(
+        workdir=tmp_path_factory.mktemp("gpu"),
+        subnet=180,
+        prefill_count=1,
+        decode_count=1,
+        engine_args=args,
+        transport="nixl",
+    )
     try:
         cluster.start(colocated=False)
         for mode in ("push", "pull"):
@@ -104,12 +134,18 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_engine_processes_with_gpu_pools_answer_through_the_router_from_moved_kv(gpu_cluster: LocalCluster, mode: str):
+def test_engine_processes_with_gpu_pools_answer_through_the_router_from_moved_kv(
+    gpu_cluster: LocalCluster, mode: str
+):
     decode = gpu_cluster.engines["decode-0"]
     before = decode.metrics().get("pd_mock_transfer_bytes_total{direction=import}", 0.0)
     prompt = " ".join(f"t{i}" for i in range(40))
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 6}).encode()
-    request = urllib.request.Request(gpu_cluster.routers[mode].url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        gpu_cluster.routers[mode].url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         answer, headers = json.loads(response.read()), response.headers
     assert tokenize(answer["choices"][0]["text"]) == reference_tokens(tokenize(prompt), 6)

@@ -32,7 +32,12 @@ def test_word_tokenizer_round_trips_every_token_id(tmp_path: Path) -> None:
 def test_dense_model_is_written_with_seeded_weights_that_vllm_can_read(dense_model: Path) -> None:
     config = json.loads((dense_model / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (128, 2, 2, 32)
+    assert (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    ) == (128, 2, 2, 32)
     assert (dense_model / "model.safetensors").stat().st_size > 1_000_000
     model = transformers.AutoModelForCausalLM.from_pretrained(dense_model)
     # Far from vLLM's dummy U(-1e-3, 1e-3) weights, which make every logit ~0.
@@ -41,9 +46,23 @@ def test_dense_model_is_written_with_seeded_weights_that_vllm_can_read(dense_mod
 
 def test_hybrid_model_config_keeps_the_mamba2_shape_the_tests_rely_on(hybrid_model: Path) -> None:
     config = transformers.AutoConfig.from_pretrained(hybrid_model)
-    assert config.layers_block_type == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp"]
-    assert (config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size) == (8, 32, 2, 16)
-    assert json.loads((hybrid_model / "config.json").read_text())["hybrid_override_pattern"] == HYBRID_CONFIG["hybrid_override_pattern"]
+    assert config.layers_block_type == [
+        "linear_attention",
+        "mlp",
+        "linear_attention",
+        "full_attention",
+        "mlp",
+    ]
+    assert (config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size) == (
+        8,
+        32,
+        2,
+        16,
+    )
+    assert (
+        json.loads((hybrid_model / "config.json").read_text())["hybrid_override_pattern"]
+        == HYBRID_CONFIG["hybrid_override_pattern"]
+    )
 
 
 def test_the_same_seed_writes_the_same_weights(dense_model: Path, tmp_path: Path) -> None:

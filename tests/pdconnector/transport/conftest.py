@@ -35,7 +35,8 @@ def make_agent(kind: str) -> Iterator[Callable[[str], Transport]]:
 
 @dataclass
 class Pair:
-    """Two agents in this process: ``a`` owns ``src`` (patterned), ``b`` owns ``dst`` (zeros); each knows the other."""
+    """Two agents in this process: ``a`` owns ``src`` (patterned), ``b`` owns ``dst`` (zeros); each knows the
+    other."""
 
     a: Transport
     b: Transport

@@ -48,8 +48,11 @@ def descs_at(addr: int, spans: Iterable[tuple[int, int]]) -> np.ndarray:
     return np.array([(addr + offset, length, 0) for offset, length in spans], dtype=np.int64).reshape(-1, 3)
 
 
-def wait_for(predicate: Callable[[], _T], *, timeout: float, pump: Sequence[Transport] = (), what: str = "condition") -> _T:
-    """Poll ``predicate`` (driving ``pump`` agents) with back-off until it is truthy or the deadline passes."""
+def wait_for(
+    predicate: Callable[[], _T], *, timeout: float, pump: Sequence[Transport] = (), what: str = "condition"
+) -> _T:
+    """Poll ``predicate`` (driving ``pump`` agents) with back-off until it is truthy or the deadline
+    passes."""
     deadline = time.monotonic() + timeout
     delay = 0.0002
     while True:
@@ -64,8 +67,15 @@ def wait_for(predicate: Callable[[], _T], *, timeout: float, pump: Sequence[Tran
         delay = min(delay * 2, 0.01)
 
 
-def finish(agent: Transport, handle: TransferHandle, *, pump: Sequence[Transport] = (), timeout: float = 10.0) -> TransferStatus:
-    return wait_for(lambda: (s := agent.state(handle)).finished and s, timeout=timeout, pump=pump, what=f"transfer {handle.id} finished")
+def finish(
+    agent: Transport, handle: TransferHandle, *, pump: Sequence[Transport] = (), timeout: float = 10.0
+) -> TransferStatus:
+    return wait_for(
+        lambda: (s := agent.state(handle)).finished and s,
+        timeout=timeout,
+        pump=pump,
+        what=f"transfer {handle.id} finished",
+    )
 
 
 class PeerProcess:
@@ -75,8 +85,18 @@ class PeerProcess:
     def __init__(self, kind: str, name: str, nbytes: int, seed: int, *, timeout: float = 30.0) -> None:
         self.kind = kind
         self._timeout = timeout
-        command = [sys.executable, "-m", "tests.pdconnector.transport.peer_agent", kind, name, str(nbytes), str(seed)]
-        self.process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        command = [
+            sys.executable,
+            "-m",
+            "tests.pdconnector.transport.peer_agent",
+            kind,
+            name,
+            str(nbytes),
+            str(seed),
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_replies, daemon=True)
         self._reader.start()
@@ -107,7 +127,9 @@ class PeerProcess:
                 break
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"peer process {self.kind} gave no reply within {self._timeout} s") from None
+                    raise AssertionError(
+                        f"peer process {self.kind} gave no reply within {self._timeout} s"
+                    ) from None
                 delay = min(delay * 2, 0.01)
         if reply is None:
             raise AssertionError(f"peer process exited (code {self.process.wait(5)})")
@@ -127,9 +149,22 @@ class PeerProcess:
     def add_peer(self, metadata: bytes) -> str:
         return self.call("add_peer", metadata=base64.b64encode(metadata).decode())["peer"]
 
-    def post(self, op: str, peer: str, local: Sequence[tuple[int, int]], remote: np.ndarray, notification: bytes = b"") -> None:
+    def post(
+        self,
+        op: str,
+        peer: str,
+        local: Sequence[tuple[int, int]],
+        remote: np.ndarray,
+        notification: bytes = b"",
+    ) -> None:
         """Start a transfer in the child; its final state is the next :meth:`reply`."""
-        self.send(op, peer=peer, local=list(local), remote=remote.tolist(), notification=base64.b64encode(notification).decode())
+        self.send(
+            op,
+            peer=peer,
+            local=list(local),
+            remote=remote.tolist(),
+            notification=base64.b64encode(notification).decode(),
+        )
 
     def notify(self, peer: str, message: bytes) -> None:
         self.call("notify", peer=peer, message=base64.b64encode(message).decode())

@@ -50,7 +50,11 @@ class PeerAgent:
             self.agent.notify(command["peer"], base64.b64decode(command["message"]))
             return {}
         if op == "notifications":
-            wait_for(lambda: (self.pump() or True) and len(self.inbox) >= command["count"], timeout=command["timeout"], what="notifications")
+            wait_for(
+                lambda: (self.pump() or True) and len(self.inbox) >= command["count"],
+                timeout=command["timeout"],
+                what="notifications",
+            )
             taken, self.inbox = self.inbox, []
             return {"notifications": [[peer, base64.b64encode(m).decode()] for peer, m in taken]}
         if op == "dump":
@@ -66,7 +70,13 @@ class PeerAgent:
 def main() -> None:
     kind, name, nbytes, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     peer = PeerAgent(kind, name, nbytes, seed)
-    _reply({"name": peer.agent.name, "addr": peer.buffer.addr, "metadata": base64.b64encode(peer.agent.metadata()).decode()})
+    _reply(
+        {
+            "name": peer.agent.name,
+            "addr": peer.buffer.addr,
+            "metadata": base64.b64encode(peer.agent.metadata()).decode(),
+        }
+    )
     poller = select.poll()
     poller.register(sys.stdin, select.POLLIN)
     idle_ms = 1

@@ -8,15 +8,29 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from pdconnector.transport import EMPTY_DESCRIPTORS, MAX_NOTIFICATION_BYTES, MemoryRegion, TransferState, Transport, TransportError
+from pdconnector.transport import (
+    EMPTY_DESCRIPTORS,
+    MAX_NOTIFICATION_BYTES,
+    MemoryRegion,
+    TransferState,
+    Transport,
+    TransportError,
+)
 
 from tests.pdconnector.transport.conftest import Pair
 from tests.pdconnector.transport.harness import Buffer, PeerProcess, descs_at, finish, pattern, wait_for
 
 
-def _notifications(agent: Transport, count: int, *, pump: tuple[Transport, ...] = ()) -> list[tuple[str, bytes]]:
+def _notifications(
+    agent: Transport, count: int, *, pump: tuple[Transport, ...] = ()
+) -> list[tuple[str, bytes]]:
     received: list[tuple[str, bytes]] = []
-    wait_for(lambda: received.extend(agent.take_notifications()) or len(received) >= count, timeout=10, pump=pump, what=f"{count} notifications")
+    wait_for(
+        lambda: received.extend(agent.take_notifications()) or len(received) >= count,
+        timeout=10,
+        pump=pump,
+        what=f"{count} notifications",
+    )
     return received
 
 
@@ -48,7 +62,12 @@ def test_write_lands_the_bytes_notifies_once_and_leaves_the_rest_untouched(pair:
 def test_read_fetches_the_bytes_and_notifies_the_peer(pair: Pair) -> None:
     pair.dst.array[:] = pattern(pair.dst.array.nbytes, seed=9)
     before = pair.src.array.copy()
-    handle = pair.a.read(pair.peer_b, pair.src.descs([(0, 4096), (8192, 10)]), pair.dst.descs([(300, 4096), (0, 10)]), b"read:7")
+    handle = pair.a.read(
+        pair.peer_b,
+        pair.src.descs([(0, 4096), (8192, 10)]),
+        pair.dst.descs([(300, 4096), (0, 10)]),
+        b"read:7",
+    )
     assert finish(pair.a, handle, pump=(pair.b,)).state is TransferState.DONE
 
     expected = before.copy()
@@ -80,15 +99,23 @@ def test_an_empty_transfer_only_delivers_its_notification(pair: Pair) -> None:
     handle = pair.a.write(pair.peer_b, EMPTY_DESCRIPTORS, EMPTY_DESCRIPTORS, b"nothing-to-move")
     assert handle.nbytes == 0
     assert finish(pair.a, handle, pump=(pair.b,)).state is TransferState.DONE
-    zero_length = pair.a.write(pair.peer_b, pair.src.descs([(0, 0), (5, 3)]), pair.dst.descs([(9, 0), (20, 3)]))
+    zero_length = pair.a.write(
+        pair.peer_b, pair.src.descs([(0, 0), (5, 3)]), pair.dst.descs([(9, 0), (20, 3)])
+    )
     assert zero_length.num_descriptors == 1
     assert finish(pair.a, zero_length, pump=(pair.b,)).state is TransferState.DONE
     assert _notifications(pair.b, 1) == [(pair.peer_a, b"nothing-to-move")]
     assert pair.dst.array[9] == 0 and np.array_equal(pair.dst.array[20:23], pair.src.array[5:8])
 
 
-@pytest.mark.parametrize("bad_span", [(1 << 16, 1), ((1 << 16) - 10, 11), (-(1 << 20), 16)], ids=["past-end", "straddles-end", "before-start"])
-def test_a_remote_descriptor_outside_the_peers_registered_memory_moves_nothing(pair: Pair, bad_span: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    "bad_span",
+    [(1 << 16, 1), ((1 << 16) - 10, 11), (-(1 << 20), 16)],
+    ids=["past-end", "straddles-end", "before-start"],
+)
+def test_a_remote_descriptor_outside_the_peers_registered_memory_moves_nothing(
+    pair: Pair, bad_span: tuple[int, int]
+) -> None:
     offset, length = bad_span
     remote = np.concatenate([pair.dst.descs([(0, 64)]), descs_at(pair.dst.addr + offset, [(0, length)])])
     local = pair.src.descs([(0, 64), (100, length)])
@@ -102,7 +129,11 @@ def test_a_remote_descriptor_outside_the_peers_registered_memory_moves_nothing(p
 def test_a_local_descriptor_outside_the_agents_registered_memory_is_refused(pair: Pair) -> None:
     unregistered = Buffer(128, seed=5)
     with pytest.raises(TransportError, match=r"local descriptor 1 .* outside"):
-        pair.a.write(pair.peer_b, np.concatenate([pair.src.descs([(0, 8)]), unregistered.descs([(0, 8)])]), pair.dst.descs([(0, 8), (8, 8)]))
+        pair.a.write(
+            pair.peer_b,
+            np.concatenate([pair.src.descs([(0, 8)]), unregistered.descs([(0, 8)])]),
+            pair.dst.descs([(0, 8), (8, 8)]),
+        )
     assert not pair.dst.array.any()
 
 
@@ -132,13 +163,19 @@ def test_a_removed_peer_is_unknown_afterwards(pair: Pair) -> None:
     [
         (np.zeros((2, 2), dtype=np.int64), np.zeros((2, 2), dtype=np.int64), r"shape \(N, 3\)"),
         (np.zeros((2, 3)), np.zeros((2, 3)), "integers"),
-        (np.zeros((2, 3), dtype=np.int64), np.zeros((1, 3), dtype=np.int64), "local has 2 descriptors but remote has 1"),
+        (
+            np.zeros((2, 3), dtype=np.int64),
+            np.zeros((1, 3), dtype=np.int64),
+            "local has 2 descriptors but remote has 1",
+        ),
         (np.array([[1, 8, 0]]), np.array([[1, 9, 0]]), "local length 8 != remote length 9"),
         (np.array([[1, -8, 0]]), np.array([[1, -8, 0]]), "negative"),
     ],
     ids=["shape", "dtype", "count", "lengths", "negative"],
 )
-def test_malformed_descriptors_are_refused_with_the_reason(pair: Pair, local: np.ndarray, remote: np.ndarray, message: str) -> None:
+def test_malformed_descriptors_are_refused_with_the_reason(
+    pair: Pair, local: np.ndarray, remote: np.ndarray, message: str
+) -> None:
     with pytest.raises(TransportError, match=message):
         pair.a.write(pair.peer_b, local, remote)
 
@@ -168,7 +205,9 @@ def test_an_agent_handed_to_another_thread_works_there_and_only_there(pair: Pair
 
     def worker() -> None:
         pair.a.bind_to_current_thread()
-        handle = pair.a.write(pair.peer_b, pair.src.descs([(0, 64)]), pair.dst.descs([(0, 64)]), b"from-worker")
+        handle = pair.a.write(
+            pair.peer_b, pair.src.descs([(0, 64)]), pair.dst.descs([(0, 64)]), b"from-worker"
+        )
         outcome.append(finish(pair.a, handle, timeout=10).state)
 
     thread = threading.Thread(target=worker)
@@ -208,7 +247,9 @@ def test_overlapping_or_mixed_registrations_are_refused(make_agent: Callable[[st
         agent.register([MemoryRegion(buffer.addr + 100, 10)])
 
 
-def test_metadata_of_the_other_transport_is_refused_clearly(make_agent: Callable[[str], Transport], kind: str) -> None:
+def test_metadata_of_the_other_transport_is_refused_clearly(
+    make_agent: Callable[[str], Transport], kind: str
+) -> None:
     agent = make_agent("meta")
     with pytest.raises(TransportError, match="metadata"):
         agent.add_peer(b'{"kind": "something-else"}' if kind == "nixl" else b"pdconnector-nixl/1\n{}\n")
@@ -220,8 +261,11 @@ def test_metadata_of_the_other_transport_is_refused_clearly(make_agent: Callable
 
 
 @pytest.fixture
-def child(spawn_peer: Callable[[int, int], PeerProcess], make_agent: Callable[[str], Transport]) -> tuple[PeerProcess, Transport, Buffer, str]:
-    """A peer process owning 64 KiB of pattern(seed=2), and a local agent owning 64 KiB of pattern(seed=1); connected both ways."""
+def child(
+    spawn_peer: Callable[[int, int], PeerProcess], make_agent: Callable[[str], Transport]
+) -> tuple[PeerProcess, Transport, Buffer, str]:
+    """A peer process owning 64 KiB of pattern(seed=2), and a local agent owning 64 KiB of pattern(seed=1);
+    connected both ways."""
     peer = spawn_peer(1 << 16, 2)
     local = make_agent("parent")
     buffer = Buffer(1 << 16, seed=1)
@@ -232,7 +276,9 @@ def child(spawn_peer: Callable[[int, int], PeerProcess], make_agent: Callable[[s
     return peer, local, buffer, name
 
 
-def test_write_across_processes_lands_bytes_and_one_notification(child: tuple[PeerProcess, Transport, Buffer, str]) -> None:
+def test_write_across_processes_lands_bytes_and_one_notification(
+    child: tuple[PeerProcess, Transport, Buffer, str],
+) -> None:
     peer, local, buffer, name = child
     rng = np.random.default_rng(11)
     src_spans, dst_spans = _scattered_spans(rng, 64, 256, 1 << 16), _scattered_spans(rng, 64, 256, 1 << 16)
@@ -247,16 +293,22 @@ def test_write_across_processes_lands_bytes_and_one_notification(child: tuple[Pe
     assert peer.notifications(0, timeout=0.2) == []
 
 
-def test_read_across_processes_fetches_bytes_and_notifies_the_owner(child: tuple[PeerProcess, Transport, Buffer, str]) -> None:
+def test_read_across_processes_fetches_bytes_and_notifies_the_owner(
+    child: tuple[PeerProcess, Transport, Buffer, str],
+) -> None:
     peer, local, buffer, name = child
-    handle = local.read(name, buffer.descs([(0, 1 << 15)]), descs_at(peer.addr, [(1 << 15, 1 << 15)]), b"xproc-read")
+    handle = local.read(
+        name, buffer.descs([(0, 1 << 15)]), descs_at(peer.addr, [(1 << 15, 1 << 15)]), b"xproc-read"
+    )
     assert finish(local, handle).state is TransferState.DONE
     assert np.array_equal(buffer.array[: 1 << 15], pattern(1 << 16, 2)[1 << 15 :])
     assert np.array_equal(buffer.array[1 << 15 :], pattern(1 << 16, 1)[1 << 15 :])
     assert peer.notifications(1) == [(local.name, b"xproc-read")]
 
 
-def test_a_peer_process_writes_into_this_one_and_notifies(child: tuple[PeerProcess, Transport, Buffer, str]) -> None:
+def test_a_peer_process_writes_into_this_one_and_notifies(
+    child: tuple[PeerProcess, Transport, Buffer, str],
+) -> None:
     peer, local, buffer, name = child
     peer.post("write", local.name, [(0, 512)], buffer.descs([(4096, 512)]), b"from-child")
     assert _notifications(local, 1) == [(peer.name, b"from-child")]
@@ -266,7 +318,9 @@ def test_a_peer_process_writes_into_this_one_and_notifies(child: tuple[PeerProce
     assert peer.notifications(1) == [(local.name, b"ping")]
 
 
-def test_a_killed_peer_process_fails_the_next_transfer_within_a_deadline(child: tuple[PeerProcess, Transport, Buffer, str]) -> None:
+def test_a_killed_peer_process_fails_the_next_transfer_within_a_deadline(
+    child: tuple[PeerProcess, Transport, Buffer, str],
+) -> None:
     peer, local, buffer, name = child
     first = local.write(name, buffer.descs([(0, 1024)]), descs_at(peer.addr, [(0, 1024)]), b"before")
     assert finish(local, first).state is TransferState.DONE

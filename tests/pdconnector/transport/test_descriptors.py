@@ -10,7 +10,9 @@ from pdconnector.transport import Device, MemoryRegion, RegionTable, TransportEr
 
 
 def _brute_force_inside(regions: list[MemoryRegion], addr: int, nbytes: int, device_id: int) -> bool:
-    return any(r.device_id == device_id and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes for r in regions)
+    return any(
+        r.device_id == device_id and r.addr <= addr and addr + nbytes <= r.addr + r.nbytes for r in regions
+    )
 
 
 @st.composite
@@ -21,24 +23,39 @@ def _regions_and_descriptors(draw: st.DrawFn) -> tuple[list[MemoryRegion], np.nd
         size = draw(st.integers(1, 256))
         regions.append(MemoryRegion(cursor, size, Device.DRAM, draw(st.integers(0, 1))))
         cursor += size
-    rows = draw(st.lists(st.tuples(st.integers(4000, cursor + 64), st.integers(0, 300), st.integers(0, 1)), max_size=40))
+    rows = draw(
+        st.lists(
+            st.tuples(st.integers(4000, cursor + 64), st.integers(0, 300), st.integers(0, 1)), max_size=40
+        )
+    )
     return regions, np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
 @given(_regions_and_descriptors())
 def test_first_outside_agrees_with_a_brute_force_check(case: tuple[list[MemoryRegion], np.ndarray]) -> None:
     regions, descriptors = case
-    expected = next((i for i, (a, n, d) in enumerate(descriptors.tolist()) if not _brute_force_inside(regions, a, n, d)), None)
+    expected = next(
+        (i for i, (a, n, d) in enumerate(descriptors.tolist()) if not _brute_force_inside(regions, a, n, d)),
+        None,
+    )
     assert RegionTable(regions).first_outside(descriptors) == expected
 
 
 def test_rank_five_descriptors_match_only_device_five_registrations() -> None:
-    """TP rank 5 of a GPU engine registers cuda:5 memory; rows naming device 0 at the same address lie outside it."""
-    table = RegionTable([MemoryRegion(1 << 40, 1 << 20, Device.VRAM, device_id=5), MemoryRegion(1 << 41, 1 << 20, Device.VRAM, device_id=5)])
+    """TP rank 5 of a GPU engine registers cuda:5 memory; rows naming device 0 at the same address lie outside
+    it."""
+    table = RegionTable(
+        [
+            MemoryRegion(1 << 40, 1 << 20, Device.VRAM, device_id=5),
+            MemoryRegion(1 << 41, 1 << 20, Device.VRAM, device_id=5),
+        ]
+    )
     inside = np.array([[1 << 40, 4096, 5], [(1 << 41) + 4096, 1 << 19, 5]])
     assert table.first_outside(inside) is None
     assert table.first_outside(np.array([[1 << 40, 4096, 5], [1 << 40, 4096, 0]])) == 1
-    with pytest.raises(TransportError, match=r"descriptor 0 .*dev 0\] lies outside the memory registered by 'decode-tp5'"):
+    with pytest.raises(
+        TransportError, match=r"descriptor 0 .*dev 0\] lies outside the memory registered by 'decode-tp5'"
+    ):
         table.check(np.array([[1 << 40, 4096, 0]]), "local", "decode-tp5")
 
 
@@ -65,7 +82,10 @@ def test_an_agent_cannot_mix_device_kinds_or_register_twice() -> None:
     assert len(table.regions) == 2
 
 
-@pytest.mark.parametrize(("addr", "nbytes", "device_id", "field"), [(0, 1, 0, "addr"), (8, 0, 0, "nbytes"), (8, 1, -1, "device_id")])
+@pytest.mark.parametrize(
+    ("addr", "nbytes", "device_id", "field"),
+    [(0, 1, 0, "addr"), (8, 0, 0, "nbytes"), (8, 1, -1, "device_id")],
+)
 def test_a_region_names_its_bad_field(addr: int, nbytes: int, device_id: int, field: str) -> None:
     with pytest.raises(TransportError, match=f"MemoryRegion.{field}"):
         MemoryRegion(addr, nbytes, Device.DRAM, device_id)

@@ -46,7 +46,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-def test_a_write_aimed_outside_the_registered_region_is_rejected_and_nothing_lands(target: tuple[MockTransport, Buffer]) -> None:
+def test_a_write_aimed_outside_the_registered_region_is_rejected_and_nothing_lands(
+    target: tuple[MockTransport, Buffer],
+) -> None:
     agent, buffer = target
     sock = _connect(agent)
     destination = descs_at(buffer.addr, [(0, 16), (4090, 16)])
@@ -57,7 +59,9 @@ def test_a_write_aimed_outside_the_registered_region_is_rejected_and_nothing_lan
     assert not buffer.array.any()
 
     # The connection stays usable for a valid transfer.
-    wire.send_frame(sock, wire.FrameKind.WRITE, wire.encode_transfer(8, b"valid", descs_at(buffer.addr, [(100, 4)])), 4)
+    wire.send_frame(
+        sock, wire.FrameKind.WRITE, wire.encode_transfer(8, b"valid", descs_at(buffer.addr, [(100, 4)])), 4
+    )
     sock.sendall(b"\x01\x02\x03\x04")
     assert _ack(sock) == (8, "", 0)
     assert buffer.array[100:104].tolist() == [1, 2, 3, 4] and buffer.array.sum() == 10
@@ -65,10 +69,14 @@ def test_a_write_aimed_outside_the_registered_region_is_rejected_and_nothing_lan
     sock.close()
 
 
-def test_a_write_whose_stream_disagrees_with_its_descriptors_is_rejected(target: tuple[MockTransport, Buffer]) -> None:
+def test_a_write_whose_stream_disagrees_with_its_descriptors_is_rejected(
+    target: tuple[MockTransport, Buffer],
+) -> None:
     agent, buffer = target
     sock = _connect(agent)
-    wire.send_frame(sock, wire.FrameKind.WRITE, wire.encode_transfer(1, b"", descs_at(buffer.addr, [(0, 8)])), 16)
+    wire.send_frame(
+        sock, wire.FrameKind.WRITE, wire.encode_transfer(1, b"", descs_at(buffer.addr, [(0, 8)])), 16
+    )
     sock.sendall(b"\xff" * 16)
     transfer_id, error, _ = _ack(sock)
     assert transfer_id == 1 and "does not match" in error
@@ -76,10 +84,17 @@ def test_a_write_whose_stream_disagrees_with_its_descriptors_is_rejected(target:
     sock.close()
 
 
-def test_a_write_claiming_more_bytes_than_were_registered_drops_the_connection(target: tuple[MockTransport, Buffer]) -> None:
+def test_a_write_claiming_more_bytes_than_were_registered_drops_the_connection(
+    target: tuple[MockTransport, Buffer],
+) -> None:
     agent, buffer = target
     sock = _connect(agent)
-    wire.send_frame(sock, wire.FrameKind.WRITE, wire.encode_transfer(1, b"", descs_at(buffer.addr + 10**9, [(0, 1 << 40)])), 1 << 40)
+    wire.send_frame(
+        sock,
+        wire.FrameKind.WRITE,
+        wire.encode_transfer(1, b"", descs_at(buffer.addr + 10**9, [(0, 1 << 40)])),
+        1 << 40,
+    )
     assert _closed_by_peer(sock)
     sock.close()
 
@@ -87,7 +102,9 @@ def test_a_write_claiming_more_bytes_than_were_registered_drops_the_connection(t
 def test_a_read_outside_the_registered_region_returns_no_bytes(target: tuple[MockTransport, Buffer]) -> None:
     agent, buffer = target
     sock = _connect(agent)
-    wire.send_frame(sock, wire.FrameKind.READ, wire.encode_transfer(3, b"peek", descs_at(buffer.addr - 64, [(0, 128)])))
+    wire.send_frame(
+        sock, wire.FrameKind.READ, wire.encode_transfer(3, b"peek", descs_at(buffer.addr - 64, [(0, 128)]))
+    )
     transfer_id, error, stream_len = _ack(sock)
     assert transfer_id == 3 and "outside" in error and stream_len == 0
     assert agent.take_notifications() == []
@@ -103,7 +120,9 @@ def test_a_read_outside_the_registered_region_returns_no_bytes(target: tuple[Moc
     ],
     ids=["bad-magic", "unknown-kind", "oversized-metadata"],
 )
-def test_a_malformed_frame_closes_only_that_connection(target: tuple[MockTransport, Buffer], garbage: bytes) -> None:
+def test_a_malformed_frame_closes_only_that_connection(
+    target: tuple[MockTransport, Buffer], garbage: bytes
+) -> None:
     agent, buffer = target
     bad = _connect(agent, "bad")
     bad.sendall(garbage)
@@ -120,7 +139,12 @@ def test_a_malformed_frame_closes_only_that_connection(target: tuple[MockTranspo
 def test_a_sender_dying_mid_stream_delivers_no_notification(target: tuple[MockTransport, Buffer]) -> None:
     agent, _ = target
     sock = _connect(agent)
-    wire.send_frame(sock, wire.FrameKind.WRITE, wire.encode_transfer(1, b"never", descs_at(target[1].addr, [(0, 1024)])), 1024)
+    wire.send_frame(
+        sock,
+        wire.FrameKind.WRITE,
+        wire.encode_transfer(1, b"never", descs_at(target[1].addr, [(0, 1024)])),
+        1024,
+    )
     sock.sendall(b"\x01" * 100)
     sock.close()
     sock = _connect(agent)
@@ -139,19 +163,27 @@ def test_adding_a_peer_that_is_gone_fails_promptly(target: tuple[MockTransport, 
         agent.add_peer(metadata)
 
 
-def test_a_stalled_peer_blocks_neither_the_poster_nor_transfers_to_other_peers(target: tuple[MockTransport, Buffer]) -> None:
-    """Like NIXL, a post only queues the transfer: a peer that stops reading (frozen, CPU-starved) holds its own link only."""
+def test_a_stalled_peer_blocks_neither_the_poster_nor_transfers_to_other_peers(
+    target: tuple[MockTransport, Buffer],
+) -> None:
+    """Like NIXL, a post only queues the transfer: a peer that stops reading (frozen, CPU-starved) holds its
+    own link only."""
     healthy, healthy_buffer = target
-    nbytes = 64 << 20  # far beyond the loopback socket buffers, so this WRITE cannot finish while nobody reads
+    # far beyond the loopback socket buffers, so this WRITE cannot finish while nobody reads
+    nbytes = 64 << 20
     with socket.create_server(("127.0.0.1", 0)) as listener, MockTransport("sender") as sender:
         source = Buffer(nbytes, seed=3)
         sender.register([source.region])
         fake_region = MemoryRegion(1 << 40, nbytes)
-        stalled = sender.add_peer(wire.encode_metadata("stalled", "127.0.0.1", listener.getsockname()[1], [fake_region]))
+        stalled = sender.add_peer(
+            wire.encode_metadata("stalled", "127.0.0.1", listener.getsockname()[1], [fake_region])
+        )
         connection, _ = listener.accept()  # accepted, never read
         with connection:
             started = time.monotonic()
-            stuck = sender.write(stalled, source.descs([(0, nbytes)]), descs_at(fake_region.addr, [(0, nbytes)]), b"stuck")
+            stuck = sender.write(
+                stalled, source.descs([(0, nbytes)]), descs_at(fake_region.addr, [(0, nbytes)]), b"stuck"
+            )
             assert time.monotonic() - started < 0.5, "posting must not wait for the peer to read"
             peer = sender.add_peer(healthy.metadata())
             other = sender.write(peer, source.descs([(0, 4096)]), healthy_buffer.descs([(0, 4096)]), b"other")
@@ -172,10 +204,26 @@ def test_host_memory_only() -> None:
     ("body", "message"),
     [
         (b'{"kind": "pdconnector-mock-transport", "version": 2}', "version 2"),
-        (b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "", "host": "h", "port": 1, "regions": []}', "'name'"),
-        (b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 0, "regions": []}', "'port'"),
-        (b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 1, "regions": [[1, 2]]}', "'regions'"),
-        (b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 1, "regions": [[1, 0, 0]]}', "nbytes"),
+        (
+            b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "", "host": "h", "port": 1, '
+            b'"regions": []}',
+            "'name'",
+        ),
+        (
+            b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 0, '
+            b'"regions": []}',
+            "'port'",
+        ),
+        (
+            b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 1, '
+            b'"regions": [[1, 2]]}',
+            "'regions'",
+        ),
+        (
+            b'{"kind": "pdconnector-mock-transport", "version": 1, "name": "n", "host": "h", "port": 1, '
+            b'"regions": [[1, 0, 0]]}',
+            "nbytes",
+        ),
         (b"x" * (wire.MAX_METADATA_BYTES + 1), "exceeds"),
     ],
     ids=["version", "name", "port", "region-shape", "region-size", "oversized"],
@@ -193,14 +241,19 @@ def test_metadata_round_trips() -> None:
 
 def test_frames_round_trip_descriptors_and_notification() -> None:
     descriptors = np.array([[1 << 45, 7, 0], [12, 0, 3]], dtype=np.int64)
-    transfer_id, notification, decoded = wire.decode_transfer(wire.encode_transfer(1 << 60, b"n" * 1000, descriptors))
+    transfer_id, notification, decoded = wire.decode_transfer(
+        wire.encode_transfer(1 << 60, b"n" * 1000, descriptors)
+    )
     assert transfer_id == 1 << 60 and notification == b"n" * 1000 and np.array_equal(decoded, descriptors)
     with pytest.raises(wire.WireError, match="inconsistent"):
         wire.decode_transfer(wire.encode_transfer(1, b"abc", descriptors)[:-5])
 
 
-def test_a_transfer_in_flight_cannot_be_released_and_is_released_once_final(target: tuple[MockTransport, Buffer]) -> None:
-    """Nothing takes a posted WRITE back: the fence counts on release() refusing until the bytes have landed."""
+def test_a_transfer_in_flight_cannot_be_released_and_is_released_once_final(
+    target: tuple[MockTransport, Buffer],
+) -> None:
+    """Nothing takes a posted WRITE back: the fence counts on release() refusing until the bytes have
+    landed."""
     agent, buffer = target
     sender = MockTransport("late-sender", faults=MockFaults(write_delay_s=1.0))
     source = Buffer(4096)

@@ -1,4 +1,5 @@
-"""The faults chaos tests inject into the mock transport: read from the environment, refused when malformed."""
+"""The faults chaos tests inject into the mock transport: read from the environment, refused when
+malformed."""
 
 import json
 
@@ -12,7 +13,13 @@ def test_no_variable_means_no_faults() -> None:
 
 
 def test_faults_are_read_from_json() -> None:
-    faults = MockFaults.from_env({FAULTS_ENV: json.dumps({"write_delay_s": 7, "delayed_writes": 1, "notification_drop_rate": 0.25, "seed": 3})})
+    faults = MockFaults.from_env(
+        {
+            FAULTS_ENV: json.dumps(
+                {"write_delay_s": 7, "delayed_writes": 1, "notification_drop_rate": 0.25, "seed": 3}
+            )
+        }
+    )
     assert faults == MockFaults(write_delay_s=7, delayed_writes=1, notification_drop_rate=0.25, seed=3)
 
 

@@ -19,7 +19,8 @@ def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def dense_model(tiny_models_root: Path) -> Path:
-    """A tiny Llama (hidden 128, 2 layers, 4 heads / 2 KV heads, head_dim 32, vocab 1024) with seeded weights."""
+    """A tiny Llama (hidden 128, 2 layers, 4 heads / 2 KV heads, head_dim 32, vocab 1024) with seeded
+    weights."""
     return write_tiny_model(tiny_models_root / "dense", TinyModel.DENSE)
 
 
@@ -36,7 +37,8 @@ def engine_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def launch_engine(engine_log_dir: Path) -> Iterator[EngineLauncher]:
-    """``launch_engine(name, model_dir, **launch_server kwargs)``: starts a server (not yet healthy); stopped after the test."""
+    """``launch_engine(name, model_dir, **launch_server kwargs)``: starts a server (not yet healthy); stopped
+    after the test."""
     started: list[VllmServer] = []
 
     def launch(name: str, model_dir: Path, **kwargs: Any) -> VllmServer:

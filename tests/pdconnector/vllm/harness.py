@@ -98,8 +98,9 @@ def engine_args(
         "--max-model-len",
         str(max_model_len),
         "--no-enable-prefix-caching",
-        # No CUDA graphs here, and eager skips torch.compile's warm-up: a tiny engine starts in ~35 s instead of ~60 s
-        # on 2 cores. Both sides of every comparison (P/D and its co-located reference) run the same way.
+        # No CUDA graphs here, and eager skips torch.compile's warm-up: a tiny engine starts in ~35 s instead
+        # of ~60 s on 2 cores. Both sides of every comparison (P/D and its co-located reference) run the same
+        # way.
         "--enforce-eager",
         "--seed",
         "0",
@@ -140,8 +141,13 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise EngineStartError(f"{self.name} exited with {self.process.returncode} while starting:\n{self.log_tail()}")
-            with contextlib.suppress(OSError, urllib.error.URLError), urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                raise EngineStartError(
+                    f"{self.name} exited with {self.process.returncode} while starting:\n{self.log_tail()}"
+                )
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=2) as response,
+            ):
                 if response.status == 200:
                     self.ready_after_s = time.monotonic() - self.started_at
                     return self.ready_after_s
@@ -160,7 +166,8 @@ class VllmServer:
         return True
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole process group (API server, engine core, workers); SIGKILL what is left after ``grace_s``."""
+        """SIGTERM the whole process group (API server, engine core, workers); SIGKILL what is left after
+        ``grace_s``."""
         # A clean shutdown lets vLLM release its shared-memory segments; SIGKILL is the fallback.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -200,10 +207,17 @@ def launch_server(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     args = engine_args(
-        model_dir, port, kv_transfer_config=kv_transfer_config, max_model_len=max_model_len, block_size=block_size, extra_args=extra_args
+        model_dir,
+        port,
+        kv_transfer_config=kv_transfer_config,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        extra_args=extra_args,
     )
     with log_path.open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=base_engine_env(env), start_new_session=True)
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=base_engine_env(env), start_new_session=True
+        )
     return VllmServer(name=name, port=port, process=process, log_path=log_path, started_at=time.monotonic())
 
 
@@ -226,7 +240,9 @@ def start_server(
 
 
 @contextlib.contextmanager
-def running_servers(*servers: VllmServer, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> Iterator[tuple[VllmServer, ...]]:
+def running_servers(
+    *servers: VllmServer, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+) -> Iterator[tuple[VllmServer, ...]]:
     """Wait for already-launched servers to be healthy; stop all of them on exit, whatever happens."""
     try:
         for server in servers:
@@ -262,11 +278,22 @@ class Completion:
     raw: dict[str, Any] = field(repr=False)
 
 
-def stream_token_ids(url: str, prompt: Sequence[int], *, max_tokens: int, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> list[int]:
-    """One greedy streamed completion: the token ids its events carry, in order (the stream must end with [DONE])."""
-    body = {"model": "tiny", "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+def stream_token_ids(
+    url: str, prompt: Sequence[int], *, max_tokens: int, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+) -> list[int]:
+    """One greedy streamed completion: the token ids its events carry, in order (the stream must end with
+    [DONE])."""
+    body = {
+        "model": "tiny",
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     body |= {"return_token_ids": True, "stream": True}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     token_ids: list[int] = []
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         for line in response:
@@ -286,7 +313,10 @@ def _token_key_to_id(key: str) -> int:
 def parse_completion(body: dict[str, Any], elapsed_s: float) -> Completion:
     choice = body["choices"][0]
     logprobs = choice.get("logprobs") or {}
-    top = [{_token_key_to_id(k): float(v) for k, v in entry.items()} for entry in (logprobs.get("top_logprobs") or [])]
+    top = [
+        {_token_key_to_id(k): float(v) for k, v in entry.items()}
+        for entry in (logprobs.get("top_logprobs") or [])
+    ]
     return Completion(
         token_ids=list(choice.get("token_ids") or []),
         prompt_token_ids=list(choice.get("prompt_token_ids") or []),
@@ -307,7 +337,8 @@ def complete(
     request_id: str | None = None,
     timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> Completion:
-    """One greedy non-streaming completion: token ids (list) or text prompt; returns ids and top-5 logprobs."""
+    """One greedy non-streaming completion: token ids (list) or text prompt; returns ids and top-5
+    logprobs."""
     body: dict[str, Any] = {
         "model": "tiny",
         "prompt": prompt if isinstance(prompt, str) else list(prompt),
@@ -324,7 +355,9 @@ def complete(
     headers = {"Content-Type": "application/json"}
     if request_id is not None:
         headers["X-Request-Id"] = request_id
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers, method="POST")
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -358,14 +391,27 @@ def pd_pull(
     request_id: str | None = None,
     timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> DisaggregatedResult:
-    """Pull-style P/D: prefill leg (``max_tokens=1``) first, then decode with the parameters prefill returned."""
+    """Pull-style P/D: prefill leg (``max_tokens=1``) first, then decode with the parameters prefill
+    returned."""
     started = time.monotonic()
     params = {"do_remote_decode": True, "do_remote_prefill": False, **(prefill_params or {})}
-    prefill = complete(prefill_url, prompt, max_tokens=1, kv_transfer_params=params, request_id=request_id, timeout_s=timeout_s)
+    prefill = complete(
+        prefill_url,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params=params,
+        request_id=request_id,
+        timeout_s=timeout_s,
+    )
     if not prefill.kv_transfer_params:
         raise CompletionError(prefill_url, 200, "prefill leg returned no kv_transfer_params")
     decode = complete(
-        decode_url, prompt, max_tokens=max_tokens, kv_transfer_params=prefill.kv_transfer_params, request_id=request_id, timeout_s=timeout_s
+        decode_url,
+        prompt,
+        max_tokens=max_tokens,
+        kv_transfer_params=prefill.kv_transfer_params,
+        request_id=request_id,
+        timeout_s=timeout_s,
     )
     return DisaggregatedResult(prefill=prefill, decode=decode, elapsed_s=time.monotonic() - started)
 
@@ -389,10 +435,22 @@ def pd_push(
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="pd-push") as pool:
         prefill_future = pool.submit(
-            complete, prefill_url, prompt, max_tokens=1, kv_transfer_params=prefill_params, request_id=request_id, timeout_s=timeout_s
+            complete,
+            prefill_url,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params=prefill_params,
+            request_id=request_id,
+            timeout_s=timeout_s,
         )
         decode_future = pool.submit(
-            complete, decode_url, prompt, max_tokens=max_tokens, kv_transfer_params=decode_params, request_id=request_id, timeout_s=timeout_s
+            complete,
+            decode_url,
+            prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params=decode_params,
+            request_id=request_id,
+            timeout_s=timeout_s,
         )
         prefill_error = prefill_future.exception()
         decode_error = decode_future.exception()
@@ -400,7 +458,9 @@ def pd_push(
         raise prefill_error
     if decode_error is not None:
         raise decode_error
-    return DisaggregatedResult(prefill=prefill_future.result(), decode=decode_future.result(), elapsed_s=time.monotonic() - started)
+    return DisaggregatedResult(
+        prefill=prefill_future.result(), decode=decode_future.result(), elapsed_s=time.monotonic() - started
+    )
 
 
 # ---------------------------------------------------------------- comparison
@@ -416,7 +476,9 @@ def output_differences(expected: Completion, actual: Completion, *, logprob_atol
     if actual.token_ids != expected.token_ids:
         differences.append(f"token ids differ: expected {expected.token_ids}, got {actual.token_ids}")
     if len(actual.top_logprobs) != len(expected.top_logprobs):
-        differences.append(f"logprob positions differ: expected {len(expected.top_logprobs)}, got {len(actual.top_logprobs)}")
+        differences.append(
+            f"logprob positions differ: expected {len(expected.top_logprobs)}, got {len(actual.top_logprobs)}"
+        )
     for position, (want, got) in enumerate(zip(expected.top_logprobs, actual.top_logprobs, strict=False)):
         # A near-tie at rank 5 may legitimately swap the 5th entry; compare the shared entries
         # and require every strong (not near the cut-off) expected entry to be present.
@@ -424,7 +486,10 @@ def output_differences(expected: Completion, actual: Completion, *, logprob_atol
         for token_id, logprob in want.items():
             if token_id in got:
                 if abs(got[token_id] - logprob) > logprob_atol:
-                    differences.append(f"position {position}: token {token_id} logprob {got[token_id]:.6f} vs expected {logprob:.6f}")
+                    differences.append(
+                        f"position {position}: token {token_id} logprob {got[token_id]:.6f} vs expected "
+                        f"{logprob:.6f}"
+                    )
             elif logprob - cutoff > logprob_atol:
                 differences.append(f"position {position}: token {token_id} missing from top-{TOP_LOGPROBS}")
     return differences

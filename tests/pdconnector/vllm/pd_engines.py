@@ -1,4 +1,5 @@
-"""Prefill + decode vLLM engines running our connector, and P/D requests against them (shared by the connector tests).
+"""Prefill + decode vLLM engines running our connector, and P/D requests against them (shared by the connector
+tests).
 
 One engine pair serves both modes: the mode travels in each request's ``kv_transfer_params``
 (the engine's configured mode is only the default). The decode engine doubles as the
@@ -42,7 +43,8 @@ from tests.pdconnector.vllm.harness import (
 CONNECTOR_MODULE = "pdconnector.vllm.connector"
 ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 BLOCK_SIZE = 128  # vLLM's default on the CPU backend (dense); the hybrid's attention block is larger
-# What the connector tests compare: a few generated tokens, logprobs within float32 noise, prompts around a block.
+# What the connector tests compare: a few generated tokens, logprobs within float32 noise, prompts around a
+# block.
 MAX_TOKENS = 6
 LOGPROB_ATOL = 1e-4
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
@@ -59,7 +61,13 @@ def reserve_ports(count: int) -> list[int]:
 
 
 def connector_config(
-    engine_id: str, kv_role: str, side_channel_port: int, *, mode: str = "push", timeout_s: float = 30.0, policy: str = "fail"
+    engine_id: str,
+    kv_role: str,
+    side_channel_port: int,
+    *,
+    mode: str = "push",
+    timeout_s: float = 30.0,
+    policy: str = "fail",
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` the operator renders for our connector (``pdoperator.render.engine``)."""
     return {
@@ -69,7 +77,12 @@ def connector_config(
         "kv_buffer_device": "cpu",
         "engine_id": engine_id,
         "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"mode": mode, "backends": ["UCX"], "side_channel_port": side_channel_port, "transfer_timeout_s": timeout_s},
+        "kv_connector_extra_config": {
+            "mode": mode,
+            "backends": ["UCX"],
+            "side_channel_port": side_channel_port,
+            "transfer_timeout_s": timeout_s,
+        },
     }
 
 
@@ -83,7 +96,9 @@ class PDPair:
 
     @property
     def coordinates(self) -> PrefillCoordinates:
-        return PrefillCoordinates(self.prefill_engine_id, LOOPBACK, self.prefill_side_channel_port, self.prefill_tp_size)
+        return PrefillCoordinates(
+            self.prefill_engine_id, LOOPBACK, self.prefill_side_channel_port, self.prefill_tp_size
+        )
 
     def colocated(self, prompt: list[int], max_tokens: int) -> Completion:
         return complete(self.decode.url, prompt, max_tokens=max_tokens)
@@ -118,22 +133,36 @@ class PDPair:
         transfer_id = mint_transfer_id()
         started = time.monotonic()
         prefill = complete(
-            self.prefill.url, prompt, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PULL, transfer_id), timeout_s=timeout_s
+            self.prefill.url,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params=prefill_leg_params(TransferMode.PULL, transfer_id),
+            timeout_s=timeout_s,
         )
         if not prefill.kv_transfer_params:
             raise CompletionError(self.prefill.url, 200, "prefill leg returned no kv_transfer_params")
         params = pull_decode_leg_params(prefill.kv_transfer_params, transfer_id)
-        decode = complete(self.decode.url, prompt, max_tokens=max_tokens, kv_transfer_params=params, timeout_s=timeout_s)
+        decode = complete(
+            self.decode.url, prompt, max_tokens=max_tokens, kv_transfer_params=params, timeout_s=timeout_s
+        )
         return DisaggregatedResult(prefill, decode, time.monotonic() - started)
 
-    def run(self, mode: TransferMode, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0) -> DisaggregatedResult:
+    def run(
+        self, mode: TransferMode, prompt: list[int], max_tokens: int, *, timeout_s: float = 120.0
+    ) -> DisaggregatedResult:
         move = self.push if mode is TransferMode.PUSH else self.pull
         try:
             return move(prompt, max_tokens, timeout_s=timeout_s)
         except CompletionError as error:
             # What the engines logged says why (a CI log shows only the test's output).
-            logged = "\n".join(f"{server.name}: {line}" for server in (self.prefill, self.decode) for line in _errors_logged(server))
-            raise CompletionError(error.url, error.status, f"{error.body}\nengine errors:\n{logged or '(none)'}") from error
+            logged = "\n".join(
+                f"{server.name}: {line}"
+                for server in (self.prefill, self.decode)
+                for line in _errors_logged(server)
+            )
+            raise CompletionError(
+                error.url, error.status, f"{error.body}\nengine errors:\n{logged or '(none)'}"
+            ) from error
 
 
 def _errors_logged(server: VllmServer, limit: int = 6) -> list[str]:
@@ -153,16 +182,18 @@ def pd_pair(
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
 
-    ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off everywhere else),
-    so a P/D request there receives only the blocks after its local prefix hit. ``decode_args``: more engine arguments
-    for decode."""
+    ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off
+    everywhere else), so a P/D request there receives only the blocks after its local prefix hit.
+    ``decode_args``: more engine arguments for decode."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
         prefill_id,
         model_dir,
         log_dir,
-        kv_transfer_config=connector_config(prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy),
+        kv_transfer_config=connector_config(
+            prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy
+        ),
         env=ENGINE_ENV,
         port=prefill_http,
     )
@@ -170,10 +201,15 @@ def pd_pair(
         decode_id,
         model_dir,
         log_dir,
-        kv_transfer_config=connector_config(decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy),
+        kv_transfer_config=connector_config(
+            decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy
+        ),
         env=ENGINE_ENV,
         port=decode_http,
-        extra_args=(*decode_args, *(("--enable-prefix-caching",) if decode_prefix_caching else ())),  # the last of the two flags wins
+        extra_args=(
+            *decode_args,
+            *(("--enable-prefix-caching",) if decode_prefix_caching else ()),
+        ),  # the last of the two flags wins
     )
     with running_servers(prefill, decode):
         warm_up(prefill, decode)
@@ -184,9 +220,10 @@ WARM_UP_LENGTHS = (1, 600)  # the shortest and longest prompts the tests send
 
 
 def warm_up(*servers: VllmServer, lengths: Sequence[int] = WARM_UP_LENGTHS) -> None:
-    """One co-located completion per prompt length on each engine. Eager engines skip vLLM's warm-up, so the first
-    prompt of a length pays for its kernels: seconds on a loaded CI machine, which a transfer test would then count
-    against decode's deadline (a first push on a fresh TP-2 hybrid engine missed its 30 s that way)."""
+    """One co-located completion per prompt length on each engine. Eager engines skip vLLM's warm-up, so the
+    first prompt of a length pays for its kernels: seconds on a loaded CI machine, which a transfer test would
+    then count against decode's deadline (a first push on a fresh TP-2 hybrid engine missed its 30 s that
+    way)."""
     for server in servers:
         for length in lengths:
             complete(server.url, prompt_of(length, seed=99), max_tokens=2)
@@ -197,9 +234,11 @@ def kv_cache_usage(server: VllmServer) -> float:
 
 
 def wait_for_free_blocks(pair: PDPair, timeout_s: float = 45.0) -> dict[str, float]:
-    """KV cache usage of both engines once it drops to zero (or as it is at the deadline): 0 means no block is held.
+    """KV cache usage of both engines once it drops to zero (or as it is at the deadline): 0 means no block is
+    held.
 
-    The default outlasts prefill's 30 s lease: a hold whose release notice went missing must still end by then."""
+    The default outlasts prefill's 30 s lease: a hold whose release notice went missing must still end by
+    then."""
     deadline = time.monotonic() + timeout_s
     while True:
         usage = {"prefill": kv_cache_usage(pair.prefill), "decode": kv_cache_usage(pair.decode)}
@@ -212,19 +251,25 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
     return [(11 * i + 7 * seed + 5) % 1024 for i in range(length)]
 
 
-def assert_disaggregated_equals_colocated(pair: PDPair, mode: TransferMode, lengths: Sequence[int], *, first_seed: int = 0) -> dict[int, Any]:
-    """One P/D request in ``mode`` per prompt length: its output must equal the decode engine's co-located output (ids and
-    top-5 logprobs) and decode must report it received the prompt by a transfer in that mode. Returns those reports by length."""
+def assert_disaggregated_equals_colocated(
+    pair: PDPair, mode: TransferMode, lengths: Sequence[int], *, first_seed: int = 0
+) -> dict[int, Any]:
+    """One P/D request in ``mode`` per prompt length: its output must equal the decode engine's co-located
+    output (ids and top-5 logprobs) and decode must report it received the prompt by a transfer in that mode.
+    Returns those reports by length."""
     received_by_length = {}
     for seed, length in enumerate(lengths, start=first_seed):
         prompt = prompt_of(length, seed)
         colocated = pair.colocated(prompt, MAX_TOKENS)
         result = pair.run(mode, prompt, MAX_TOKENS)
-        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], f"{mode} prompt of {length} tokens"
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == [], (
+            f"{mode} prompt of {length} tokens"
+        )
         assert result.decode.prompt_token_ids == prompt
         received = (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
         assert received and received["mode"] == mode.value, (
-            f"{mode}: decode did not receive the KV of the {length}-token prompt: {result.decode.kv_transfer_params}"
+            f"{mode}: decode did not receive the KV of the {length}-token prompt: "
+            f"{result.decode.kv_transfer_params}"
         )
         received_by_length[length] = received
     return received_by_length

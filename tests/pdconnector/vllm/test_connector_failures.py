@@ -1,14 +1,16 @@
-"""What a decode engine running our connector does when its KV transfer fails, under each ``kv_load_failure_policy``.
+"""What a decode engine running our connector does when its KV transfer fails, under each
+``kv_load_failure_policy``.
 
-``recompute``: the request is computed locally instead; its answer equals the co-located one (token ids and top-5
-logprobs), it arrives within the transfer deadline, and no block stays held on either engine.
-``fail``: the request fails within the transfer deadline and the decode log names the transfer and the reason;
-prefill frees the blocks it kept when its lease runs out; both engines keep serving P/D requests.
+``recompute``: the request is computed locally instead; its answer equals the co-located one (token ids and
+top-5 logprobs), it arrives within the transfer deadline, and no block stays held on either engine. ``fail``:
+the request fails within the transfer deadline and the decode log names the transfer and the reason; prefill
+frees the blocks it kept when its lease runs out; both engines keep serving P/D requests.
 
-vLLM reads the policy once per engine (its scheduler's ``recompute_kv_load_failures``), so one decode engine cannot
-show both. Rather than a prefill plus two decode engines (three start-ups at ~40-60 s each on this machine), two
-``kv_both`` engines, one per policy, act as prefill for each other: the recompute engine decodes from the fail
-engine and the fail engine decodes from the recompute engine. Short transfer timeout and lease keep the waits brief.
+vLLM reads the policy once per engine (its scheduler's ``recompute_kv_load_failures``), so one decode engine
+cannot show both. Rather than a prefill plus two decode engines (three start-ups at ~40-60 s each on this
+machine), two ``kv_both`` engines, one per policy, act as prefill for each other: the recompute engine decodes
+from the fail engine and the fail engine decodes from the recompute engine. Short transfer timeout and lease
+keep the waits brief.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from pdconnector.protocol.params import (
     push_decode_leg_params,
 )
 
-from tests.pdconnector.vllm.harness import LOOPBACK, Completion, CompletionError, complete, launch_server, output_differences, running_servers
+from tests.pdconnector.vllm.harness import (
+    LOOPBACK,
+    Completion,
+    CompletionError,
+    complete,
+    launch_server,
+    output_differences,
+    running_servers,
+)
 from tests.pdconnector.vllm.pd_engines import (
     ENGINE_ENV,
     LOGPROB_ATOL,
@@ -62,7 +72,9 @@ class CrossedPairs:
 
 
 def engine_config(engine_id: str, side_channel_port: int, policy: str) -> dict[str, Any]:
-    config = connector_config(engine_id, "kv_both", side_channel_port, timeout_s=TRANSFER_TIMEOUT_S, policy=policy)
+    config = connector_config(
+        engine_id, "kv_both", side_channel_port, timeout_s=TRANSFER_TIMEOUT_S, policy=policy
+    )
     config["kv_connector_extra_config"]["lease_s"] = LEASE_S
     return config
 
@@ -80,34 +92,68 @@ def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[CrossedPairs]:
         port=recompute_http,
     )
     fail = launch_server(
-        fail_id, dense_model, engine_log_dir, kv_transfer_config=engine_config(fail_id, fail_sc, "fail"), env=ENGINE_ENV, port=fail_http
+        fail_id,
+        dense_model,
+        engine_log_dir,
+        kv_transfer_config=engine_config(fail_id, fail_sc, "fail"),
+        env=ENGINE_ENV,
+        port=fail_http,
     )
     with running_servers(recompute, fail):
-        yield CrossedPairs(into_recompute=PDPair(fail, recompute, fail_id, fail_sc), into_fail=PDPair(recompute, fail, recompute_id, recompute_sc))
+        yield CrossedPairs(
+            into_recompute=PDPair(fail, recompute, fail_id, fail_sc),
+            into_fail=PDPair(recompute, fail, recompute_id, recompute_sc),
+        )
 
 
-# --- recompute policy --------------------------------------------------------------------------------------------
+# --- recompute policy
+# --------------------------------------------------------------------------------------------
 
 
 def decode_from_an_unreachable_prefill(pair: PDPair, prompt: list[int]) -> Completion:
     """Push decode leg naming a side channel nobody listens on: the handshake is refused."""
     nowhere = PrefillCoordinates("nobody", LOOPBACK, reserve_ports(1)[0], 1)
-    return complete(pair.decode.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=push_decode_leg_params(mint_transfer_id(), nowhere))
+    return complete(
+        pair.decode.url,
+        prompt,
+        max_tokens=MAX_TOKENS,
+        kv_transfer_params=push_decode_leg_params(mint_transfer_id(), nowhere),
+    )
 
 
 def decode_whose_prefill_leg_never_comes(pair: PDPair, prompt: list[int]) -> Completion:
-    """Push decode leg registered at a live prefill that never computes the transfer: decode's deadline runs out."""
-    return complete(pair.decode.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=push_decode_leg_params(mint_transfer_id(), pair.coordinates))
+    """Push decode leg registered at a live prefill that never computes the transfer: decode's deadline runs
+    out."""
+    return complete(
+        pair.decode.url,
+        prompt,
+        max_tokens=MAX_TOKENS,
+        kv_transfer_params=push_decode_leg_params(mint_transfer_id(), pair.coordinates),
+    )
 
 
 def decode_reading_blocks_prefill_does_not_have(pair: PDPair, prompt: list[int]) -> Completion:
-    """Pull decode leg after a real prefill leg, with the block ids to read replaced by ids beyond prefill's cache."""
+    """Pull decode leg after a real prefill leg, with the block ids to read replaced by ids beyond prefill's
+    cache."""
     transfer_id = mint_transfer_id()
-    prefill = complete(pair.prefill.url, prompt, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PULL, transfer_id))
+    prefill = complete(
+        pair.prefill.url,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params=prefill_leg_params(TransferMode.PULL, transfer_id),
+    )
     assert prefill.kv_transfer_params, "the prefill leg returned no kv_transfer_params"
     held = prefill.kv_transfer_params["remote_block_ids"]
-    unreadable = {**prefill.kv_transfer_params, "remote_block_ids": [[UNKNOWN_BLOCK_ID + i for i in range(len(group))] for group in held]}
-    return complete(pair.decode.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=pull_decode_leg_params(unreadable, transfer_id))
+    unreadable = {
+        **prefill.kv_transfer_params,
+        "remote_block_ids": [[UNKNOWN_BLOCK_ID + i for i in range(len(group))] for group in held],
+    }
+    return complete(
+        pair.decode.url,
+        prompt,
+        max_tokens=MAX_TOKENS,
+        kv_transfer_params=pull_decode_leg_params(unreadable, transfer_id),
+    )
 
 
 FAILED_TRANSFERS: dict[str, Callable[[PDPair, list[int]], Completion]] = {
@@ -137,11 +183,12 @@ def test_with_the_recompute_policy_a_failed_transfer_is_computed_locally_and_equ
     assert wait_for_free_blocks(pair, timeout_s=LEASE_S + SLACK_S) == NO_BLOCKS_HELD
 
 
-# --- fail policy: the two legs name different transfers -----------------------------------------------------------
+# --- fail policy: the two legs name different transfers
+# -----------------------------------------------------------
 
 
 @pytest.mark.timeout(300)
-def test_a_push_whose_legs_name_different_transfers_fails_decode_in_time_and_prefill_frees_its_blocks_at_the_lease(
+def test_a_push_whose_legs_name_different_transfers_fails_decode_in_time_and_prefill_frees_at_lease(
     engines: CrossedPairs,
 ) -> None:
     pair = engines.into_fail
@@ -152,9 +199,18 @@ def test_a_push_whose_legs_name_different_transfers_fails_decode_in_time_and_pre
     with ThreadPoolExecutor(max_workers=1) as pool:
         decode_started = time.monotonic()
         decode = pool.submit(
-            complete, pair.decode.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=push_decode_leg_params(registered, pair.coordinates)
+            complete,
+            pair.decode.url,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params=push_decode_leg_params(registered, pair.coordinates),
         )
-        prefill = complete(pair.prefill.url, prompt, max_tokens=1, kv_transfer_params=prefill_leg_params(TransferMode.PUSH, computed))
+        prefill = complete(
+            pair.prefill.url,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params=prefill_leg_params(TransferMode.PUSH, computed),
+        )
         prefill_finished = time.monotonic()
         held_after_prefill = kv_cache_usage(pair.prefill)
         with pytest.raises(CompletionError) as failure:
@@ -175,6 +231,11 @@ def test_a_push_whose_legs_name_different_transfers_fails_decode_in_time_and_pre
     # Both engines keep serving P/D traffic, in both directions.
     for healthy in (engines.into_fail, engines.into_recompute):
         result = healthy.push(prompt, MAX_TOKENS)
-        assert output_differences(healthy.colocated(prompt, MAX_TOKENS), result.decode, logprob_atol=LOGPROB_ATOL) == []
+        assert (
+            output_differences(
+                healthy.colocated(prompt, MAX_TOKENS), result.decode, logprob_atol=LOGPROB_ATOL
+            )
+            == []
+        )
         assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY), result.decode.kv_transfer_params
     assert wait_for_free_blocks(pair, timeout_s=LEASE_S + SLACK_S) == NO_BLOCKS_HELD

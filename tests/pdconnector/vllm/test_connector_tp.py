@@ -1,4 +1,5 @@
-"""Heterogeneous tensor parallelism on real vLLM CPU engines: a TP=1 and a TP=2 engine, each prefill for the other.
+"""Heterogeneous tensor parallelism on real vLLM CPU engines: a TP=1 and a TP=2 engine, each prefill for the
+other.
 
 Both tiny models have 2 KV heads: a TP=2 engine holds one per rank. From TP=1 to TP=2 each decode rank
 takes its head's slice of the one prefill rank's blocks; from TP=2 to TP=1 the decode rank's blocks are
@@ -44,7 +45,14 @@ class MixedTp:
 def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[MixedTp]:
     model: Path = request.getfixturevalue(f"{request.param}_model")
     sc_1, sc_2, http_1, http_2 = reserve_ports(4)
-    tp1 = launch_server("tp1", model, engine_log_dir, kv_transfer_config=connector_config("tp1", "kv_both", sc_1), env=ENGINE_ENV, port=http_1)
+    tp1 = launch_server(
+        "tp1",
+        model,
+        engine_log_dir,
+        kv_transfer_config=connector_config("tp1", "kv_both", sc_1),
+        env=ENGINE_ENV,
+        port=http_1,
+    )
     tp2 = launch_server(
         "tp2",
         model,
@@ -56,7 +64,9 @@ def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[M
     )
     with running_servers(tp1, tp2):
         warm_up(tp1, tp2)
-        yield MixedTp(one_to_two=PDPair(tp1, tp2, "tp1", sc_1, 1), two_to_one=PDPair(tp2, tp1, "tp2", sc_2, 2))
+        yield MixedTp(
+            one_to_two=PDPair(tp1, tp2, "tp1", sc_1, 1), two_to_one=PDPair(tp2, tp1, "tp2", sc_2, 2)
+        )
 
 
 @pytest.mark.timeout(900)

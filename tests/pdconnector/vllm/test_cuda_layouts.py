@@ -1,10 +1,11 @@
-"""The connector's layout handling against KV caches exactly as vLLM 0.32's GPU model runner builds them (on the CPU).
+"""The connector's layout handling against KV caches exactly as vLLM 0.32's GPU model runner builds them (on
+the CPU).
 
-Every transfer case plants tagged K/V and Mamba state through the views vLLM's kernels read, on the prefill ranks that
-write into one decode rank; plans with our planner; copies descriptor by descriptor, by address, between the raw
-buffers vLLM allocated; and reads back through the decode rank's kernel views: every token of the request at every
-layer and head holds what prefill planted for that global head and position, and no byte outside the request's
-blocks (the HMA padding of its Mamba pages included) changed.
+Every transfer case plants tagged K/V and Mamba state through the views vLLM's kernels read, on the prefill
+ranks that write into one decode rank; plans with our planner; copies descriptor by descriptor, by address,
+between the raw buffers vLLM allocated; and reads back through the decode rank's kernel views: every token of
+the request at every layer and head holds what prefill planted for that global head and position, and no byte
+outside the request's blocks (the HMA padding of its Mamba pages included) changed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from pdconnector.layout import BlockPlacement, ConvLayout, RankLayout, plan_tran
 from pdconnector.transport.base import Device, TransportError
 from pdconnector.transport.descriptors import RegionTable
 from pdconnector.vllm.config import DEFAULT_KV_CACHE_LAYOUT
-from pdconnector.vllm.kv_layout import LayoutMismatch, kv_buffer_device, memory_regions, model_spec, rank_layout
+from pdconnector.vllm.kv_layout import (
+    LayoutMismatch,
+    kv_buffer_device,
+    memory_regions,
+    model_spec,
+    rank_layout,
+)
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -65,8 +72,9 @@ SelectLayout = Callable[[str], None]
 
 @pytest.fixture(autouse=True, scope="module")
 def _engine_env() -> Iterator[None]:
-    """What an engine serving a hybrid model through the connector sets (the DS conv state layout), and one torch
-    thread: these tests make many small tensor ops, which a thread pool only slows down on a busy CI machine."""
+    """What an engine serving a hybrid model through the connector sets (the DS conv state layout), and one
+    torch thread: these tests make many small tensor ops, which a thread pool only slows down on a busy CI
+    machine."""
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
@@ -94,24 +102,32 @@ def kv_cache_layout(monkeypatch: pytest.MonkeyPatch) -> SelectLayout:
     return select
 
 
-def transfer(hf_config: Mapping[str, Any], backend: str, pair: Pair, *, num_blocks: int, num_tokens: int) -> tuple[RankCache, Request]:
+def transfer(
+    hf_config: Mapping[str, Any], backend: str, pair: Pair, *, num_blocks: int, num_tokens: int
+) -> tuple[RankCache, Request]:
     """One request from every prefill rank that writes into the decode rank, as the connector would move it.
 
     Prefill ranks share the scheduler's block ids; the decode engine has other ids for the same request."""
-    decode = build_rank_cache(hf_config, BACKENDS[backend], tp_size=pair.decode_tp, tp_rank=pair.decode_rank, num_blocks=num_blocks)
+    decode = build_rank_cache(
+        hf_config, BACKENDS[backend], tp_size=pair.decode_tp, tp_rank=pair.decode_rank, num_blocks=num_blocks
+    )
     decode.raw.fill_(SENTINEL)
     decode_request = scattered_request(decode, num_tokens, seed=2)
     decode_layout = decode.rank_layout()
     decode_regions = decode.memory_regions(decode_layout)
     for rank in writers_for(pair.decode_rank, pair.prefill_tp, pair.decode_tp):
-        prefill = build_rank_cache(hf_config, BACKENDS[backend], tp_size=pair.prefill_tp, tp_rank=rank, num_blocks=num_blocks)
+        prefill = build_rank_cache(
+            hf_config, BACKENDS[backend], tp_size=pair.prefill_tp, tp_rank=rank, num_blocks=num_blocks
+        )
         prefill.raw.fill_(PREFILL_FILL)
         request = scattered_request(prefill, num_tokens, seed=1)
         assert request.blocks != decode_request.blocks
         plant(prefill, request)
         layout = prefill.rank_layout()
         regions = prefill.memory_regions(layout)
-        plan = plan_transfer(layout, decode_layout, request.blocks, decode_request.blocks, num_tokens=num_tokens)
+        plan = plan_transfer(
+            layout, decode_layout, request.blocks, decode_request.blocks, num_tokens=num_tokens
+        )
         src, dst = plan.to_descriptors(
             [r.addr for r in regions],
             [r.addr for r in decode_regions],
@@ -158,13 +174,21 @@ def test_hybrid_request_lands_with_its_conv_and_temporal_state_and_no_padding_is
     assert written_outside(decode, request) == 0
 
 
-def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_layout_reads_them_off_the_views(kv_cache_layout: SelectLayout) -> None:
-    """vLLM raises the hybrid block to 1040 tokens so an attention page holds the Mamba state; in a layer-outer cache
-    FlashInfer (16/32/64 before SM100) then runs 16-token kernel blocks and the connector receives [num_blocks * 65, H, 16, C] views.
+def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_layout_reads_them_off_the_views(
+    kv_cache_layout: SelectLayout,
+) -> None:
+    """vLLM raises the hybrid block to 1040 tokens so an attention page holds the Mamba state; in a
+    layer-outer cache FlashInfer (16/32/64 before SM100) then runs 16-token kernel blocks and the connector
+    receives [num_blocks
+    * 65, H, 16, C] views.
     FlashAttention's kernel block is any multiple of 16, so vLLM runs it on the 1040-token block unsplit."""
     kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
-    flashinfer = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
-    flash_attn = build_rank_cache(NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
+    flashinfer = build_rank_cache(
+        NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS
+    )
+    flash_attn = build_rank_cache(
+        NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS
+    )
     attention = "model.layers.5.mixer.attn"
     assert flashinfer.kv_caches[attention].shape == (NUM_BLOCKS * 65, 4, 16, 256)
     model = flashinfer.rank_layout().model
@@ -173,23 +197,41 @@ def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_la
     assert flash_attn.rank_layout().model.kernel_block_size == 1040
 
 
-def test_prefill_and_decode_with_different_kernel_blocks_are_refused_by_the_planner(kv_cache_layout: SelectLayout) -> None:
-    """FlashInfer's 16-token kernel blocks and FlashAttention's 1040-token block order the same tokens differently."""
+def test_prefill_and_decode_with_different_kernel_blocks_are_refused_by_the_planner(
+    kv_cache_layout: SelectLayout,
+) -> None:
+    """FlashInfer's 16-token kernel blocks and FlashAttention's 1040-token block order the same tokens
+    differently."""
     kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
-    flashinfer = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
-    flash_attn = build_rank_cache(NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
+    flashinfer = build_rank_cache(
+        NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS
+    )
+    flash_attn = build_rank_cache(
+        NEMOTRON_H, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS
+    )
     request = scattered_request(flashinfer, HYBRID_TOKENS, seed=1)
     with pytest.raises(ValueError, match="kernel_block_size"):
-        plan_transfer(flashinfer.rank_layout(), flash_attn.rank_layout(), request.blocks, request.blocks, num_tokens=HYBRID_TOKENS)
+        plan_transfer(
+            flashinfer.rank_layout(),
+            flash_attn.rank_layout(),
+            request.blocks,
+            request.blocks,
+            num_tokens=HYBRID_TOKENS,
+        )
 
 
-def test_regions_are_refused_for_a_layout_that_ignores_the_kernel_block(kv_cache_layout: SelectLayout) -> None:
-    """Pages of a whole 1040-token block do not fit views of 16-token kernel blocks: registering them would be wrong."""
+def test_regions_are_refused_for_a_layout_that_ignores_the_kernel_block(
+    kv_cache_layout: SelectLayout,
+) -> None:
+    """Pages of a whole 1040-token block do not fit views of 16-token kernel blocks: registering them would be
+    wrong."""
     kv_cache_layout("LBHNC")  # layer-outer: block-outermost caches are never split into kernel blocks
     cache = build_rank_cache(NEMOTRON_H, BACKENDS["FLASHINFER"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     unsplit = model_spec(NEMOTRON_H, cache.kv_cache_config, conv_layout=ConvLayout.DS)
     with pytest.raises(LayoutMismatch, match="block stride"):
-        memory_regions(RankLayout(unsplit, 2, 1, NUM_BLOCKS), cache.kv_cache_config, cache.kv_caches, Device.DRAM)
+        memory_regions(
+            RankLayout(unsplit, 2, 1, NUM_BLOCKS), cache.kv_cache_config, cache.kv_caches, Device.DRAM
+        )
 
 
 def test_a_head_outermost_layer_order_is_refused_by_name(kv_cache_layout: SelectLayout) -> None:
@@ -202,14 +244,23 @@ def test_a_head_outermost_layer_order_is_refused_by_name(kv_cache_layout: Select
 
 
 @pytest.mark.parametrize(
-    ("hf_config", "backend"), [(QWEN3_32B, "FLASH_ATTN"), (QWEN3_32B, "TRITON_ATTN"), (QWEN3_32B, "FLASHINFER"), (NEMOTRON_H, "FLASHINFER")]
+    ("hf_config", "backend"),
+    [
+        (QWEN3_32B, "FLASH_ATTN"),
+        (QWEN3_32B, "TRITON_ATTN"),
+        (QWEN3_32B, "FLASHINFER"),
+        (NEMOTRON_H, "FLASHINFER"),
+    ],
 )
-def test_vllm_gives_the_connector_the_block_outermost_cache_it_asks_for(hf_config: Mapping[str, Any], backend: str) -> None:
+def test_vllm_gives_the_connector_the_block_outermost_cache_it_asks_for(
+    hf_config: Mapping[str, Any], backend: str
+) -> None:
     cache = build_rank_cache(hf_config, BACKENDS[backend], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
     layout = cache.rank_layout()
     assert cache.layout.name == DEFAULT_KV_CACHE_LAYOUT
     assert (layout.placement, len(layout.regions)) == (BlockPlacement.BLOCK_OUTER, 1)
-    assert layout.model.physical_blocks_per_logical == 1  # vLLM does not split a block other layers' pages sit in
+    # vLLM does not split a block other layers' pages sit in
+    assert layout.model.physical_blocks_per_logical == 1
 
 
 QWEN3_LAYERS = 64
@@ -230,13 +281,19 @@ QWEN3_LAYERS = 64
 def test_block_outermost_caches_move_a_scattered_request_in_one_descriptor_per_block(
     kv_cache_layout: SelectLayout, layout: str, pair: Pair, per_block: int
 ) -> None:
-    """Qwen3-32B's 64 layers: layer-outer caches cost a descriptor per layer per block; BLHNC one per block between
-    equal TP; BHLNC keeps a heterogeneous-TP head slice of every layer in one run as well."""
+    """Qwen3-32B's 64 layers: layer-outer caches cost a descriptor per layer per block; BLHNC one per block
+    between equal TP; BHLNC keeps a heterogeneous-TP head slice of every layer in one run as well."""
     kv_cache_layout(layout)
-    prefill = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.prefill_tp, tp_rank=0, num_blocks=NUM_BLOCKS)
-    decode = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.decode_tp, tp_rank=0, num_blocks=NUM_BLOCKS)
+    prefill = build_rank_cache(
+        QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.prefill_tp, tp_rank=0, num_blocks=NUM_BLOCKS
+    )
+    decode = build_rank_cache(
+        QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=pair.decode_tp, tp_rank=0, num_blocks=NUM_BLOCKS
+    )
     # three full 16-token blocks, no two of them adjacent on either side
-    plan = plan_transfer(prefill.rank_layout(), decode.rank_layout(), [[5, 1, 3]], [[2, 6, 0]], num_tokens=3 * 16)
+    plan = plan_transfer(
+        prefill.rank_layout(), decode.rank_layout(), [[5, 1, 3]], [[2, 6, 0]], num_tokens=3 * 16
+    )
     assert len(plan) == 3 * per_block
 
 
@@ -252,14 +309,19 @@ def test_block_outermost_caches_move_a_scattered_request_in_one_descriptor_per_b
 def test_a_layout_name_the_view_strides_contradict_is_refused(
     kv_cache_layout: SelectLayout, hf_config: Mapping[str, Any], backend: str, built: str, named: str
 ) -> None:
-    """The layout trust bug: with 4 heads a rank, the two orders have equal sizes but place head slices differently."""
+    """The layout trust bug: with 4 heads a rank, the two orders have equal sizes but place head slices
+    differently."""
     kv_cache_layout(built)
     cache = build_rank_cache(hf_config, BACKENDS[backend], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
-    with pytest.raises(LayoutMismatch, match=f"resolved the KV cache layout to {named}, but its view .* has strides"):
+    with pytest.raises(
+        LayoutMismatch, match=f"resolved the KV cache layout to {named}, but its view .* has strides"
+    ):
         cache.rank_layout(resolved_layout=named)
 
 
-def test_a_block_outermost_cache_named_lbhnc_is_refused_before_any_region_is_registered(kv_cache_layout: SelectLayout) -> None:
+def test_a_block_outermost_cache_named_lbhnc_is_refused_before_any_region_is_registered(
+    kv_cache_layout: SelectLayout,
+) -> None:
     """Its blocks have the in-block order LBHNC names, but other layers' pages sit between them."""
     kv_cache_layout("BLHNC")
     cache = build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS)
@@ -275,25 +337,37 @@ def _on_cuda(cache: RankCache, index: int) -> RankCache:
         def device(self) -> torch.device:  # type: ignore[override]
             return torch.device("cuda", index)
 
-    return dataclasses.replace(cache, kv_caches={name: view.as_subclass(OnCuda) for name, view in cache.kv_caches.items()})
+    return dataclasses.replace(
+        cache, kv_caches={name: view.as_subclass(OnCuda) for name, view in cache.kv_caches.items()}
+    )
 
 
 def test_regions_and_descriptors_name_the_device_the_cache_is_on() -> None:
     """Prefill TP 8 rank 5 on cuda:5 writes into decode TP 2 rank 1 on cuda:1."""
-    prefill = _on_cuda(build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=8, tp_rank=5, num_blocks=NUM_BLOCKS), 5)
-    decode = _on_cuda(build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS), 1)
+    prefill = _on_cuda(
+        build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=8, tp_rank=5, num_blocks=NUM_BLOCKS), 5
+    )
+    decode = _on_cuda(
+        build_rank_cache(QWEN3_32B, BACKENDS["FLASH_ATTN"], tp_size=2, tp_rank=1, num_blocks=NUM_BLOCKS), 1
+    )
     src_layout, dst_layout = prefill.rank_layout(), decode.rank_layout()
-    src_regions, dst_regions = prefill.memory_regions(src_layout, "cuda"), decode.memory_regions(dst_layout, "cuda")
+    src_regions, dst_regions = (
+        prefill.memory_regions(src_layout, "cuda"),
+        decode.memory_regions(dst_layout, "cuda"),
+    )
     assert {(r.device, r.device_id) for r in src_regions} == {(Device.VRAM, 5)}
     assert {(r.device, r.device_id) for r in dst_regions} == {(Device.VRAM, 1)}
     request = scattered_request(prefill, DENSE_TOKENS, seed=1)
     plan = plan_transfer(src_layout, dst_layout, request.blocks, request.blocks, num_tokens=DENSE_TOKENS)
     assert len(plan) > 0
     src_addrs, dst_addrs = [r.addr for r in src_regions], [r.addr for r in dst_regions]
-    src, dst = plan.to_descriptors(src_addrs, dst_addrs, src_device_id=src_regions[0].device_id, dst_device_id=dst_regions[0].device_id)
+    src, dst = plan.to_descriptors(
+        src_addrs, dst_addrs, src_device_id=src_regions[0].device_id, dst_device_id=dst_regions[0].device_id
+    )
     RegionTable(src_regions).check(src, "local", "prefill rank 5")
     RegionTable(dst_regions).check(dst, "remote", "decode rank 1")
-    # Descriptors naming device 0 (what the planner used to emit) lie outside every region registered for that device.
+    # Descriptors naming device 0 (what the planner used to emit) lie outside every region registered for that
+    # device.
     src0, dst0 = plan.to_descriptors(src_addrs, dst_addrs)
     with pytest.raises(TransportError, match="dev 0"):
         RegionTable(src_regions).check(src0, "local", "prefill rank 5")
@@ -314,7 +388,9 @@ def test_kv_buffer_device_must_name_the_memory_the_cache_is_in() -> None:
 
 def _with_mamba_spec(config: KVCacheConfig, **changes: Any) -> KVCacheConfig:
     groups = [
-        KVCacheGroupSpec(g.layer_names, dataclasses.replace(g.kv_cache_spec, **changes)) if isinstance(g.kv_cache_spec, MambaSpec) else g
+        KVCacheGroupSpec(g.layer_names, dataclasses.replace(g.kv_cache_spec, **changes))
+        if isinstance(g.kv_cache_spec, MambaSpec)
+        else g
         for g in config.kv_cache_groups
     ]
     return dataclasses.replace(config, kv_cache_groups=groups)

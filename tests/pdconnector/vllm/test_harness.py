@@ -50,7 +50,9 @@ def test_completion_parsing_reads_token_ids_logprobs_and_transfer_params() -> No
                 "token_ids": [3, 4],
                 "prompt_token_ids": [1],
                 "finish_reason": "length",
-                "logprobs": {"top_logprobs": [{"token_id:3": -0.5, "token_id:9": -1.5}, {"token_id:4": -0.25}]},
+                "logprobs": {
+                    "top_logprobs": [{"token_id:3": -0.5, "token_id:9": -1.5}, {"token_id:4": -0.25}]
+                },
             }
         ],
         "kv_transfer_params": {"remote_block_ids": [[1]]},
@@ -66,7 +68,9 @@ def test_cpu_accounting_sees_our_own_process_group() -> None:
 
 
 def test_concurrent_calls_return_in_order_and_surface_the_first_failure() -> None:
-    assert run_concurrently([lambda i=i: i * i for i in range(16)], max_workers=16) == [i * i for i in range(16)]
+    assert run_concurrently([lambda i=i: i * i for i in range(16)], max_workers=16) == [
+        i * i for i in range(16)
+    ]
 
     def fail() -> None:
         raise CompletionError("http://engine", 500, "boom")
@@ -76,7 +80,9 @@ def test_concurrent_calls_return_in_order_and_surface_the_first_failure() -> Non
 
 
 @pytest.mark.slow
-def test_a_server_that_exits_while_starting_is_reported_with_its_log(tmp_path: Path, launch_engine: EngineLauncher) -> None:
+def test_a_server_that_exits_while_starting_is_reported_with_its_log(
+    tmp_path: Path, launch_engine: EngineLauncher
+) -> None:
     # A bad model directory makes vLLM's API server exit on argument validation, before any engine starts.
     server = launch_engine("broken", tmp_path / "no-such-model")
     with pytest.raises(EngineStartError, match=r"(?s)broken exited with \d+ while starting:.*no-such-model"):

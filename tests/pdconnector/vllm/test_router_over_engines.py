@@ -1,8 +1,10 @@
-"""The whole request path on real engines: the router drives prefill and decode vLLM engines running our connector.
+"""The whole request path on real engines: the router drives prefill and decode vLLM engines running our
+connector.
 
-The router is the real `pd-router` process with the config shape the operator renders; the engines are real vLLM
-CPU engines moving KV over real NIXL. Output through the router equals the co-located output, and the router counts
-the request as served with transferred KV (what the operator's KVTransferVerified condition reads).
+The router is the real `pd-router` process with the config shape the operator renders; the engines are real
+vLLM CPU engines moving KV over real NIXL. Output through the router equals the co-located output, and the
+router counts the request as served with transferred KV (what the operator's KVTransferVerified condition
+reads).
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
             "served_model_name": "tiny",
             "compat_hash": "real-engines",
             "max_model_len": 2048,  # the harness's --max-model-len
-            "prefill": role("prefill", pair.prefill.url, pair.prefill_engine_id, pair.prefill_side_channel_port),
+            "prefill": role(
+                "prefill", pair.prefill.url, pair.prefill_engine_id, pair.prefill_side_channel_port
+            ),
             "decode": role("decode", pair.decode.url, "tiny-decode-0", 1),
         }
     )
@@ -77,7 +81,8 @@ def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
 
 @pytest.fixture(scope="module")
 def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
-    # Decode runs one sequence at a time, so a local request there keeps a routed decode leg queued without blocks.
+    # Decode runs one sequence at a time, so a local request there keeps a routed decode leg queued without
+    # blocks.
     with pd_pair("routed-dense", dense_model, engine_log_dir, decode_args=("--max-num-seqs", "1")) as pair:
         yield pair
 
@@ -87,8 +92,20 @@ def running_router(engines: PDPair, mode: TransferMode, workdir: Path) -> Iterat
     config_path = workdir / "router.yaml"
     config_path.write_text(dump_router_config(router_config(engines, mode)))
     (port,) = reserve_ports(1)
-    argv = [sys.executable, "-m", "pdconnector.router.main", "--config", str(config_path), "--host", LOOPBACK, "--port", str(port)]
-    router = Process("router", [*argv, "--health-interval", "0.5"], f"http://{LOOPBACK}:{port}", workdir / "router.log")
+    argv = [
+        sys.executable,
+        "-m",
+        "pdconnector.router.main",
+        "--config",
+        str(config_path),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+    ]
+    router = Process(
+        "router", [*argv, "--health-interval", "0.5"], f"http://{LOOPBACK}:{port}", workdir / "router.log"
+    )
     router.start()
     try:
         router.wait_healthy(120)
@@ -99,16 +116,24 @@ def running_router(engines: PDPair, mode: TransferMode, workdir: Path) -> Iterat
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
-def test_requests_through_the_router_equal_colocated_output_and_are_verified(engines: PDPair, mode: TransferMode, tmp_path: Path) -> None:
+def test_requests_through_the_router_equal_colocated_output_and_are_verified(
+    engines: PDPair, mode: TransferMode, tmp_path: Path
+) -> None:
     with running_router(engines, mode, tmp_path) as router:
         for seed, length in enumerate((BLOCK_SIZE + 1, 300)):
             prompt = prompt_of(length, seed + 7)
             expected = complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS)
             routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
-            assert output_differences(expected, routed, logprob_atol=1e-4) == [], f"{mode} through the router, {length} tokens"
-        # Streamed through the router, token for token; vLLM's streams carry no kv_transfer_params, so it proves nothing either way.
+            assert output_differences(expected, routed, logprob_atol=1e-4) == [], (
+                f"{mode} through the router, {length} tokens"
+            )
+        # Streamed through the router, token for token; vLLM's streams carry no kv_transfer_params, so it
+        # proves nothing either way.
         prompt = prompt_of(BLOCK_SIZE + 5, 11)
-        assert stream_token_ids(router.url, prompt, max_tokens=MAX_TOKENS) == complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS).token_ids
+        assert (
+            stream_token_ids(router.url, prompt, max_tokens=MAX_TOKENS)
+            == complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS).token_ids
+        )
         with urllib.request.urlopen(f"{router.url}/status", timeout=10) as response:
             transfers = json.loads(response.read())["transfers"]
         assert transfers == {"verified": 2, "unverified": 0, "unconfirmable": 1}
@@ -119,16 +144,27 @@ FUZZ_CASES = 150
 
 
 @pytest.mark.timeout(900)
-def test_hostile_bodies_through_the_router_get_4xx_from_real_engines_and_leave_both_serving(engines: PDPair, tmp_path: Path) -> None:
+def test_hostile_bodies_through_the_router_get_4xx_from_real_engines_and_leave_both_serving(
+    engines: PDPair, tmp_path: Path
+) -> None:
     statuses: Counter[int] = Counter()
     with running_router(engines, TransferMode.PUSH, tmp_path) as router, httpx.Client(timeout=60) as client:
-        for case in fuzz_cases(seed=19, count=FUZZ_CASES, model="tiny", max_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES):
-            response = client.post(router.url + case.path, content=case.body, headers={"Content-Type": "application/json"})
+        for case in fuzz_cases(
+            seed=19, count=FUZZ_CASES, model="tiny", max_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES
+        ):
+            response = client.post(
+                router.url + case.path, content=case.body, headers={"Content-Type": "application/json"}
+            )
             statuses[response.status_code] += 1
             assert response.status_code < 500, (case.kind, case.body[:300], response.text[:500])
         prompt = prompt_of(BLOCK_SIZE + 3, 13)
         routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
-        assert output_differences(complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4) == []
+        assert (
+            output_differences(
+                complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4
+            )
+            == []
+        )
     assert sum(n for status, n in statuses.items() if 400 <= status < 500) > FUZZ_CASES // 2, statuses
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
 
@@ -137,7 +173,12 @@ def _sent(engines: PDPair) -> Counter[str]:
     """How prefill's transfers ended so far, by outcome."""
     text = scrape_metrics(engines.prefill.url)
     outcomes = ("written", "read", "cancelled", "expired", "failed", "rejected")
-    return Counter({o: int(metric_sum(text, "vllm:pd_kv_transfers", labels={"direction": "send", "outcome": o})) for o in outcomes})
+    return Counter(
+        {
+            o: int(metric_sum(text, "vllm:pd_kv_transfers", labels={"direction": "send", "outcome": o}))
+            for o in outcomes
+        }
+    )
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
@@ -149,32 +190,52 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-LEASE_S = 30.0  # what prefill would hold a transfer's blocks for if no abort reached it (pd_pair's transfer timeout)
+# what prefill would hold a transfer's blocks for if no abort reached it (pd_pair's transfer timeout)
+LEASE_S = 30.0
 ABORT_BOUND_S = 3.0
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
-def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(engines: PDPair, mode: TransferMode, tmp_path: Path) -> None:
-    """Abort before allocation, through the router: decode's only sequence slot is busy with a local request, so the
-    routed decode leg waits in vLLM's queue without blocks while prefill holds the computed KV for it. The client
-    goes away; decode's connector sees the request end unallocated and tells prefill, which frees at once instead
-    of at its lease. The local request is untouched, and both engines serve P/D traffic afterwards."""
+def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
+    engines: PDPair, mode: TransferMode, tmp_path: Path
+) -> None:
+    """Abort before allocation, through the router: decode's only sequence slot is busy with a local request,
+    so the routed decode leg waits in vLLM's queue without blocks while prefill holds the computed KV for it.
+    The client goes away; decode's connector sees the request end unallocated and tells prefill, which frees
+    at once instead of at its lease. The local request is untouched, and both engines serve P/D traffic
+    afterwards."""
     with running_router(engines, mode, tmp_path) as router, ThreadPoolExecutor(max_workers=1) as pool:
         before = _sent(engines)
         occupier = pool.submit(complete, engines.decode.url, prompt_of(40, 3), max_tokens=1500, timeout_s=300)
-        assert _wait_for(lambda: kv_cache_usage(engines.decode) > 0, 60), "the local request never started on decode"
-        body = json.dumps({"model": "tiny", "prompt": prompt_of(BLOCK_SIZE * 3 + 5, 21), "max_tokens": MAX_TOKENS, "temperature": 0})
+        assert _wait_for(lambda: kv_cache_usage(engines.decode) > 0, 60), (
+            "the local request never started on decode"
+        )
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": prompt_of(BLOCK_SIZE * 3 + 5, 21),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+            }
+        )
         client = http.client.HTTPConnection(LOOPBACK, int(router.url.rsplit(":", 1)[1]), timeout=60)
         client.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        assert _wait_for(lambda: kv_cache_usage(engines.prefill) > 0, 60), "prefill never computed the routed request"
-        time.sleep(0.5)  # decode has the leg by now (push: sent with the prefill leg; pull: right after prefill answered)
+        assert _wait_for(lambda: kv_cache_usage(engines.prefill) > 0, 60), (
+            "prefill never computed the routed request"
+        )
+        # decode has the leg by now (push: sent with the prefill leg; pull: right after prefill answered)
+        time.sleep(0.5)
         client.close()  # the client goes away
         left = time.monotonic()
         assert _wait_for(lambda: kv_cache_usage(engines.prefill) == 0, LEASE_S), "prefill kept the blocks"
         freed_after_s = time.monotonic() - left
-        assert not occupier.done(), "the local request ended before the test was over: the routed leg may have been allocated"
-        assert freed_after_s < ABORT_BOUND_S, f"prefill freed {freed_after_s:.1f} s after the client left: at its lease, not on decode's abort"
+        assert not occupier.done(), (
+            "the local request ended before the test was over: the routed leg may have been allocated"
+        )
+        assert freed_after_s < ABORT_BOUND_S, (
+            f"prefill freed {freed_after_s:.1f} s after the client left: at its lease, not on decode's abort"
+        )
         assert _wait_for(lambda: sum((_sent(engines) - before).values()) == 1, 10)
         ended = _sent(engines) - before
         assert ended["expired"] == 0 and ended["written"] == 0 and ended["read"] == 0, ended
@@ -182,14 +243,21 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
         assert len(local.token_ids) == 1500
         prompt = prompt_of(BLOCK_SIZE + 9, 22)
         routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
-        assert output_differences(complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4) == []
+        assert (
+            output_differences(
+                complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS), routed, logprob_atol=1e-4
+            )
+            == []
+        )
     assert wait_for_free_blocks(engines) == {"prefill": 0.0, "decode": 0.0}
 
 
 @pytest.mark.timeout(900)
-def test_two_clients_sending_the_same_request_id_at_once_are_both_served_right(engines: PDPair, tmp_path: Path) -> None:
-    """A client-chosen ``X-Request-Id`` reused by concurrent requests: the router mints a transfer id per request, so
-    neither takes the other's KV; both answers equal their co-located outputs."""
+def test_two_clients_sending_the_same_request_id_at_once_are_both_served_right(
+    engines: PDPair, tmp_path: Path
+) -> None:
+    """A client-chosen ``X-Request-Id`` reused by concurrent requests: the router mints a transfer id per
+    request, so neither takes the other's KV; both answers equal their co-located outputs."""
     prompts = [prompt_of(BLOCK_SIZE + 2, 31), prompt_of(2 * BLOCK_SIZE + 7, 32)]
     expected = [complete(engines.decode.url, prompt, max_tokens=MAX_TOKENS) for prompt in prompts]
     with running_router(engines, TransferMode.PUSH, tmp_path) as router:

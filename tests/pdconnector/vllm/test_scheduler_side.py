@@ -54,11 +54,17 @@ class FakeBlock:
 
 def config(mode: str = "push") -> Any:
     return parse_connector_config(
-        engine_id="engine-a", extra={"mode": mode, "side_channel_port": 5601}, buffer_device="cpu", failure_policy="fail", env={}
+        engine_id="engine-a",
+        extra={"mode": mode, "side_channel_port": 5601},
+        buffer_device="cpu",
+        failure_policy="fail",
+        env={},
     )
 
 
-def scheduler(mode: str = "push", ssm_groups: frozenset[int] = frozenset(), num_groups: int = 1) -> SchedulerSide:
+def scheduler(
+    mode: str = "push", ssm_groups: frozenset[int] = frozenset(), num_groups: int = 1
+) -> SchedulerSide:
     return SchedulerSide(
         config(mode),
         EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
@@ -116,7 +122,9 @@ def test_decode_aborted_while_receiving_cancels_and_keeps_its_blocks_until_the_w
     side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
     side.build_meta()
     assert side.request_finished(request, [[7, 8, 9]]) == (True, None)
-    assert side.build_meta().commands == [CancelTransfer("d1", "tx-1", "decode request d1 ended before its KV arrived")]
+    assert side.build_meta().commands == [
+        CancelTransfer("d1", "tx-1", "decode request d1 ended before its KV arrived")
+    ]
 
 
 def test_decode_with_unusable_parameters_fails_the_request_naming_the_key() -> None:
@@ -129,33 +137,52 @@ def test_decode_with_unusable_parameters_fails_the_request_naming_the_key() -> N
     assert isinstance(command, FailRequest) and command.request_id == "d1" and "remote_host" in command.detail
 
 
-def test_push_decode_with_a_local_prefix_hit_registers_only_the_blocks_it_lacks_after_the_cached_ones() -> None:
+def test_push_decode_with_a_local_prefix_hit_registers_only_the_blocks_it_lacks_after_the_cached_ones() -> (
+    None
+):
     """vLLM asks with the block-aligned local hit (2 blocks of 16 here) and allocates the hit blocks first."""
     side = scheduler()
     request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(70)))
     assert side.get_num_new_matched_tokens(request, 32) == (38, True)
     side.update_state_after_alloc(request, [blocks(3, 4, 8, 9, 10, cached=2)], 38)
-    assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((8, 9, 10),), 38, cached_blocks=2)]
+    assert side.build_meta().commands == [
+        ExpectPush("d1", "tx-1", PREFILL, ((8, 9, 10),), 38, cached_blocks=2)
+    ]
     side.update_connector_output({"d1"}, set())
     _, params = side.request_finished(request, [[3, 4, 8, 9, 10]])
     assert params is not None and params[RECEIVED_KEY]["blocks"] == 3
 
 
-def test_hybrid_push_decode_with_a_prefix_hit_skips_cached_attention_blocks_and_still_takes_the_state_block() -> None:
+def test_hybrid_push_decode_with_a_prefix_hit_skips_cached_attention_but_takes_the_state_block() -> None:
     side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
     request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
     assert side.get_num_new_matched_tokens(request, 16) == (23, True)
-    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]], 23)
-    assert side.build_meta().commands == [ExpectPush("d1", "tx-1", PREFILL, ((8, 9), (21,)), 23, cached_blocks=1)]
+    side.update_state_after_alloc(
+        request,
+        [blocks(3, 8, 9, cached=1), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]],
+        23,
+    )
+    assert side.build_meta().commands == [
+        ExpectPush("d1", "tx-1", PREFILL, ((8, 9), (21,)), 23, cached_blocks=1)
+    ]
 
 
-def test_hybrid_push_decode_holding_every_token_prefill_computed_registers_nothing_and_releases_prefill() -> None:
-    """33 prompt tokens: prefill computes 32 (decode recomputes the last), and decode's cache holds those 2 blocks."""
+def test_hybrid_push_decode_holding_every_token_prefill_computed_registers_nothing_and_releases_prefill() -> (
+    None
+):
+    """33 prompt tokens: prefill computes 32 (decode recomputes the last), and decode's cache holds those 2
+    blocks."""
     side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
     request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(33)))
     assert side.get_num_new_matched_tokens(request, 32) == (0, False)
-    side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=2), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]], 0)
-    assert side.build_meta().commands == [AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 holds every prompt token already")]
+    side.update_state_after_alloc(
+        request,
+        [blocks(3, 8, 9, cached=2), [FakeBlock(0, is_null=True), FakeBlock(5, "h5"), FakeBlock(21)]],
+        0,
+    )
+    assert side.build_meta().commands == [
+        AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 holds every prompt token already")
+    ]
     assert side.request_finished(request, [[3, 8, 9], [21]]) == (False, None)
     assert side.build_meta().commands == []
 
@@ -169,14 +196,19 @@ def test_a_decode_request_aborted_before_it_allocated_releases_prefill_at_once(m
     request = FakeRequest("d1", params, list(range(40)), status=ABORTED)
     assert side.get_num_new_matched_tokens(request, 0) == (40, True)
     assert side.request_finished(request, []) == (False, None)
-    assert side.build_meta().commands == [AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 ended before it allocated blocks")]
+    assert side.build_meta().commands == [
+        AbandonTransfer("d1", "tx-1", PREFILL, "decode request d1 ended before it allocated blocks")
+    ]
 
 
 def test_a_decode_request_without_usable_prefill_coordinates_abandons_nothing() -> None:
     side = scheduler()
     params = push_decode_leg_params("tx-1", PREFILL)
     del params["remote_host"]
-    assert side.request_finished(FakeRequest("d1", params, list(range(40)), status=ABORTED), []) == (False, None)
+    assert side.request_finished(FakeRequest("d1", params, list(range(40)), status=ABORTED), []) == (
+        False,
+        None,
+    )
     assert side.build_meta().commands == []
 
 
@@ -200,10 +232,11 @@ def test_pull_decode_reads_only_the_blocks_it_lacks() -> None:
     side.update_state_after_alloc(request, [blocks(3, 8, 9, cached=1)], 24)
     (command,) = side.build_meta().commands
     assert command == ReadBlocks("d2", "tx-2", PREFILL, ((12, 13),), ((8, 9),), 24, command.valid_for_s)
-    assert 20.0 - 2.0 - 1.0 < command.valid_for_s <= 20.0 - 2.0  # prefill's hold, less the slack and the time queued here
+    # prefill's hold, less the slack and the time queued here
+    assert 20.0 - 2.0 - 1.0 < command.valid_for_s <= 20.0 - 2.0
 
 
-def test_a_pull_decode_that_waited_longer_than_prefill_holds_its_blocks_reads_nothing_and_fails_naming_why() -> None:
+def test_a_pull_decode_that_waited_past_prefills_hold_reads_nothing_and_fails_naming_why() -> None:
     side = scheduler("pull")
     params = {
         **prefill_leg_params(TransferMode.PULL, "tx-late"),
@@ -224,7 +257,9 @@ def test_a_pull_decode_that_waited_longer_than_prefill_holds_its_blocks_reads_no
 
 
 @pytest.mark.parametrize("first_received", [False, True])
-def test_a_decode_request_reusing_a_live_transfer_id_is_refused_and_the_first_is_untouched(first_received: bool) -> None:
+def test_a_decode_request_reusing_a_live_transfer_id_is_refused_and_the_first_is_untouched(
+    first_received: bool,
+) -> None:
     side = scheduler()
     first = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
     side.update_state_after_alloc(first, [blocks(7, 8, 9)], 40)
@@ -235,7 +270,11 @@ def test_a_decode_request_reusing_a_live_transfer_id_is_refused_and_the_first_is
     side.update_state_after_alloc(second, [blocks(1, 2, 3)], 40)
     (command,) = side.build_meta().commands
     assert isinstance(command, FailRequest) and command.request_id == "d2"
-    assert command.detail == "request d2: kv_transfer_params['transfer_id']: tx-1 is already in use by request d1 on this engine"
+    assert (
+        command.detail
+        == "request d2: kv_transfer_params['transfer_id']: tx-1 is already in use by request d1 on this "
+        "engine"
+    )
     side.update_connector_output({"d2"}, {"d2"})
     assert side.request_finished(second, [[1, 2, 3]]) == (False, None)
     assert side.build_meta().commands == []  # no cancel of tx-1, which is d1's
@@ -257,24 +296,42 @@ def test_a_transfer_id_is_free_again_once_its_request_finished() -> None:
 
 
 @pytest.mark.parametrize("status", [FINISHED, ABORTED])
-def test_a_prefill_request_reusing_a_held_transfer_id_keeps_nothing_and_leaves_the_holder_alone(status: str) -> None:
+def test_a_prefill_request_reusing_a_held_transfer_id_keeps_nothing_and_leaves_the_holder_alone(
+    status: str,
+) -> None:
     side = scheduler()
-    holder = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)), num_computed_tokens=40)
+    holder = FakeRequest(
+        "p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)), num_computed_tokens=40
+    )
     assert side.request_finished(holder, [[4, 5, 6]])[0] is True
     side.build_meta()
-    reuse = FakeRequest("p2", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(40)), num_computed_tokens=40, status=status)
+    reuse = FakeRequest(
+        "p2",
+        prefill_leg_params(TransferMode.PUSH, "tx-5"),
+        list(range(40)),
+        num_computed_tokens=40,
+        status=status,
+    )
     delay, params = side.request_finished(reuse, [[7, 8, 9]])
-    assert delay is False and params == {ERROR_KEY: "kv_transfer_params['transfer_id']: tx-5 is already held for request p1 on this engine"}
+    assert delay is False and params == {
+        ERROR_KEY: "kv_transfer_params['transfer_id']: tx-5 is already held for request p1 on this engine"
+    }
     assert side.build_meta().commands == [] and side.holds("p1")
 
 
 def test_prefill_holds_its_blocks_and_returns_what_a_pull_decode_needs() -> None:
     side = scheduler("pull")
-    request = FakeRequest("p1", prefill_leg_params(TransferMode.PULL, "tx-3"), list(range(40)), num_computed_tokens=40)
+    request = FakeRequest(
+        "p1", prefill_leg_params(TransferMode.PULL, "tx-3"), list(range(40)), num_computed_tokens=40
+    )
     delay, params = side.request_finished(request, [[4, 5, 6]])
     assert delay is True and side.holds("p1")
     assert params is not None
-    assert params["remote_block_ids"] == [[4, 5, 6]] and params["remote_engine_id"] == "engine-a" and params["remote_port"] == 5601
+    assert (
+        params["remote_block_ids"] == [[4, 5, 6]]
+        and params["remote_engine_id"] == "engine-a"
+        and params["remote_port"] == 5601
+    )
     assert params[TRANSFER_ID_KEY] == "tx-3" and params["remote_num_tokens"] == 40
     assert params["remote_hold_ms"] == int(config("pull").lease_s * 1000)  # decode reads only within it
     assert side.build_meta().commands == [PrefillDone("p1", "tx-3", ((4, 5, 6),), 40, pull=True)]
@@ -284,7 +341,9 @@ def test_prefill_holds_its_blocks_and_returns_what_a_pull_decode_needs() -> None
 
 def test_aborted_prefill_frees_at_once_and_cancels_the_transfer() -> None:
     side = scheduler()
-    request = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-4"), list(range(40)), status=ABORTED)
+    request = FakeRequest(
+        "p1", prefill_leg_params(TransferMode.PUSH, "tx-4"), list(range(40)), status=ABORTED
+    )
     assert side.request_finished(request, [[4, 5, 6]]) == (False, None)
     (command,) = side.build_meta().commands
     assert isinstance(command, CancelTransfer) and command.transfer_id == "tx-4"
@@ -313,9 +372,13 @@ def test_hybrid_prefill_stops_one_token_short_and_decode_claims_one_token_less()
 def test_hybrid_moves_only_the_state_block_of_each_ssm_group() -> None:
     side = scheduler(ssm_groups=frozenset({1}), num_groups=2)
     decode = FakeRequest("d1", push_decode_leg_params("tx-5", PREFILL), list(range(40)))
-    side.update_state_after_alloc(decode, [blocks(7, 8, 9), [FakeBlock(0, is_null=True), FakeBlock(0, is_null=True), FakeBlock(21)]], 39)
+    side.update_state_after_alloc(
+        decode, [blocks(7, 8, 9), [FakeBlock(0, is_null=True), FakeBlock(0, is_null=True), FakeBlock(21)]], 39
+    )
     assert side.build_meta().commands == [ExpectPush("d1", "tx-5", PREFILL, ((7, 8, 9), (21,)), 39)]
-    prefill = FakeRequest("p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(39)), num_computed_tokens=39)
+    prefill = FakeRequest(
+        "p1", prefill_leg_params(TransferMode.PUSH, "tx-5"), list(range(39)), num_computed_tokens=39
+    )
     delay, _ = side.request_finished(prefill, [[1, 2, 3], [0, 0, 14]])
     assert delay is True
     assert side.build_meta().commands == [PrefillDone("p1", "tx-5", ((1, 2, 3), (14,)), 39, pull=False)]
@@ -361,11 +424,21 @@ def test_bad_connector_configuration_names_the_field(extra: dict[str, Any], key:
 
 def test_configuration_defaults_and_side_channel_host_from_the_operator_env() -> None:
     parsed = parse_connector_config(
-        engine_id="e", extra=None, buffer_device=None, failure_policy=None, env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"}
+        engine_id="e",
+        extra=None,
+        buffer_device=None,
+        failure_policy=None,
+        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3"},
     )
-    assert (parsed.mode, parsed.backends, parsed.side_channel_host, parsed.side_channel_port) == (TransferMode.PUSH, ("UCX",), "10.1.2.3", 5600)
+    assert (parsed.mode, parsed.backends, parsed.side_channel_host, parsed.side_channel_port) == (
+        TransferMode.PUSH,
+        ("UCX",),
+        "10.1.2.3",
+        5600,
+    )
     assert parsed.recompute_on_failure is False
-    assert parsed.kv_cache_layout == "BLHNC"  # block-outermost: a request's scattered blocks cost one descriptor each
+    # block-outermost: a request's scattered blocks cost one descriptor each
+    assert parsed.kv_cache_layout == "BLHNC"
 
 
 def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout() -> None:
@@ -381,7 +454,9 @@ def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout() -> None:
 
 def test_the_scheduler_times_a_decode_legs_admission_and_its_resume_after_the_kv_arrived() -> None:
     side = scheduler()
-    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), arrival_time=time.time() - 0.25)
+    request = FakeRequest(
+        "d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), arrival_time=time.time() - 0.25
+    )
     side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
     side.build_meta(["d1"])  # scheduled for its load, before any KV: no resume yet
     side.update_connector_output({"d1"}, set())

@@ -1,5 +1,5 @@
-"""The connector's transfer stats, as vLLM's stats pipeline uses them: recorded per rank, summed over ranks, shipped as a
-plain dict, rebuilt in the API process, logged as one line and exported to Prometheus."""
+"""The connector's transfer stats, as vLLM's stats pipeline uses them: recorded per rank, summed over ranks,
+shipped as a plain dict, rebuilt in the API process, logged as one line and exported to Prometheus."""
 
 from __future__ import annotations
 
@@ -37,7 +37,13 @@ def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and
 def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() -> None:
     stats = PDTransferStats()
     stats.record(Direction.RECV, Outcome.RECEIVED, wait_s=None, nbytes=4096)
-    assert stats.data == {"ended": {}, "bytes_received": 4096, "waits": {"send": [], "recv": []}, "events": {}, "stages": {}}
+    assert stats.data == {
+        "ended": {},
+        "bytes_received": 4096,
+        "waits": {"send": [], "recv": []},
+        "events": {},
+        "stages": {},
+    }
     assert not stats.is_empty()
 
 
@@ -96,9 +102,13 @@ def registry() -> CollectorRegistry:
 
 
 def prom_metrics(registry: CollectorRegistry) -> PDPromMetrics:
-    metric_types: dict[type, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+    metric_types: dict[type, Any] = {
+        cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)
+    }
     config: Any = SimpleNamespace(kv_transfer_config=None)
-    return PDConnector.build_prom_metrics(config, metric_types, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    return PDConnector.build_prom_metrics(
+        config, metric_types, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]}
+    )
 
 
 def test_prometheus_counts_transfers_bytes_and_waits_per_engine(registry: CollectorRegistry) -> None:
@@ -106,13 +116,37 @@ def test_prometheus_counts_transfers_bytes_and_waits_per_engine(registry: Collec
     metrics.observe(decode_rank0().to_dict(), engine_idx=1)
     metrics.observe(decode_rank0().to_dict(), engine_idx=1)
     engine1 = {"model_name": "tiny", "engine": "1"}
-    assert registry.get_sample_value("vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "received"}) == 4
-    assert registry.get_sample_value("vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "timeout"}) == 2
+    assert (
+        registry.get_sample_value(
+            "vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "received"}
+        )
+        == 4
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm:pd_kv_transfers_total", {**engine1, "direction": "recv", "outcome": "timeout"}
+        )
+        == 2
+    )
     assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", engine1) == 2 * 12288
-    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "recv"}) == 6
-    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_bucket", {**engine1, "direction": "recv", "le": "0.025"}) == 2
-    assert registry.get_sample_value("vllm:pd_kv_received_bytes_total", {"model_name": "tiny", "engine": "0"}) is None
-    assert registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "send"}) is None
+    assert (
+        registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "recv"})
+        == 6
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm:pd_kv_transfer_wait_seconds_bucket", {**engine1, "direction": "recv", "le": "0.025"}
+        )
+        == 2
+    )
+    assert (
+        registry.get_sample_value("vllm:pd_kv_received_bytes_total", {"model_name": "tiny", "engine": "0"})
+        is None
+    )
+    assert (
+        registry.get_sample_value("vllm:pd_kv_transfer_wait_seconds_count", {**engine1, "direction": "send"})
+        is None
+    )
 
 
 def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: CollectorRegistry) -> None:
@@ -125,11 +159,15 @@ def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: Collec
     assert total.reduce()["fences_expired"] == 3
     prom_metrics(registry).observe(total.to_dict(), engine_idx=0)
     labels = {"model_name": "tiny", "engine": "0"}
-    assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "fences_expired"}) == 3
+    assert (
+        registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "fences_expired"}) == 3
+    )
     assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "reads_stuck"}) == 1
 
 
-def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_exported(registry: CollectorRegistry) -> None:
+def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_exported(
+    registry: CollectorRegistry,
+) -> None:
     worker, scheduler = PDTransferStats(), PDTransferStats()
     worker.record(Direction.RECV, Outcome.RECEIVED, wait_s=0.004)
     worker.record_stages({"handshake": 0.0001, "kv_wait": 0.003})
@@ -137,13 +175,35 @@ def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_ex
     scheduler.record_stages({"resume": 0.002})
     assert not scheduler.is_empty()  # the scheduler's stages alone are worth shipping
     total = worker.aggregate(scheduler)
-    assert total.data["stages"] == {"handshake": [0.0001, 0.0003], "kv_wait": [0.003, 0.005], "resume": [0.002]}
+    assert total.data["stages"] == {
+        "handshake": [0.0001, 0.0003],
+        "kv_wait": [0.003, 0.005],
+        "resume": [0.002],
+    }
     assert worker.data["stages"]["kv_wait"] == [0.003, 0.005]  # aggregating copies
     summary = total.reduce()
-    assert (summary["handshake_p50_ms"], summary["kv_wait_p50_ms"], summary["resume_p50_ms"]) == (0.2, 4.0, 2.0)
-    prom_metrics(registry).observe(msgspec.msgpack.decode(msgspec.msgpack.encode(total.to_dict())), engine_idx=0)
+    assert (summary["handshake_p50_ms"], summary["kv_wait_p50_ms"], summary["resume_p50_ms"]) == (
+        0.2,
+        4.0,
+        2.0,
+    )
+    prom_metrics(registry).observe(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(total.to_dict())), engine_idx=0
+    )
     labels = {"model_name": "tiny", "engine": "0"}
     assert registry.get_sample_value("vllm:pd_kv_stage_seconds_count", {**labels, "stage": "kv_wait"}) == 2
-    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.0025"}) == 0
-    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.005"}) == 2
-    assert registry.get_sample_value("vllm:pd_kv_stage_seconds_sum", {**labels, "stage": "resume"}) == pytest.approx(0.002)
+    assert (
+        registry.get_sample_value(
+            "vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.0025"}
+        )
+        == 0
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm:pd_kv_stage_seconds_bucket", {**labels, "stage": "kv_wait", "le": "0.005"}
+        )
+        == 2
+    )
+    assert registry.get_sample_value(
+        "vllm:pd_kv_stage_seconds_sum", {**labels, "stage": "resume"}
+    ) == pytest.approx(0.002)

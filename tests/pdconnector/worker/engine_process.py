@@ -1,4 +1,5 @@
-"""An engine process for the cross-process tests: hosts :class:`Engine` s by name and answers JSON-line calls on stdin."""
+"""An engine process for the cross-process tests: hosts :class:`Engine` s by name and answers JSON-line calls
+on stdin."""
 
 from __future__ import annotations
 

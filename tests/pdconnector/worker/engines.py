@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pdconnector.layout import AttentionSpec, BlockPlacement, KVModel, LayerKind, RankLayout, SsmSpec, model_from_hf_config, write_tagged_blocks
+from pdconnector.layout import (
+    AttentionSpec,
+    BlockPlacement,
+    KVModel,
+    LayerKind,
+    RankLayout,
+    SsmSpec,
+    model_from_hf_config,
+    write_tagged_blocks,
+)
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Transport
@@ -50,7 +59,8 @@ _SSM_COMMON = {"conv_kernel": 4, "conv_dtype_bytes": 2, "state_dtype_bytes": 4}
 
 MODELS: dict[str, KVModel] = {
     "dense": KVModel((A, A, A), block_size=16, attention=_ATTENTION),
-    # Hybrid Mamba2 (DS conv layout) with a kernel block half the logical block: attention moves physical blocks.
+    # Hybrid Mamba2 (DS conv layout) with a kernel block half the logical block: attention moves physical
+    # blocks.
     "mamba2": KVModel(
         (S, A, S, A),
         block_size=32,
@@ -65,16 +75,27 @@ MODELS: dict[str, KVModel] = {
         ssm=SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_SSM_COMMON),
     ),
     # The dense model with wider heads: a decode engine of a different model than its prefill engine.
-    "dense_wide": KVModel((A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)),
+    "dense_wide": KVModel(
+        (A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=4, head_dim=16, dtype_bytes=2)
+    ),
     # Mamba1 moves its state only between equal TP sizes; two SSM groups and one attention group.
-    "mamba1": KVModel((S, S, A), block_size=16, attention=_ATTENTION, ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON)),
-    # Real-sized attention pages (256 KiB per block): a request's WRITE outgrows every socket buffer on loopback.
-    "dense_large": KVModel((A, A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)),
+    "mamba1": KVModel(
+        (S, S, A),
+        block_size=16,
+        attention=_ATTENTION,
+        ssm=SsmSpec.mamba1(intermediate_size=16, state_size=4, **_SSM_COMMON),
+    ),
+    # Real-sized attention pages (256 KiB per block): a request's WRITE outgrows every socket buffer on
+    # loopback.
+    "dense_large": KVModel(
+        (A, A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    ),
 }
 
 
 def request_blocks(model: KVModel, num_blocks: int, num_tokens: int, seed: int) -> list[list[int]]:
-    """Distinct block ids per KV group for one request: attention groups one per started logical block, SSM groups one."""
+    """Distinct block ids per KV group for one request: attention groups one per started logical block, SSM
+    groups one."""
     groups = RankLayout(model, 1, 0, num_blocks).groups
     counts = [-(-num_tokens // model.block_size) if g.kind is A else 1 for g in groups]
     ids = np.random.default_rng(seed).permutation(num_blocks)[: sum(counts)].tolist()
@@ -88,10 +109,11 @@ def request_blocks(model: KVModel, num_blocks: int, num_tokens: int, seed: int) 
 class Engine:
     """One engine: ``tp`` ranks, each with guarded pools and a transfer worker.
 
-    ``model``: a name in :data:`MODELS` or an HF ``config.json`` (dict); ``device``: None for numpy host pools, else the
-    torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers its host pools as device
-    ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU is; ``placement``: where every
-    rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement` value, as vLLM's KV cache layout decides)."""
+    ``model``: a name in :data:`MODELS` or an HF ``config.json`` (dict); ``device``: None for numpy host
+    pools, else the torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers
+    its host pools as device ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU
+    is; ``placement``: where every rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement`
+    value, as vLLM's KV cache layout decides)."""
 
     def __init__(
         self,
@@ -112,8 +134,13 @@ class Engine:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
         self.memory = PoolMemory(device)
-        self.layouts = [RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in range(tp)]
-        self.buffers = [[self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions] for lay in self.layouts]
+        self.layouts = [
+            RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in range(tp)
+        ]
+        self.buffers = [
+            [self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions]
+            for lay in self.layouts
+        ]
         self.pools = [[buf[GUARD_BYTES:-GUARD_BYTES] for buf in bufs] for bufs in self.buffers]
         self.reset()
         self._results: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -123,12 +150,18 @@ class Engine:
 
         def factory(rank: int) -> Transport:
             # Called on the rank's worker thread: what that thread looks like when the agent comes to exist.
-            self._transport_threads[rank] = {"thread": threading.current_thread().name, "cuda_device": self.memory.current_device()}
+            self._transport_threads[rank] = {
+                "thread": threading.current_thread().name,
+                "cuda_device": self.memory.current_device(),
+            }
             return create_transport(transport, f"{name}-r{rank}-{suffix}", **(transport_options or {}))  # type: ignore[arg-type]
 
         regions = [[self.memory.region(p) for p in pools] for pools in self.pools]
         if first_device_id:
-            regions = [[replace(r, device_id=first_device_id + rank) for r in rank_regions] for rank, rank_regions in enumerate(regions)]
+            regions = [
+                [replace(r, device_id=first_device_id + rank) for r in rank_regions]
+                for rank, rank_regions in enumerate(regions)
+            ]
         limits = limits or {}
         config = WorkerConfig(
             engine_id=name,
@@ -149,7 +182,7 @@ class Engine:
             placement=BlockPlacement(placement),
         )
 
-    # --- lifecycle ------------------------------------------------------------------------------------------------
+    # --- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> dict[str, Any]:
         self.transfers.start()
@@ -157,38 +190,47 @@ class Engine:
 
     def close(self) -> None:
         self.transfers.close()
-        # An engine host process outlives its engines: give their pools back to the device, not to torch's cache, where
-        # the next engine's differently sized pools could not use them.
+        # An engine host process outlives its engines: give their pools back to the device, not to torch's
+        # cache, where the next engine's differently sized pools could not use them.
         self.pools, self.buffers = [], []
         self.memory.release()
 
-    # --- pools ----------------------------------------------------------------------------------------------------
+    # --- pools ----------------------------------------------------------------------------------------------
 
     def fill(self, blocks: list[list[int]], num_tokens: int) -> None:
-        """Write the tagged content of ``blocks`` (tags = the block ids) on every rank, as a prefill would compute it."""
+        """Write the tagged content of ``blocks`` (tags = the block ids) on every rank, as a prefill would
+        compute it."""
         for layout, pools in zip(self.layouts, self.pools, strict=True):
             write_tagged_blocks(layout, pools, blocks, blocks, num_tokens=num_tokens)
         self.memory.synchronize()
 
     def check(self, received: list[dict[str, Any]]) -> dict[str, int]:
-        """Compare every rank's pools with the expectation after the transfers in ``received`` ({dst, src, num_tokens}).
+        """Compare every rank's pools with the expectation after the transfers in ``received`` ({dst, src,
+        num_tokens}).
 
         Returns the number of differing bytes inside the regions and outside them (guards)."""
         wrong = guards = 0
         for layout, pools, buffers in zip(self.layouts, self.pools, self.buffers, strict=True):
             expected = self._expected(layout, received)
             wrong += sum(self.memory.count_different(a, b) for a, b in zip(expected, pools, strict=True))
-            guards += sum(int((buf[:GUARD_BYTES] != GUARD_FILL).sum()) + int((buf[-GUARD_BYTES:] != GUARD_FILL).sum()) for buf in buffers)
+            guards += sum(
+                int((buf[:GUARD_BYTES] != GUARD_FILL).sum()) + int((buf[-GUARD_BYTES:] != GUARD_FILL).sum())
+                for buf in buffers
+            )
         return {"wrong_bytes": wrong, "guard_bytes": guards}
 
     def differences(self, received: list[dict[str, Any]], limit: int = 12) -> list[dict[str, int]]:
-        """The first ``limit`` pages that differ from the expectation of :meth:`check` (rank, region, block, bytes): where
-        a failed check went wrong."""
+        """The first ``limit`` pages that differ from the expectation of :meth:`check` (rank, region, block,
+        bytes): where a failed check went wrong."""
         found = []
         for rank, (layout, pools) in enumerate(zip(self.layouts, self.pools, strict=True)):
             for region, (want, got) in enumerate(zip(self._expected(layout, received), pools, strict=True)):
                 per_block = self.memory.count_different(want, got, layout.block_stride)
-                found += [{"rank": rank, "region": region, "block": b, "bytes": int(n)} for b, n in enumerate(per_block) if n]
+                found += [
+                    {"rank": rank, "region": region, "block": b, "bytes": int(n)}
+                    for b, n in enumerate(per_block)
+                    if n
+                ]
                 if len(found) >= limit:
                     return found[:limit]
         return found
@@ -196,7 +238,9 @@ class Engine:
     def _expected(self, layout: RankLayout, received: list[dict[str, Any]]) -> list[Any]:
         expected = [self.memory.full(r.nbytes, DECODE_FILL) for r in layout.regions]
         for transfer in received:
-            write_tagged_blocks(layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"])
+            write_tagged_blocks(
+                layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"]
+            )
         return expected
 
     def reset(self) -> None:
@@ -206,13 +250,15 @@ class Engine:
         self.memory.synchronize()
 
     def transport_threads(self) -> list[dict[str, Any]]:
-        """Per rank, the thread its transport was created on: its name and the device of its current CUDA context
-        (:meth:`PoolMemory.current_device`)."""
+        """Per rank, the thread its transport was created on: its name and the device of its current CUDA
+        context (:meth:`PoolMemory.current_device`)."""
         return [self._transport_threads[rank] for rank in range(self.tp)]
 
-    # --- transfers (every rank) -----------------------------------------------------------------------------------
+    # --- transfers (every rank) -----------------------------------------------------------------------------
 
-    def prefill_finished(self, transfer_id: str, blocks: list[list[int]], num_tokens: int, pull: bool = False) -> None:
+    def prefill_finished(
+        self, transfer_id: str, blocks: list[list[int]], num_tokens: int, pull: bool = False
+    ) -> None:
         for worker in self.transfers.workers:
             worker.prefill_finished(transfer_id, blocks, num_tokens, pull=pull)
 
@@ -229,13 +275,35 @@ class Engine:
     ) -> None:
         coordinates = PrefillCoordinates(**prefill)
         for worker in self.transfers.workers:
-            worker.expect_push(transfer_id, coordinates, blocks, num_tokens, timeout_s=timeout_s, attempt=attempt, cached_blocks=cached_blocks)
+            worker.expect_push(
+                transfer_id,
+                coordinates,
+                blocks,
+                num_tokens,
+                timeout_s=timeout_s,
+                attempt=attempt,
+                cached_blocks=cached_blocks,
+            )
 
     def read(
-        self, transfer_id: str, *, prefill: dict[str, Any], remote_blocks: list[list[int]], blocks: list[list[int]], num_tokens: int, timeout_s: float
+        self,
+        transfer_id: str,
+        *,
+        prefill: dict[str, Any],
+        remote_blocks: list[list[int]],
+        blocks: list[list[int]],
+        num_tokens: int,
+        timeout_s: float,
     ) -> None:
         for worker in self.transfers.workers:
-            worker.read(transfer_id, PrefillCoordinates(**prefill), remote_blocks, blocks, num_tokens, timeout_s=timeout_s)
+            worker.read(
+                transfer_id,
+                PrefillCoordinates(**prefill),
+                remote_blocks,
+                blocks,
+                num_tokens,
+                timeout_s=timeout_s,
+            )
 
     def cancel(self, transfer_id: str) -> None:
         for worker in self.transfers.workers:
@@ -249,7 +317,8 @@ class Engine:
         self.transfers.client.prewarm(PrefillCoordinates(**prefill)).result(timeout=10)
 
     def wait(self, transfer_id: str, timeout_s: float) -> list[dict[str, Any]]:
-        """Every rank's result for ``transfer_id``, waiting up to ``timeout_s`` for all of them (fewer if they do not come)."""
+        """Every rank's result for ``transfer_id``, waiting up to ``timeout_s`` for all of them (fewer if they
+        do not come)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while True:
@@ -297,14 +366,17 @@ class Engine:
 
 
 class EngineHost:
-    """A process hosting :class:`Engine` s (one NIXL/UCX start-up per process, many engines); calls go as JSON lines over stdin/stdout."""
+    """A process hosting :class:`Engine` s (one NIXL/UCX start-up per process, many engines); calls go as JSON
+    lines over stdin/stdout."""
 
     PREFIX = "@@"
 
     def __init__(self, log: Path | None = None) -> None:
-        """``log``: a file that receives the process's stderr (NIXL, UCX and worker logs); discarded without one."""
+        """``log``: a file that receives the process's stderr (NIXL, UCX and worker logs); discarded without
+        one."""
         repo = Path(__file__).resolve().parents[3]
-        # Keep the caller's path: where packages live outside site-packages (the GPU machine's wheels) comes through it.
+        # Keep the caller's path: where packages live outside site-packages (the GPU machine's wheels) comes
+        # through it.
         inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "connector"), *inherited])}
         with contextlib.ExitStack() as files:
@@ -329,13 +401,17 @@ class EngineHost:
         return RemoteEngine(self, name, tp)
 
     def warm_nixl(self) -> None:
-        """Pay NIXL's one-off start-up (plugin loading, UCX set-up: seconds, far more on a loaded machine) before any test's clock runs."""
+        """Pay NIXL's one-off start-up (plugin loading, UCX set-up: seconds, far more on a loaded machine)
+        before any test's clock runs."""
         self.call("", "warm_nixl", rpc_timeout_s=300)
 
     def call(self, engine: str, method: str, rpc_timeout_s: float = 120, **kwargs: Any) -> Any:
         assert self.process.stdin is not None and self.process.stdout is not None
         if self.process.poll() is not None:
-            raise RuntimeError(f"engine process {self.pid} already exited (code {self.process.returncode}); cannot call {method}")
+            raise RuntimeError(
+                f"engine process {self.pid} already exited (code {self.process.returncode}); cannot call "
+                f"{method}"
+            )
         self.process.stdin.write(json.dumps({"engine": engine, "method": method, "kwargs": kwargs}) + "\n")
         self.process.stdin.flush()
         timer = threading.Timer(rpc_timeout_s, self.kill)

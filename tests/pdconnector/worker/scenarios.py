@@ -1,4 +1,5 @@
-"""Transfer scenarios shared by the in-process matrix and the cross-process runs (engines are :class:`Engine` or :class:`EngineProcess`)."""
+"""Transfer scenarios shared by the in-process matrix and the cross-process runs (engines are :class:`Engine`
+or :class:`EngineProcess`)."""
 
 from __future__ import annotations
 
@@ -26,24 +27,41 @@ class Pair:
 
 
 def push_both_orders(pair: Pair) -> None:
-    """Two pushes, registration first then prefill first, with different sizes; every decode byte as expected, guards intact."""
+    """Two pushes, registration first then prefill first, with different sizes; every decode byte as expected,
+    guards intact."""
     prefill, decode, coords, model, tps = pair.prefill, pair.decode, pair.coords, pair.model, pair.tps
     spec, (p_blocks, d_blocks) = MODELS[model], pair.blocks
     received = []
-    for index, (num_tokens, registration_first) in enumerate(((spec.block_size * 3 - 5, True), (spec.block_size + 1, False))):
+    for index, (num_tokens, registration_first) in enumerate(
+        ((spec.block_size * 3 - 5, True), (spec.block_size + 1, False))
+    ):
         transfer_id = f"tx-{model}-{index}"
         src = request_blocks(spec, p_blocks, num_tokens, seed=2 * index + 1)
         dst = request_blocks(spec, d_blocks, num_tokens, seed=2 * index + 2)
         prefill.fill(blocks=src, num_tokens=num_tokens)
         if registration_first:
-            decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=num_tokens, timeout_s=TIMEOUT_S)
+            decode.expect_push(
+                transfer_id=transfer_id,
+                prefill=coords,
+                blocks=dst,
+                num_tokens=num_tokens,
+                timeout_s=TIMEOUT_S,
+            )
             assert prefill.wait_stat(name="registrations_received", value=index + 1, timeout_s=TIMEOUT_S)
-            assert decode.wait(transfer_id=transfer_id, timeout_s=0.05) == [], "completed before prefill finished"
+            assert decode.wait(transfer_id=transfer_id, timeout_s=0.05) == [], (
+                "completed before prefill finished"
+            )
             prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=num_tokens)
         else:
             prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=num_tokens)
             assert prefill.wait_stat(name="prefills_finished", value=index + 1, timeout_s=TIMEOUT_S)
-            decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=num_tokens, timeout_s=TIMEOUT_S)
+            decode.expect_push(
+                transfer_id=transfer_id,
+                prefill=coords,
+                blocks=dst,
+                num_tokens=num_tokens,
+                timeout_s=TIMEOUT_S,
+            )
         received.append({"dst": dst, "src": src, "num_tokens": num_tokens})
         assert_received(decode, transfer_id, tps[1])
         assert_sent(prefill, transfer_id, tps[0])
@@ -51,26 +69,48 @@ def push_both_orders(pair: Pair) -> None:
 
 
 def push_after_a_prefix_hit(pair: Pair, cached: int = 2) -> None:
-    """Decode holds the first ``cached`` attention blocks of a 5-block prompt and registers the rest: prefill writes only
-    its blocks after them, one for one, moves SSM state whole, and leaves decode's cached blocks untouched."""
+    """Decode holds the first ``cached`` attention blocks of a 5-block prompt and registers the rest: prefill
+    writes only its blocks after them, one for one, moves SSM state whole, and leaves decode's cached blocks
+    untouched."""
     prefill, decode, coords, model, tps = pair.prefill, pair.decode, pair.coords, pair.model, pair.tps
     spec, (p_blocks, d_blocks) = MODELS[model], pair.blocks
     num_tokens, lacking_tokens = spec.block_size * 5 - 3, spec.block_size * (5 - cached) - 3
     src = request_blocks(spec, p_blocks, num_tokens, seed=21)
-    held = request_blocks(spec, d_blocks, num_tokens, seed=22)  # decode's blocks for the whole prompt, cached ones first
+    # decode's blocks for the whole prompt, cached ones first
+    held = request_blocks(spec, d_blocks, num_tokens, seed=22)
     attention = [group.kind is LayerKind.ATTENTION for group in RankLayout(spec, 1, 0, d_blocks).groups]
-    dst = [group[cached:] if is_attention else group for group, is_attention in zip(held, attention, strict=True)]
-    written = [group[cached:] if is_attention else group for group, is_attention in zip(src, attention, strict=True)]
+    dst = [
+        group[cached:] if is_attention else group for group, is_attention in zip(held, attention, strict=True)
+    ]
+    written = [
+        group[cached:] if is_attention else group for group, is_attention in zip(src, attention, strict=True)
+    ]
     prefill.fill(blocks=src, num_tokens=num_tokens)
     transfer_id = f"tx-hit-{model}"
     prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=num_tokens)
-    decode.expect_push(transfer_id=transfer_id, prefill=coords, blocks=dst, num_tokens=lacking_tokens, timeout_s=TIMEOUT_S, cached_blocks=cached)
+    decode.expect_push(
+        transfer_id=transfer_id,
+        prefill=coords,
+        blocks=dst,
+        num_tokens=lacking_tokens,
+        timeout_s=TIMEOUT_S,
+        cached_blocks=cached,
+    )
     results = assert_received(decode, transfer_id, tps[1])
     assert_sent(prefill, transfer_id, tps[0])
-    assert decode.check(received=[{"dst": dst, "src": written, "num_tokens": lacking_tokens}]) == {"wrong_bytes": 0, "guard_bytes": 0}
+    assert decode.check(received=[{"dst": dst, "src": written, "num_tokens": lacking_tokens}]) == {
+        "wrong_bytes": 0,
+        "guard_bytes": 0,
+    }
     p_tp, d_tp = tps
     planned = sum(
-        plan_transfer(RankLayout(spec, p_tp, p, p_blocks), RankLayout(spec, d_tp, d, d_blocks), written, dst, num_tokens=lacking_tokens).nbytes
+        plan_transfer(
+            RankLayout(spec, p_tp, p, p_blocks),
+            RankLayout(spec, d_tp, d, d_blocks),
+            written,
+            dst,
+            num_tokens=lacking_tokens,
+        ).nbytes
         for d in range(d_tp)
         for p in writers_for(d, p_tp, d_tp)
     )
@@ -87,10 +127,20 @@ def pull(pair: Pair) -> None:
     dst = request_blocks(spec, d_blocks, num_tokens, seed=12)
     prefill.fill(blocks=src, num_tokens=num_tokens)
     prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=num_tokens, pull=True)
-    decode.read(transfer_id=transfer_id, prefill=coords, remote_blocks=src, blocks=dst, num_tokens=num_tokens, timeout_s=TIMEOUT_S)
+    decode.read(
+        transfer_id=transfer_id,
+        prefill=coords,
+        remote_blocks=src,
+        blocks=dst,
+        num_tokens=num_tokens,
+        timeout_s=TIMEOUT_S,
+    )
     assert_received(decode, transfer_id, tps[1])
     assert_sent(prefill, transfer_id, tps[0])
-    assert decode.check(received=[{"dst": dst, "src": src, "num_tokens": num_tokens}]) == {"wrong_bytes": 0, "guard_bytes": 0}
+    assert decode.check(received=[{"dst": dst, "src": src, "num_tokens": num_tokens}]) == {
+        "wrong_bytes": 0,
+        "guard_bytes": 0,
+    }
 
 
 def push_then_pull(pair: Pair) -> None:
@@ -100,15 +150,23 @@ def push_then_pull(pair: Pair) -> None:
     pull(pair)
 
 
-def assert_received(decode: Any, transfer_id: str, ranks: int, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+def assert_received(
+    decode: Any, transfer_id: str, ranks: int, timeout_s: float = TIMEOUT_S
+) -> list[dict[str, Any]]:
     """Every decode rank reported the transfer received, exactly once."""
     results = decode.wait(transfer_id=transfer_id, timeout_s=timeout_s)
-    assert sorted((r["rank"], r["kind"]) for r in results) == [(rank, "finished_recving") for rank in range(ranks)], results
+    assert sorted((r["rank"], r["kind"]) for r in results) == [
+        (rank, "finished_recving") for rank in range(ranks)
+    ], results
     return results
 
 
-def assert_sent(prefill: Any, transfer_id: str, ranks: int, outcome: str = "written", timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+def assert_sent(
+    prefill: Any, transfer_id: str, ranks: int, outcome: str = "written", timeout_s: float = TIMEOUT_S
+) -> list[dict[str, Any]]:
     """Every prefill rank released the transfer's blocks with ``outcome``, exactly once."""
     results = prefill.wait(transfer_id=transfer_id, timeout_s=timeout_s)
-    assert sorted((r["rank"], r["kind"], r["outcome"]) for r in results) == [(rank, "finished_sending", outcome) for rank in range(ranks)], results
+    assert sorted((r["rank"], r["kind"], r["outcome"]) for r in results) == [
+        (rank, "finished_sending", outcome) for rank in range(ranks)
+    ], results
     return results

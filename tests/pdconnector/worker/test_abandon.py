@@ -1,4 +1,5 @@
-"""A decode request that ends before it registers or reads anything still releases prefill at once, not at its lease."""
+"""A decode request that ends before it registers or reads anything still releases prefill at once, not at its
+lease."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ PROMPT_TOKENS = 40
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
 @pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
-def test_an_abandoned_transfer_frees_every_prefill_rank_within_a_second(p_tp: int, d_tp: int, pull: bool) -> None:
+def test_an_abandoned_transfer_frees_every_prefill_rank_within_a_second(
+    p_tp: int, d_tp: int, pull: bool
+) -> None:
     limits = {"registration_lease_s": LEASE_S, "prefill_lease_s": LEASE_S}
     prefill = Engine("prefill-0", "dense", tp=p_tp, num_blocks=24, transport="mock", limits=limits)
     decode = Engine("decode-0", "dense", tp=d_tp, num_blocks=24, transport="mock", limits=limits)
@@ -27,10 +30,13 @@ def test_an_abandoned_transfer_frees_every_prefill_rank_within_a_second(p_tp: in
         decode.abandon("tx-gone", prefill=coords)
         results = prefill.wait(transfer_id="tx-gone", timeout_s=5.0)
         elapsed = time.monotonic() - started
-        assert sorted((r["rank"], r["kind"]) for r in results) == [(rank, "finished_sending") for rank in range(p_tp)], results
+        assert sorted((r["rank"], r["kind"]) for r in results) == [
+            (rank, "finished_sending") for rank in range(p_tp)
+        ], results
         assert all(r["outcome"] != "expired" for r in results), results
         assert elapsed < 1.0
-        assert decode.wait(transfer_id="tx-gone", timeout_s=0.2) == []  # nothing waited for it on decode: nothing to report
+        # nothing waited for it on decode: nothing to report
+        assert decode.wait(transfer_id="tx-gone", timeout_s=0.2) == []
     finally:
         decode.close()
         prefill.close()

@@ -1,8 +1,8 @@
 """Doorbells: a peer's ring wakes a rank's transfer thread at once, so no transfer waits for a polling timer.
 
-The unit part rings real UDP sockets. The worker part sets the idle poll to 10 s, far above every bound asserted,
-so only a ring can explain a prompt answer from a prefill that holds blocks for a registration: the registration,
-or decode's abort, reaching it.
+The unit part rings real UDP sockets. The worker part sets the idle poll to 10 s, far above every bound
+asserted, so only a ring can explain a prompt answer from a prefill that holds blocks for a registration: the
+registration, or decode's abort, reaching it.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def test_close_returns_promptly_and_frees_the_port(rings: Rings) -> None:
         reuse.bind((LOOPBACK, port))
 
 
-def test_a_peer_known_by_host_name_is_not_rung_so_the_transfer_thread_never_waits_for_dns(doorbell: Doorbell, rings: Rings) -> None:
+def test_a_peer_known_by_host_name_is_not_rung_so_the_transfer_thread_never_waits_for_dns(
+    doorbell: Doorbell, rings: Rings
+) -> None:
     ringer = Ringer()
     assert not ringer.ring("localhost", doorbell.port)
     assert not ringer.ring("decode-0.decode.inference.svc", doorbell.port)
@@ -105,7 +107,8 @@ def test_ringing_a_port_nobody_listens_on_does_not_raise() -> None:
     ringer.close()
 
 
-# --- transfer workers that only a ring can wake -------------------------------------------------------------------
+# --- transfer workers that only a ring can wake
+# -------------------------------------------------------------------
 
 IDLE_POLL_S = 10.0
 PROMPT_BOUND_S = 1.0  # a ring costs a datagram and a thread wake-up; the idle poll would take 10 s
@@ -120,7 +123,9 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 def _pair(transport: str) -> tuple[Engine, Engine, dict]:
     options = {"idle_poll_max_s": IDLE_POLL_S}
-    prefill = Engine("prefill-bell", "dense", tp=1, num_blocks=32, transport=transport, worker_options=options)
+    prefill = Engine(
+        "prefill-bell", "dense", tp=1, num_blocks=32, transport=transport, worker_options=options
+    )
     decode = Engine("decode-bell", "dense", tp=1, num_blocks=32, transport=transport, worker_options=options)
     coords = prefill.start()
     decode.start()
@@ -133,7 +138,10 @@ def test_a_push_between_idle_workers_completes_on_rings_not_on_the_idle_poll(tra
     prefill, decode, coords = _pair(transport)
     try:
         num_tokens = MODELS["dense"].block_size * 4 + 3
-        src, dst = request_blocks(MODELS["dense"], 32, num_tokens, seed=1), request_blocks(MODELS["dense"], 32, num_tokens, seed=2)
+        src, dst = (
+            request_blocks(MODELS["dense"], 32, num_tokens, seed=1),
+            request_blocks(MODELS["dense"], 32, num_tokens, seed=2),
+        )
         prefill.fill(blocks=src, num_tokens=num_tokens)
         prefill.prefill_finished("tx-bell", src, num_tokens)
         time.sleep(0.3)  # prefill holds the blocks and sleeps: the registration must wake it
@@ -145,7 +153,10 @@ def test_a_push_between_idle_workers_completes_on_rings_not_on_the_idle_poll(tra
         assert elapsed < PROMPT_BOUND_S, f"the push took {elapsed:.2f} s"
         assert received[0]["stages"].keys() == {"handshake", "kv_wait"}
         assert received[0]["stages"]["kv_wait"] < elapsed
-        assert decode.check(received=[{"src": src, "dst": dst, "num_tokens": num_tokens}]) == {"wrong_bytes": 0, "guard_bytes": 0}
+        assert decode.check(received=[{"src": src, "dst": dst, "num_tokens": num_tokens}]) == {
+            "wrong_bytes": 0,
+            "guard_bytes": 0,
+        }
         sent = prefill.wait("tx-bell", timeout_s=1)
         assert [(r["kind"], r["outcome"]) for r in sent] == [("finished_sending", "written")]
         assert sent[0]["stages"]["registration"] >= 0.3  # prefill finished first and waited for decode

@@ -1,11 +1,12 @@
-"""The fence, between engine processes: decode keeps a failed push's blocks while a prefill that may still write into them
-is alive, and frees them as soon as it can no longer touch them.
+"""The fence, between engine processes: decode keeps a failed push's blocks while a prefill that may still
+write into them is alive, and frees them as soon as it can no longer touch them.
 
-The prefill engine runs in its own process, frozen with SIGSTOP after it took decode's registration (the hard case: a
-frozen process neither answers nor disconnects). Decode's deadline passes meanwhile; its result (which lets the engine
-reuse the blocks) must wait for the prefill's answer after SIGCONT, or for the fence when no answer comes, and arrive at
-once when the prefill process is gone. Over MockTransport and real NIXL (UCX) in host memory, and over NIXL with both
-engines' pools in VRAM (the GPU suite: ``pytest -m gpu``; skipped without CUDA).
+The prefill engine runs in its own process, frozen with SIGSTOP after it took decode's registration (the hard
+case: a frozen process neither answers nor disconnects). Decode's deadline passes meanwhile; its result (which
+lets the engine reuse the blocks) must wait for the prefill's answer after SIGCONT, or for the fence when no
+answer comes, and arrive at once when the prefill process is gone. Over MockTransport and real NIXL (UCX) in
+host memory, and over NIXL with both engines' pools in VRAM (the GPU suite: ``pytest -m gpu``; skipped without
+CUDA).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ DEADLINE_S = 1.5
 SLACK_S = 1.5  # thread wake-ups and notification round trips on a loaded 2-core machine
 SUITE = gpu_suite()
 VRAM = pytest.param(
-    ("nixl", SUITE.device), id="nixl-vram", marks=[pytest.mark.gpu, pytest.mark.skipif(SUITE.skip_reason is not None, reason=SUITE.skip_reason or "")]
+    ("nixl", SUITE.device),
+    id="nixl-vram",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(SUITE.skip_reason is not None, reason=SUITE.skip_reason or ""),
+    ],
 )
 MEMORIES = [pytest.param(("mock", None), id="mock"), pytest.param(("nixl", None), id="nixl"), VRAM]
 
@@ -60,16 +66,25 @@ def _frozen_after_registration(
 ) -> tuple[RemoteEngine, Engine, dict[str, Any]]:
     """Decode registers a push with a prefill process, which is frozen once it has the registration."""
     transport, device = memory
-    prefill = prefill_host.create("prefill-frozen", "dense", tp=1, num_blocks=BLOCKS, transport=transport, device=device)
-    decode = Engine("decode-fenced", "dense", tp=1, num_blocks=BLOCKS, transport=transport, fence_s=fence_s, device=device)
+    prefill = prefill_host.create(
+        "prefill-frozen", "dense", tp=1, num_blocks=BLOCKS, transport=transport, device=device
+    )
+    decode = Engine(
+        "decode-fenced", "dense", tp=1, num_blocks=BLOCKS, transport=transport, fence_s=fence_s, device=device
+    )
     coords = prefill.start()
     decode.start()
     spec = MODELS["dense"]
     num_tokens = spec.block_size * 8 + 1
-    src, dst = request_blocks(spec, BLOCKS, num_tokens, seed=5), request_blocks(spec, BLOCKS, num_tokens, seed=6)
+    src, dst = (
+        request_blocks(spec, BLOCKS, num_tokens, seed=5),
+        request_blocks(spec, BLOCKS, num_tokens, seed=6),
+    )
     request = {"src": src, "dst": dst, "num_tokens": num_tokens}
     prefill.fill(blocks=request["src"], num_tokens=num_tokens)
-    decode.expect_push("tx-fenced", prefill=coords, blocks=request["dst"], num_tokens=num_tokens, timeout_s=DEADLINE_S)
+    decode.expect_push(
+        "tx-fenced", prefill=coords, blocks=request["dst"], num_tokens=num_tokens, timeout_s=DEADLINE_S
+    )
     assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=20)
     prefill_host.pause()
     return prefill, decode, request
@@ -80,7 +95,8 @@ def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_a
 ) -> None:
     prefill, decode, request = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
-        assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []  # deadline passed: the blocks are still held
+        # deadline passed: the blocks are still held
+        assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []
         assert decode.transfers.workers[0].fenced() == 1
         prefill_host.resume()
         resumed = time.monotonic()
@@ -89,19 +105,24 @@ def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_a
         assert [(r["kind"], r["outcome"]) for r in results] == [("failed_recving", "timeout")], results
         assert time.monotonic() - resumed < SLACK_S + 1.0
         deadline = time.monotonic() + 1.0
-        while decode.transfers.workers[0].fenced() and time.monotonic() < deadline:  # published at the end of the thread's turn
+        while (
+            decode.transfers.workers[0].fenced() and time.monotonic() < deadline
+        ):  # published at the end of the thread's turn
             time.sleep(0.01)
         assert decode.transfers.workers[0].fenced() == 0
         assert decode.stats()[0].get("fences_expired", 0) == 0
-        prefill.prefill_finished(transfer_id="tx-fenced", blocks=request["src"], num_tokens=request["num_tokens"])
+        prefill.prefill_finished(
+            transfer_id="tx-fenced", blocks=request["src"], num_tokens=request["num_tokens"]
+        )
         freed = prefill.wait(transfer_id="tx-fenced", timeout_s=5)
-        # Both the abort and the registration's lifetime (decode's time left + the grace) passed while the prefill was
-        # frozen; which of the two its transfer thread meets first after SIGCONT is thread order, and either ends the
-        # transfer unwritten.
+        # Both the abort and the registration's lifetime (decode's time left + the grace) passed while the
+        # prefill was frozen; which of the two its transfer thread meets first after SIGCONT is thread order,
+        # and either ends the transfer unwritten.
         assert [r["kind"] for r in freed] == ["finished_sending"], freed
         assert freed[0]["outcome"] in ("cancelled", "expired"), freed
         assert prefill.stats()[0].get("writes_posted", 0) == 0
-        assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}  # nothing landed, before or after
+        # nothing landed, before or after
+        assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}
     finally:
         decode.close()
 
@@ -120,20 +141,26 @@ def test_a_prefill_that_never_answers_is_fenced_for_fence_s_after_the_deadline_t
         decode.close()
 
 
-def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(prefill_host: EngineHost, memory: tuple[str, str | None]) -> None:
+def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(
+    prefill_host: EngineHost, memory: tuple[str, str | None]
+) -> None:
     _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S) == []
-        prefill_host.kill()  # a dead process posts nothing: its side channel refuses, and the fence ends after a grace
+        # a dead process posts nothing: its side channel refuses, and the fence ends after a grace
+        prefill_host.kill()
         killed = time.monotonic()
         results = decode.wait("tx-fenced", timeout_s=15)
         assert [(r["kind"], r["outcome"]) for r in results] == [("failed_recving", "timeout")], results
-        assert time.monotonic() - killed < SLACK_S + 6.0  # the probe: a side-channel lookup that may run into its own timeout
+        # the probe: a side-channel lookup that may run into its own timeout
+        assert time.monotonic() - killed < SLACK_S + 6.0
     finally:
         decode.close()
 
 
-def test_a_decode_cancel_is_fenced_the_same_way(prefill_host: EngineHost, memory: tuple[str, str | None]) -> None:
+def test_a_decode_cancel_is_fenced_the_same_way(
+    prefill_host: EngineHost, memory: tuple[str, str | None]
+) -> None:
     _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         decode.cancel("tx-fenced")

@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import pytest
 from pdconnector.layout import BlockPlacement, RankLayout
-from pdconnector.worker import EngineInfo, IncompatiblePeer, RankInfo, check_peer, layout_differences, layout_summary
+from pdconnector.worker import (
+    EngineInfo,
+    IncompatiblePeer,
+    RankInfo,
+    check_peer,
+    layout_differences,
+    layout_summary,
+)
 
 from tests.pdconnector.worker.engines import MODELS
 
 
-def engine(model: str, tp: int, *, regions: int | None = None, placement: BlockPlacement = BlockPlacement.LAYER_OUTER) -> EngineInfo:
+def engine(
+    model: str, tp: int, *, regions: int | None = None, placement: BlockPlacement = BlockPlacement.LAYER_OUTER
+) -> EngineInfo:
     layout = RankLayout(MODELS[model], tp, 0, 8, placement)
     count = len(layout.regions) if regions is None else regions
     ranks = tuple(
-        RankInfo(tp_rank=r, agent_name=f"a{r}", agent_metadata=b"", region_base_addresses=(4096,) * count, num_blocks=8, placement=placement)
+        RankInfo(
+            tp_rank=r,
+            agent_name=f"a{r}",
+            agent_metadata=b"",
+            region_base_addresses=(4096,) * count,
+            num_blocks=8,
+            placement=placement,
+        )
         for r in range(tp)
     )
     return EngineInfo(engine_id="peer", tp_size=tp, layout=layout_summary(MODELS[model]), ranks=ranks)
@@ -25,7 +41,9 @@ def test_equal_models_of_supported_tp_pairs_are_compatible() -> None:
 
 
 def test_differences_are_named_field_by_field() -> None:
-    assert layout_differences(layout_summary(MODELS["dense_wide"]), layout_summary(MODELS["dense"])) == ["attention.head_dim: local 16 != remote 8"]
+    assert layout_differences(layout_summary(MODELS["dense_wide"]), layout_summary(MODELS["dense"])) == [
+        "attention.head_dim: local 16 != remote 8"
+    ]
     differences = layout_differences(layout_summary(MODELS["dense"]), layout_summary(MODELS["mamba2"]))
     assert any(d.startswith("layers: local AAA != remote SASA") for d in differences)
     assert any(d.startswith("ssm.family: local <absent>") for d in differences)
@@ -42,7 +60,12 @@ def test_mamba1_state_needs_equal_tp() -> None:
 
 
 def test_a_tp_size_the_model_cannot_be_sharded_by_is_refused() -> None:
-    ranks = tuple(RankInfo(tp_rank=r, agent_name=f"a{r}", agent_metadata=b"", region_base_addresses=(4096,) * 3, num_blocks=8) for r in range(3))
+    ranks = tuple(
+        RankInfo(
+            tp_rank=r, agent_name=f"a{r}", agent_metadata=b"", region_base_addresses=(4096,) * 3, num_blocks=8
+        )
+        for r in range(3)
+    )
     peer = EngineInfo(engine_id="peer", tp_size=3, layout=layout_summary(MODELS["dense"]), ranks=ranks)
     with pytest.raises(IncompatiblePeer, match="not divisible by tp_size 3"):
         check_peer(RankLayout(MODELS["dense"], 1, 0, 8), peer, peer_is_prefill=True)
@@ -52,7 +75,11 @@ def test_a_peer_advertising_the_wrong_number_of_regions_is_refused() -> None:
     with pytest.raises(IncompatiblePeer, match="2 regions, its layer_outer layout has 3"):
         check_peer(RankLayout(MODELS["dense"], 1, 0, 8), engine("dense", 1, regions=2), peer_is_prefill=True)
     with pytest.raises(IncompatiblePeer, match="3 regions, its block_outer layout has 1"):
-        check_peer(RankLayout(MODELS["dense"], 1, 0, 8), engine("dense", 1, regions=3, placement=BlockPlacement.BLOCK_OUTER), peer_is_prefill=True)
+        check_peer(
+            RankLayout(MODELS["dense"], 1, 0, 8),
+            engine("dense", 1, regions=3, placement=BlockPlacement.BLOCK_OUTER),
+            peer_is_prefill=True,
+        )
 
 
 def test_a_peer_placing_its_blocks_differently_is_compatible_and_planned_with_its_own_placement() -> None:

@@ -43,7 +43,9 @@ def test_without_a_directory_nothing_is_written(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_check_passes_before_any_heartbeat_and_names_a_stale_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_check_passes_before_any_heartbeat_and_names_a_stale_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([str(tmp_path / "none-yet"), "--max-age", "10"]) == 0
     Heartbeat(str(tmp_path), tp_rank=0).beat(0.0, healthy=True)
     Heartbeat(str(tmp_path), tp_rank=1).beat(0.0, healthy=True)
@@ -74,9 +76,13 @@ def health_url() -> Iterator[tuple[str, type[_Health]]]:
     server.shutdown()
 
 
-def test_the_check_also_requires_the_health_endpoint(tmp_path: Path, health_url: tuple[str, type[_Health]]) -> None:
+def test_the_check_also_requires_the_health_endpoint(
+    tmp_path: Path, health_url: tuple[str, type[_Health]]
+) -> None:
     url, handler = health_url
     assert main([str(tmp_path), "--max-age", "10", "--url", url]) == 0
     handler.status = 503
     assert main([str(tmp_path), "--max-age", "10", "--url", url]) == 1
-    assert main([str(tmp_path), "--max-age", "10", "--url", "http://127.0.0.1:1/health", "--timeout", "1"]) == 1
+    assert (
+        main([str(tmp_path), "--max-age", "10", "--url", "http://127.0.0.1:1/health", "--timeout", "1"]) == 1
+    )

@@ -1,5 +1,5 @@
-"""The engine-level handshake: what the server serves, the client's cache and its invalidation when a peer restarts,
-bounded and timed-out I/O, and clear refusals."""
+"""The engine-level handshake: what the server serves, the client's cache and its invalidation when a peer
+restarts, bounded and timed-out I/O, and clear refusals."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 from pdconnector.protocol.params import PrefillCoordinates
-from pdconnector.worker import EngineInfo, RankInfo, SideChannelClient, SideChannelError, SideChannelServer, fetch_engine_info, layout_summary
+from pdconnector.worker import (
+    EngineInfo,
+    RankInfo,
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+    fetch_engine_info,
+    layout_summary,
+)
 from pdconnector.worker.side_channel import MAGIC, MAX_FRAME_BYTES
 
 from tests.pdconnector.worker.engines import MODELS
@@ -21,7 +29,13 @@ from tests.pdconnector.worker.engines import MODELS
 
 def engine_info(engine_id: str, tp: int = 2) -> EngineInfo:
     ranks = tuple(
-        RankInfo(tp_rank=r, agent_name=f"{engine_id}-r{r}", agent_metadata=b"meta", region_base_addresses=(4096, 8192, 12288), num_blocks=16)
+        RankInfo(
+            tp_rank=r,
+            agent_name=f"{engine_id}-r{r}",
+            agent_metadata=b"meta",
+            region_base_addresses=(4096, 8192, 12288),
+            num_blocks=16,
+        )
         for r in range(tp)
     )
     return EngineInfo(engine_id=engine_id, tp_size=tp, layout=layout_summary(MODELS["dense"]), ranks=ranks)
@@ -34,7 +48,9 @@ class Served:
         self.info = info
         self.handshakes = 0
         self.announced: list[EngineInfo] = []
-        self.server = SideChannelServer("127.0.0.1", 0, engine_info=self.answer, on_announce=self.announced.append)
+        self.server = SideChannelServer(
+            "127.0.0.1", 0, engine_info=self.answer, on_announce=self.announced.append
+        )
 
     def answer(self) -> EngineInfo:
         self.handshakes += 1
@@ -77,10 +93,15 @@ def test_client_caches_per_address_and_engine_id(served: Served, client: SideCha
     assert served.handshakes == 1
 
 
-def test_a_restarted_peer_is_fetched_again_and_its_old_identity_refused(served: Served, client: SideChannelClient) -> None:
+def test_a_restarted_peer_is_fetched_again_and_its_old_identity_refused(
+    served: Served, client: SideChannelClient
+) -> None:
     client.lookup(served.coords("prefill-a")).result(timeout=5)
     served.info = engine_info("prefill-a-restarted")  # same address, new pod incarnation
-    assert client.lookup(served.coords("prefill-a-restarted")).result(timeout=5).engine_id == "prefill-a-restarted"
+    assert (
+        client.lookup(served.coords("prefill-a-restarted")).result(timeout=5).engine_id
+        == "prefill-a-restarted"
+    )
     with pytest.raises(SideChannelError, match="serves engine 'prefill-a-restarted', not 'prefill-a'"):
         client.lookup(served.coords("prefill-a")).result(timeout=5)
 
@@ -167,7 +188,9 @@ def test_a_peer_trickling_its_request_is_dropped_at_the_frame_deadline_not_per_b
             start = time.monotonic()
             header = struct.pack(">4sI", MAGIC, 64)
             closed_after = None
-            for byte in (header + bytes(64))[:40]:  # one byte every 0.1 s: each recv alone would be well inside 0.5 s
+            for byte in (header + bytes(64))[
+                :40
+            ]:  # one byte every 0.1 s: each recv alone would be well inside 0.5 s
                 try:
                     sock.sendall(bytes([byte]))
                 except OSError:
@@ -179,12 +202,15 @@ def test_a_peer_trickling_its_request_is_dropped_at_the_frame_deadline_not_per_b
                 assert sock.recv(1) == b""  # the server closed the connection without answering
             closed_after = closed_after or time.monotonic() - start
         assert served.handshakes == 0
-        assert closed_after < 2.0  # the whole frame's deadline (0.5 s) ended it; per byte it would last 40 x 0.1 s + 0.5 s
+        # the whole frame's deadline (0.5 s) ended it; per byte it would last 40 x 0.1 s + 0.5 s
+        assert closed_after < 2.0
     finally:
         server.close()
 
 
-def test_connections_beyond_the_limit_are_closed_at_once_and_the_server_serves_again_after(served: Served) -> None:
+def test_connections_beyond_the_limit_are_closed_at_once_and_the_server_serves_again_after(
+    served: Served,
+) -> None:
     server = SideChannelServer("127.0.0.1", 0, engine_info=served.answer, io_timeout_s=5.0, max_connections=2)
     try:
         idle = [socket.create_connection(("127.0.0.1", server.port), timeout=2) for _ in range(2)]

@@ -1,7 +1,7 @@
-"""Byte-exact transfers between two engines in this process over MockTransport (real TCP, real copies):
-the whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull, engines that place their
-blocks differently (layer-, block- and head-outer caches), and push into a decode that already holds a prefix of the
-prompt."""
+"""Byte-exact transfers between two engines in this process over MockTransport (real TCP, real copies): the
+whole prefill TP x decode TP x layout matrix, push in both arrival orders and pull, engines that place their
+blocks differently (layer-, block- and head-outer caches), and push into a decode that already holds a prefix
+of the prompt."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from tests.pdconnector.worker.engines import Engine
-from tests.pdconnector.worker.scenarios import Pair, pull, push_after_a_prefix_hit, push_both_orders, push_then_pull
+from tests.pdconnector.worker.scenarios import (
+    Pair,
+    pull,
+    push_after_a_prefix_hit,
+    push_both_orders,
+    push_then_pull,
+)
 
 TPS = (1, 2, 4)
 MATRIX = [
@@ -22,8 +28,9 @@ IDS = [f"{m}-P{p}-D{d}" for m, p, d in MATRIX]
 BLOCKS = (24, 40)  # prefill and decode pools differ in size
 
 
-# (model, prefill TP, decode TP, prefill placement, decode placement): every placement on each side, with and without TP
-# changing between them (head-outer holds attention only; the hybrid's block-outer pages interleave SSM and attention).
+# (model, prefill TP, decode TP, prefill placement, decode placement): every placement on each side, with and
+# without TP changing between them (head-outer holds attention only; the hybrid's block-outer pages interleave
+# SSM and attention).
 PLACED = [
     ("dense", 1, 2, "block_outer", "head_outer"),
     ("dense", 4, 2, "head_outer", "layer_outer"),
@@ -38,7 +45,9 @@ PLACED_IDS = [f"{m}-P{p}-{pp}-D{d}-{dp}" for m, p, d, pp, dp in PLACED]
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     model, p_tp, d_tp, *placements = request.param
     p_placement, d_placement = placements or ("layer_outer", "layer_outer")
-    prefill = Engine("prefill-0", model, tp=p_tp, num_blocks=BLOCKS[0], transport="mock", placement=p_placement)
+    prefill = Engine(
+        "prefill-0", model, tp=p_tp, num_blocks=BLOCKS[0], transport="mock", placement=p_placement
+    )
     decode = Engine("decode-0", model, tp=d_tp, num_blocks=BLOCKS[1], transport="mock", placement=d_placement)
     try:
         coords = prefill.start()
@@ -66,9 +75,12 @@ def test_pull_reads_every_byte_and_prefill_frees_after_every_reader(pair: Pair) 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 4), (4, 2)])
 def test_ranks_on_devices_other_than_zero_name_their_device_in_every_descriptor(p_tp: int, d_tp: int) -> None:
-    """Like a GPU engine's ``cuda:r`` per rank: prefill ranks on devices 3.., decode ranks on 5..; the transport refuses any
-    descriptor that names a device other than the one its memory is registered on, so both sides must carry it."""
-    prefill = Engine("prefill-0", "mamba2", tp=p_tp, num_blocks=BLOCKS[0], transport="mock", first_device_id=3)
+    """Like a GPU engine's ``cuda:r`` per rank: prefill ranks on devices 3.., decode ranks on 5..; the
+    transport refuses any descriptor that names a device other than the one its memory is registered on, so
+    both sides must carry it."""
+    prefill = Engine(
+        "prefill-0", "mamba2", tp=p_tp, num_blocks=BLOCKS[0], transport="mock", first_device_id=3
+    )
     decode = Engine("decode-0", "mamba2", tp=d_tp, num_blocks=BLOCKS[1], transport="mock", first_device_id=5)
     try:
         coords = prefill.start()

@@ -1,21 +1,21 @@
-"""KV transfers between two engine processes on one GPU over real NIXL (UCX), the pools in VRAM: the data plane as
-it runs in an engine, minus vLLM and the network.
+"""KV transfers between two engine processes on one GPU over real NIXL (UCX), the pools in VRAM: the data
+plane as it runs in an engine, minus vLLM and the network.
 
-Each process hosts the project's transfer plumbing (``EngineTransfers``: a ``TransferWorker`` per TP rank and the side
-channel; the ranks of a TP-2 engine share the GPU) over pools laid out like vLLM's CUDA caches: one tensor per layer
-slot (vLLM's layer-outer LBHNC) or one tensor whose blocks hold every layer (block-outer BLHNC, the connector's default;
-head-outer BHLNC for the dense model), each between guard bytes that are never registered. Models: a dense Qwen3-32B
-and the hybrid Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2: Mamba2 and attention layers, SSM pages padded to the attention
-page by vLLM's hybrid allocator). Requests of 1k and 16k tokens on randomly permuted blocks, pushed and pulled, at TP
-1->1, 1->2 and 2->1.
+Each process hosts the project's transfer plumbing (``EngineTransfers``: a ``TransferWorker`` per TP rank and
+the side channel; the ranks of a TP-2 engine share the GPU) over pools laid out like vLLM's CUDA caches: one
+tensor per layer slot (vLLM's layer-outer LBHNC) or one tensor whose blocks hold every layer (block-outer
+BLHNC, the connector's default; head-outer BHLNC for the dense model), each between guard bytes that are never
+registered. Models: a dense Qwen3-32B and the hybrid Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2: Mamba2 and
+attention layers, SSM pages padded to the attention page by vLLM's hybrid allocator). Requests of 1k and 16k
+tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1.
 
-Checked on the device, never by copying pools to the host: every byte of every decode region equals the expectation
-(the prefill's tagged content at the request's blocks, the sentinel the pool was filled with everywhere else, SSM
-padding included), the guards are intact, the bytes received are the bytes planned, and every rank of both sides
-reports the transfer ended exactly once with no block left held.
+Checked on the device, never by copying pools to the host: every byte of every decode region equals the
+expectation (the prefill's tagged content at the request's blocks, the sentinel the pool was filled with
+everywhere else, SSM padding included), the guards are intact, the bytes received are the bytes planned, and
+every rank of both sides reports the transfer ended exactly once with no block left held.
 
-``PD_GPU_SUITE_DEVICE=cpu`` runs the same tests on host memory with fewer layers and 1k tokens only; without it they
-need CUDA and skip elsewhere. Select them with ``pytest -m gpu``.
+``PD_GPU_SUITE_DEVICE=cpu`` runs the same tests on host memory with fewer layers and 1k tokens only; without
+it they need CUDA and skip elsewhere. Select them with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,14 @@ from tests.pdconnector.worker.scenarios import Pair, assert_received, assert_sen
 from tests.pdconnector.worker.vram import SuiteModel, gpu_suite
 
 SUITE = gpu_suite()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SUITE.skip_reason is not None, reason=SUITE.skip_reason or "")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(SUITE.skip_reason is not None, reason=SUITE.skip_reason or ""),
+]
 
-TIMEOUT_S = 60.0  # any single wait; a scattered 16k-token dense request posts 65,536 descriptors (~0.5 s on the H200)
+TIMEOUT_S = (
+    60.0  # any single wait; a scattered 16k-token dense request posts 65,536 descriptors (~0.5 s on the H200)
+)
 TPS = ((1, 1), (1, 2), (2, 1))
 LAYER, BLOCK, HEAD = BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER, BlockPlacement.HEAD_OUTER
 PAIRS = [
@@ -61,7 +66,8 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineHost
 
 @pytest.fixture(scope="module")
 def pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -> Iterator[Pair]:
-    """A started prefill and decode engine of one model and TP pair, serving every request of the tests using it."""
+    """A started prefill and decode engine of one model and TP pair, serving every request of the tests using
+    it."""
     model, p_tp, d_tp, placement = request.param
     tag = f"{model.name}-p{p_tp}d{d_tp}-{placement.value}"
     config, (p_blocks, d_blocks) = dict(model.config), model.num_blocks
@@ -82,45 +88,69 @@ def _counts(engine: RemoteEngine, name: str) -> list[int]:
 
 
 def _move(pair: Pair, mode: str, tokens: int, record_property: Callable[[str, object], None]) -> None:
-    """One request of ``tokens`` tokens from scattered prefill blocks into scattered decode blocks, pushed or pulled,
-    then every check of the module docstring."""
+    """One request of ``tokens`` tokens from scattered prefill blocks into scattered decode blocks, pushed or
+    pulled, then every check of the module docstring."""
     prefill, decode, (p_tp, d_tp) = pair.prefill, pair.decode, pair.tps
     spec, (p_blocks, d_blocks) = SUITE.model(pair.model).spec, pair.blocks
     seed = 2 * tokens + (0 if mode == "push" else 8)  # even seeds: block ids in permuted order, not sorted
-    src, dst = request_blocks(spec, p_blocks, tokens, seed=seed), request_blocks(spec, d_blocks, tokens, seed=seed + 2)
+    src, dst = (
+        request_blocks(spec, p_blocks, tokens, seed=seed),
+        request_blocks(spec, d_blocks, tokens, seed=seed + 2),
+    )
     transfer_id = f"tx-{mode}-{pair.model}-P{p_tp}D{d_tp}-{pair.placement.value}-{tokens}"
     prefill.fill(blocks=src, num_tokens=tokens)
     decode.reset()
     sent_before, received_before = _counts(prefill, "finished_sending"), _counts(decode, "finished_recving")
 
     if mode == "push":
-        # Decode registers first, as with the router's concurrent dispatch: the clock runs from the finished prefill.
+        # Decode registers first, as with the router's concurrent dispatch: the clock runs from the finished
+        # prefill.
         registrations = _counts(prefill, "registrations_received")[0] + max(1, d_tp // p_tp)
-        decode.expect_push(transfer_id=transfer_id, prefill=pair.coords, blocks=dst, num_tokens=tokens, timeout_s=TIMEOUT_S)
+        decode.expect_push(
+            transfer_id=transfer_id, prefill=pair.coords, blocks=dst, num_tokens=tokens, timeout_s=TIMEOUT_S
+        )
         assert prefill.wait_stat(name="registrations_received", value=registrations, timeout_s=TIMEOUT_S)
         start = time.monotonic()
         prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=tokens)
     else:
         prefill.prefill_finished(transfer_id=transfer_id, blocks=src, num_tokens=tokens, pull=True)
         start = time.monotonic()
-        decode.read(transfer_id=transfer_id, prefill=pair.coords, remote_blocks=src, blocks=dst, num_tokens=tokens, timeout_s=TIMEOUT_S)
+        decode.read(
+            transfer_id=transfer_id,
+            prefill=pair.coords,
+            remote_blocks=src,
+            blocks=dst,
+            num_tokens=tokens,
+            timeout_s=TIMEOUT_S,
+        )
     results = assert_received(decode, transfer_id, d_tp, timeout_s=TIMEOUT_S)
     elapsed = time.monotonic() - start
     assert_sent(prefill, transfer_id, p_tp, timeout_s=TIMEOUT_S)
 
     received = [{"dst": dst, "src": src, "num_tokens": tokens}]
-    assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}, decode.differences(received=received)
+    assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}, decode.differences(
+        received=received
+    )
     plans = [
         plan_transfer(
-            RankLayout(spec, p_tp, p, p_blocks, pair.placement), RankLayout(spec, d_tp, d, d_blocks, pair.placement), src, dst, num_tokens=tokens
+            RankLayout(spec, p_tp, p, p_blocks, pair.placement),
+            RankLayout(spec, d_tp, d, d_blocks, pair.placement),
+            src,
+            dst,
+            num_tokens=tokens,
         )
         for d in range(d_tp)
         for p in writers_for(d, p_tp, d_tp)
     ]
     assert sum(r["nbytes"] for r in results) == sum(plan.nbytes for plan in plans)
-    # Exactly one end per rank on both sides, and every prefill hold ever taken released: nothing is left pinned.
-    assert [a - b for a, b in zip(_counts(prefill, "finished_sending"), sent_before, strict=True)] == [1] * p_tp
-    assert [a - b for a, b in zip(_counts(decode, "finished_recving"), received_before, strict=True)] == [1] * d_tp
+    # Exactly one end per rank on both sides, and every prefill hold ever taken released: nothing is left
+    # pinned.
+    assert [a - b for a, b in zip(_counts(prefill, "finished_sending"), sent_before, strict=True)] == [
+        1
+    ] * p_tp
+    assert [a - b for a, b in zip(_counts(decode, "finished_recving"), received_before, strict=True)] == [
+        1
+    ] * d_tp
     assert _counts(prefill, "finished_sending") == _counts(prefill, "prefills_finished")
     assert _counts(decode, "failed_recving") == [0] * d_tp
     record_property("transfer_s", round(elapsed, 3))
@@ -130,7 +160,8 @@ def _move(pair: Pair, mode: str, tokens: int, record_property: Callable[[str, ob
 
 @pytest.mark.parametrize("model", SUITE.models, ids=[m.name for m in SUITE.models])
 def test_tagged_pages_computed_on_the_pool_device_equal_the_numpy_reference(model: SuiteModel) -> None:
-    """Prefill tags and decode's expectation are computed where the pools live; their bits must be the host's."""
+    """Prefill tags and decode's expectation are computed where the pools live; their bits must be the
+    host's."""
     import torch  # noqa: PLC0415 (the suite's pools are torch tensors; the CPU tests never import it)
 
     layout = RankLayout(model.spec, 2, 1, 8)  # rank 1 of 2: the shard of the second half of every segment
@@ -143,31 +174,42 @@ def test_tagged_pages_computed_on_the_pool_device_equal_the_numpy_reference(mode
 
 def test_the_hybrid_model_pads_its_ssm_pages_so_the_byte_checks_cover_padding() -> None:
     spec = SUITE.model("nemotron-h").spec
-    assert spec.is_hybrid and spec.block_size == 1312  # the smallest multiple of 16 tokens whose attention page holds the SSM state
+    # the smallest multiple of 16 tokens whose attention page holds the SSM state
+    assert spec.is_hybrid and spec.block_size == 1312
     for tp in (1, 2):
         layout = RankLayout(spec, tp, 0, 8)
         assert 0 < layout.ssm_padding_bytes < layout.page_bytes, "nothing to check in the SSM padding"
 
 
 @pytest.mark.parametrize("pair", PAIRS, indirect=True, ids=PAIR_IDS)
-def test_every_rank_creates_its_transport_on_its_worker_thread_with_the_pool_device_current(pair: Pair) -> None:
-    """UCX registers VRAM against the creating thread's CUDA context: it must be the rank's device (host pools: none)."""
+def test_every_rank_creates_its_transport_on_its_worker_thread_with_the_pool_device_current(
+    pair: Pair,
+) -> None:
+    """UCX registers VRAM against the creating thread's CUDA context: it must be the rank's device (host
+    pools: none)."""
     expected_device = 0 if SUITE.device == "cuda" else None
     for engine in (pair.prefill, pair.decode):
         threads: list[dict[str, Any]] = engine.transport_threads()
-        assert [t["thread"] for t in threads] == [f"transfer-worker-{engine.name}-{rank}" for rank in range(engine.tp)]
+        assert [t["thread"] for t in threads] == [
+            f"transfer-worker-{engine.name}-{rank}" for rank in range(engine.tp)
+        ]
         assert [t["cuda_device"] for t in threads] == [expected_device] * engine.tp, (
-            "a rank's transport was created on a thread without its device's CUDA context (bind_cuda_device missing?)"
+            "a rank's transport was created on a thread without its device's CUDA context (bind_cuda_device "
+            "missing?)"
         )
 
 
 @pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)
 @pytest.mark.parametrize("pair", PAIRS, indirect=True, ids=PAIR_IDS)
-def test_push_writes_every_byte_of_a_scattered_request_and_nothing_else(pair: Pair, tokens: int, record_property: Any) -> None:
+def test_push_writes_every_byte_of_a_scattered_request_and_nothing_else(
+    pair: Pair, tokens: int, record_property: Any
+) -> None:
     _move(pair, "push", tokens, record_property)
 
 
 @pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)
 @pytest.mark.parametrize("pair", PAIRS, indirect=True, ids=PAIR_IDS)
-def test_pull_reads_every_byte_of_a_scattered_request_and_nothing_else(pair: Pair, tokens: int, record_property: Any) -> None:
+def test_pull_reads_every_byte_of_a_scattered_request_and_nothing_else(
+    pair: Pair, tokens: int, record_property: Any
+) -> None:
     _move(pair, "pull", tokens, record_property)

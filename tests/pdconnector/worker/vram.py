@@ -1,13 +1,13 @@
 """Engine pools on a device, and the GPU suite's configuration (``test_vram_transfers.py``).
 
-:class:`PoolMemory` is where an :class:`~tests.pdconnector.worker.engines.Engine` keeps its pools: numpy host arrays
-(the default, what the CPU tests use) or torch tensors on a device, ``"cuda"`` registering VRAM and ``"cpu"`` the
-same code over DRAM. Tagging and checking run where the pools live (``layout.synthetic``), so GBs of VRAM are never
-copied to the host.
+:class:`PoolMemory` is where an :class:`~tests.pdconnector.worker.engines.Engine` keeps its pools: numpy host
+arrays (the default, what the CPU tests use) or torch tensors on a device, ``"cuda"`` registering VRAM and
+``"cpu"`` the same code over DRAM. Tagging and checking run where the pools live (``layout.synthetic``), so
+GBs of VRAM are never copied to the host.
 
-:func:`gpu_suite` reads the environment: ``PD_GPU_SUITE_DEVICE`` (``cuda`` by default; ``cpu`` runs the suite on host
-memory with smaller sizes, to debug it without a GPU) and ``PD_GPU_SUITE_LOG_DIR`` (where engine processes write
-their stderr; a pytest temporary directory otherwise).
+:func:`gpu_suite` reads the environment: ``PD_GPU_SUITE_DEVICE`` (``cuda`` by default; ``cpu`` runs the suite
+on host memory with smaller sizes, to debug it without a GPU) and ``PD_GPU_SUITE_LOG_DIR`` (where engine
+processes write their stderr; a pytest temporary directory otherwise).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ _CUDA_SUCCESS = 0
 
 @dataclass(frozen=True)
 class PoolMemory:
-    """Where pools live: ``device`` None is numpy host memory, otherwise a torch device (``"cpu"``, ``"cuda"``)."""
+    """Where pools live: ``device`` None is numpy host memory, otherwise a torch device (``"cpu"``,
+    ``"cuda"``)."""
 
     device: str | None = None
 
@@ -53,15 +54,23 @@ class PoolMemory:
         return self._torch.full((nbytes,), fill, dtype=self._torch.uint8, device=self.device)
 
     def count_different(self, a: Any, b: Any, row_bytes: int | None = None) -> Any:
-        """Bytes where two equal-sized buffers differ, in all (an int) or per row of ``row_bytes`` (a list)."""
+        """Bytes where two equal-sized buffers differ, in all (an int) or per row of ``row_bytes`` (a
+        list)."""
         if row_bytes is not None:
             differ = (a != b).reshape(-1, row_bytes)
-            return (np.count_nonzero(differ, axis=1) if self.device is None else self._torch.count_nonzero(differ, dim=1)).tolist()
+            return (
+                np.count_nonzero(differ, axis=1)
+                if self.device is None
+                else self._torch.count_nonzero(differ, dim=1)
+            ).tolist()
         if self.device is None:
             return int(np.count_nonzero(a != b))
         # In 256 MiB slices: torch counts through an int64 copy of the mask.
         step = 1 << 28
-        return sum(int(self._torch.count_nonzero(a[i : i + step] != b[i : i + step])) for i in range(0, a.numel(), step))
+        return sum(
+            int(self._torch.count_nonzero(a[i : i + step] != b[i : i + step]))
+            for i in range(0, a.numel(), step)
+        )
 
     def region(self, pool: Any) -> MemoryRegion:
         """What the transport registers for ``pool``: VRAM of the tensor's CUDA device, or DRAM."""
@@ -82,8 +91,8 @@ class PoolMemory:
             self._torch.cuda.synchronize(self.device)
 
     def current_device(self) -> int | None:
-        """The device of the CUDA context current on the calling thread (what UCX registers VRAM against), or None when
-        the thread has none; always None for host pools, which need none."""
+        """The device of the CUDA context current on the calling thread (what UCX registers VRAM against), or
+        None when the thread has none; always None for host pools, which need none."""
         if not self.is_vram:
             return None
         driver = ctypes.CDLL("libcuda.so.1")
@@ -95,11 +104,13 @@ class PoolMemory:
 
 @dataclass(frozen=True)
 class SuiteModel:
-    """A model of the suite as its HF ``config.json`` (what the engine processes build it from) and its pool sizes."""
+    """A model of the suite as its HF ``config.json`` (what the engine processes build it from) and its pool
+    sizes."""
 
     name: str
     config: Mapping[str, Any]
-    num_blocks: tuple[int, int]  # prefill, decode: room for the largest request with free blocks scattered between
+    # prefill, decode: room for the largest request with free blocks scattered between
+    num_blocks: tuple[int, int]
 
     @cached_property
     def spec(self) -> KVModel:
@@ -122,8 +133,12 @@ def gpu_suite(env: Mapping[str, str] = os.environ) -> GpuSuite:
     device = env.get(DEVICE_ENV, "cuda")
     log_dir = Path(env[LOG_DIR_ENV]) if env.get(LOG_DIR_ENV) else None
     if device == "cuda":
-        # Nemotron-H: block size 1312 tokens (its 5.3 MB SSM state padded into 1312 tokens of attention), 4 regions.
-        models = (SuiteModel("qwen3-32b", QWEN3_32B, (1280, 1536)), SuiteModel("nemotron-h", NEMOTRON_NANO_9B_V2, (40, 48)))
+        # Nemotron-H: block size 1312 tokens (its 5.3 MB SSM state padded into 1312 tokens of attention), 4
+        # regions.
+        models = (
+            SuiteModel("qwen3-32b", QWEN3_32B, (1280, 1536)),
+            SuiteModel("nemotron-h", NEMOTRON_NANO_9B_V2, (40, 48)),
+        )
         return GpuSuite(device, (1024, 16384), models, _cuda_unavailable_reason(), log_dir)
     if device != "cpu":
         raise ValueError(f"{DEVICE_ENV} must be 'cuda' (the default) or 'cpu', got {device!r}")
@@ -132,7 +147,11 @@ def gpu_suite(env: Mapping[str, str] = os.environ) -> GpuSuite:
     first_attention = pattern.index("*") + 1
     models = (
         SuiteModel("qwen3-32b", {**QWEN3_32B, "num_hidden_layers": 4}, (80, 96)),
-        SuiteModel("nemotron-h", {**NEMOTRON_NANO_9B_V2, "hybrid_override_pattern": pattern[:first_attention]}, (12, 16)),
+        SuiteModel(
+            "nemotron-h",
+            {**NEMOTRON_NANO_9B_V2, "hybrid_override_pattern": pattern[:first_attention]},
+            (12, 16),
+        ),
     )
     return GpuSuite(device, (1024,), models, None, log_dir)
 

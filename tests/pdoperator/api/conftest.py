@@ -26,7 +26,8 @@ _PROGRAMS: dict[str, Any] = {}
 
 
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting: absent fields with a default get it, top-down, then their children are defaulted."""
+    """Structural defaulting: absent fields with a default get it, top-down, then their children are
+    defaulted."""
     if isinstance(value, dict) and schema.get("type") == "object":
         out = dict(value)
         for name, prop in schema.get("properties", {}).items():
@@ -47,7 +48,9 @@ def evaluate_cel(rule: str, self_value: Any) -> bool:
     if rule not in _PROGRAMS:
         _PROGRAMS[rule] = _CEL.program(_CEL.compile(rule))
     result = _PROGRAMS[rule].evaluate({"self": celpy.json_to_cel(self_value)})
-    assert isinstance(result, celpy.celtypes.BoolType), f"CEL rule {rule!r} did not yield a bool on {self_value!r}: {result!r}"
+    assert isinstance(result, celpy.celtypes.BoolType), (
+        f"CEL rule {rule!r} did not yield a bool on {self_value!r}: {result!r}"
+    )
     return bool(result)
 
 

@@ -33,13 +33,22 @@ def _merge(base: Any, patch: Any) -> Any:
 
 def document(spec: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
     """A valid PDService with ``spec`` merged into its spec and ``top`` into the object."""
-    base = {"apiVersion": API_VERSION, "kind": "PDService", "metadata": {"name": "svc", "namespace": "ns"}, "spec": {"model": {"name": "m"}}}
+    base = {
+        "apiVersion": API_VERSION,
+        "kind": "PDService",
+        "metadata": {"name": "svc", "namespace": "ns"},
+        "spec": {"model": {"name": "m"}},
+    }
     return _merge(base, {**top, "spec": spec or {}})
 
 
 CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     # ------------------------------------------------------------ object level
-    ("wrong apiVersion", document(apiVersion="v1"), ['apiVersion: must be inference.pdoperator.dev/v1alpha1 (got "v1")']),
+    (
+        "wrong apiVersion",
+        document(apiVersion="v1"),
+        ['apiVersion: must be inference.pdoperator.dev/v1alpha1 (got "v1")'],
+    ),
     ("wrong kind", document(kind="Deployment"), ['kind: must be PDService (got "Deployment")']),
     ("unknown top-level field", document(specs={}), ["specs: unknown field"]),
     ("no metadata", document(metadata=DELETE), ["metadata: required"]),
@@ -47,36 +56,73 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "name with capitals",
         document(metadata={"name": "Qwen3"}),
-        ["metadata.name: must start with a lowercase letter, end with a letter or digit, and contain only lowercase letters, digits and '-'"],
+        [
+            "metadata.name: must start with a lowercase letter, end with a letter or digit, and contain "
+            "only lowercase letters, digits and '-'"
+        ],
     ),
     (
         "name too long for child objects",
         document(metadata={"name": "a" * 45}),
-        ["metadata.name: must be at most 44 characters (child StatefulSets add '-prefill' and a revision hash)"],
+        [
+            "metadata.name: must be at most 44 characters (child StatefulSets add '-prefill' and a revision "
+            "hash)"
+        ],
     ),
     (
         "namespace not a DNS label",
         document(metadata={"namespace": "Team_A"}),
-        ["metadata.namespace: must be a DNS label: at most 63 lowercase letters, digits and '-', starting and ending alphanumeric"],
+        [
+            "metadata.namespace: must be a DNS label: at most 63 lowercase letters, digits and '-', "
+            "starting and ending alphanumeric"
+        ],
     ),
-    ("generation not a number", document(metadata={"generation": "one"}), ['metadata.generation: must be a non-negative integer (got "one")']),
+    (
+        "generation not a number",
+        document(metadata={"generation": "one"}),
+        ['metadata.generation: must be a non-negative integer (got "one")'],
+    ),
     ("no spec", {key: value for key, value in document().items() if key != "spec"}, ["spec: required"]),
     ("spec is a list", {**document(), "spec": [1]}, ["spec: must be an object (got [1])"]),
     # ------------------------------------------------------------ structure: types, enums, bounds, patterns
     ("no model", document({"model": DELETE}), ["spec.model: required"]),
     ("empty model name", document({"model": {"name": ""}}), ["spec.model.name: must not be empty"]),
     ("misspelled role", document({"prefil": {}}), ["spec.prefil: unknown field (did you mean prefill?)"]),
-    ("mode not an enum value", document({"mode": "pul"}), ["spec.mode: must be 'push' or 'pull' (got \"pul\")"]),
+    (
+        "mode not an enum value",
+        document({"mode": "pul"}),
+        ["spec.mode: must be 'push' or 'pull' (got \"pul\")"],
+    ),
     (
         "dtype not supported",
         document({"model": {"dtype": "fp8"}}),
         ["spec.model.dtype: must be 'auto', 'bfloat16', 'float16' or 'float32' (got \"fp8\")"],
     ),
-    ("context too short", document({"model": {"maxModelLen": 8}}), ["spec.model.maxModelLen: must be at least 16 (got 8)"]),
-    ("TP zero", document({"prefill": {"tensorParallelSize": 0}}), ["spec.prefill.tensorParallelSize: must be at least 1 (got 0)"]),
-    ("TP as a string", document({"decode": {"tensorParallelSize": "8"}}), ['spec.decode.tensorParallelSize: must be an integer (got "8")']),
-    ("TP as a float", document({"decode": {"tensorParallelSize": 2.5}}), ["spec.decode.tensorParallelSize: must be an integer (got 2.5)"]),
-    ("negative replicas", document({"prefill": {"replicas": -1}}), ["spec.prefill.replicas: must be at least 0 (got -1)"]),
+    (
+        "context too short",
+        document({"model": {"maxModelLen": 8}}),
+        ["spec.model.maxModelLen: must be at least 16 (got 8)"],
+    ),
+    (
+        "TP zero",
+        document({"prefill": {"tensorParallelSize": 0}}),
+        ["spec.prefill.tensorParallelSize: must be at least 1 (got 0)"],
+    ),
+    (
+        "TP as a string",
+        document({"decode": {"tensorParallelSize": "8"}}),
+        ['spec.decode.tensorParallelSize: must be an integer (got "8")'],
+    ),
+    (
+        "TP as a float",
+        document({"decode": {"tensorParallelSize": 2.5}}),
+        ["spec.decode.tensorParallelSize: must be an integer (got 2.5)"],
+    ),
+    (
+        "negative replicas",
+        document({"prefill": {"replicas": -1}}),
+        ["spec.prefill.replicas: must be at least 0 (got -1)"],
+    ),
     (
         "prefix caching as text",
         document({"decode": {"enablePrefixCaching": "no"}}),
@@ -87,14 +133,26 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         document({"engine": {"transport": {"backend": "TCP"}}}),
         ["spec.engine.transport.backend: must be 'LIBFABRIC', 'UCX' or 'mock' (got \"TCP\")"],
     ),
-    ("privileged side-channel port", document({"engine": {"sideChannelPort": 80}}), ["spec.engine.sideChannelPort: must be at least 1024 (got 80)"]),
-    ("router port out of range", document({"router": {"port": 70000}}), ["spec.router.port: must be at most 65535 (got 70000)"]),
+    (
+        "privileged side-channel port",
+        document({"engine": {"sideChannelPort": 80}}),
+        ["spec.engine.sideChannelPort: must be at least 1024 (got 80)"],
+    ),
+    (
+        "router port out of range",
+        document({"router": {"port": 70000}}),
+        ["spec.router.port: must be at most 65535 (got 70000)"],
+    ),
     (
         "router policy unknown",
         document({"router": {"policy": "random"}}),
         ["spec.router.policy: must be 'least-loaded' or 'round-robin' (got \"random\")"],
     ),
-    ("api key ref without key", document({"router": {"apiKeySecretRef": {"name": "api"}}}), ["spec.router.apiKeySecretRef.key: required"]),
+    (
+        "api key ref without key",
+        document({"router": {"apiKeySecretRef": {"name": "api"}}}),
+        ["spec.router.apiKeySecretRef.key: required"],
+    ),
     (
         "memory not a quantity",
         document({"prefill": {"resources": {"memory": "lots"}}}),
@@ -113,31 +171,53 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "toleration effect unknown",
         document({"prefill": {"tolerations": [{"key": "k", "effect": "Sometimes"}]}}),
-        ["spec.prefill.tolerations[0].effect: must be 'NoSchedule', 'PreferNoSchedule' or 'NoExecute' (got \"Sometimes\")"],
+        [
+            "spec.prefill.tolerations[0].effect: must be 'NoSchedule', 'PreferNoSchedule' or 'NoExecute' "
+            '(got "Sometimes")'
+        ],
     ),
     (
         "env name starting with a digit",
         document({"decode": {"env": [{"name": "1X", "value": "v"}]}}),
-        ["spec.decode.env[0].name: must be an environment variable name: letters, digits, '_', '-' and '.', not starting with a digit (got \"1X\")"],
+        [
+            "spec.decode.env[0].name: must be an environment variable name: letters, digits, '_', '-' and "
+            "'.', not starting with a digit (got \"1X\")"
+        ],
     ),
-    ("extraArgs not a list", document({"prefill": {"extraArgs": "--foo"}}), ['spec.prefill.extraArgs: must be a list (got "--foo")']),
+    (
+        "extraArgs not a list",
+        document({"prefill": {"extraArgs": "--foo"}}),
+        ['spec.prefill.extraArgs: must be a list (got "--foo")'],
+    ),
     ("role not an object", document({"decode": "big"}), ['spec.decode: must be an object (got "big")']),
     (
         "PVC claim name with capitals",
         document({"model": {"source": {"pvc": {"claimName": "Weights", "path": "m"}}}}),
         [
-            "spec.model.source.pvc.claimName: must be a DNS subdomain: lowercase letters, digits, '-' and '.', "
+            "spec.model.source.pvc.claimName: must be a DNS subdomain: lowercase letters, digits, '-' and "
+            "'.', "
             'starting and ending alphanumeric (got "Weights")'
         ],
     ),
     (
         "absolute PVC path",
         document({"model": {"source": {"pvc": {"claimName": "weights", "path": "/models/m"}}}}),
-        ["spec.model.source.pvc.path: must be a path relative to the volume root (no leading '/') (got \"/models/m\")"],
+        [
+            "spec.model.source.pvc.path: must be a path relative to the volume root (no leading '/') (got "
+            '"/models/m")'
+        ],
     ),
-    ("ssm without family", document({"model": HYBRID, "ssm": {"convStateLayout": "DS"}}), ["spec.ssm.family: required"]),
+    (
+        "ssm without family",
+        document({"model": HYBRID, "ssm": {"convStateLayout": "DS"}}),
+        ["spec.ssm.family: required"],
+    ),
     # ------------------------------------------------------------ CEL rules
-    ("hybrid without ssm", document({"model": HYBRID}), ["spec.ssm: required when spec.model.architecture is hybrid-ssm"]),
+    (
+        "hybrid without ssm",
+        document({"model": HYBRID}),
+        ["spec.ssm: required when spec.model.architecture is hybrid-ssm"],
+    ),
     (
         "dense with ssm",
         document({"ssm": {"family": "mamba2"}}),
@@ -145,15 +225,29 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "heterogeneous TP with SD layout",
-        document({"model": HYBRID, "ssm": {"family": "mamba2", "convStateLayout": "SD"}, "decode": {"tensorParallelSize": 2}}),
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba2", "convStateLayout": "SD"},
+                "decode": {"tensorParallelSize": 2},
+            }
+        ),
         [
-            "spec.ssm.convStateLayout: must be DS when spec.prefill.tensorParallelSize differs from spec.decode.tensorParallelSize "
+            "spec.ssm.convStateLayout: must be DS when spec.prefill.tensorParallelSize differs from "
+            "spec.decode.tensorParallelSize "
             "(each decode rank needs its shard of x, B and C contiguous)"
         ],
     ),
     (
         "upstream connector with SD layout",
-        document({"model": HYBRID, "mode": "pull", "ssm": {"family": "gdn", "convStateLayout": "SD"}, "engine": {"connector": "vllm"}}),
+        document(
+            {
+                "model": HYBRID,
+                "mode": "pull",
+                "ssm": {"family": "gdn", "convStateLayout": "SD"},
+                "engine": {"connector": "vllm"},
+            }
+        ),
         [
             "spec.ssm.convStateLayout: must be DS with spec.engine.connector vllm "
             "(upstream NIXL connectors transfer SSM conv state only in the DS layout)"
@@ -161,9 +255,12 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "mamba1 with heterogeneous TP",
-        document({"model": HYBRID, "ssm": {"family": "mamba1"}, "decode": {"tensorParallelSize": 2}, **MOCK_ENGINE}),
+        document(
+            {"model": HYBRID, "ssm": {"family": "mamba1"}, "decode": {"tensorParallelSize": 2}, **MOCK_ENGINE}
+        ),
         [
-            "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize "
+            "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal "
+            "spec.decode.tensorParallelSize "
             "(heterogeneous TP is unsupported for Mamba1)"
         ],
     ),
@@ -177,9 +274,17 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "mamba1 through vLLM with heterogeneous TP",
-        document({"model": HYBRID, "ssm": {"family": "mamba1"}, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 4}}),
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba1"},
+                "prefill": {"tensorParallelSize": 2},
+                "decode": {"tensorParallelSize": 4},
+            }
+        ),
         [
-            "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal spec.decode.tensorParallelSize "
+            "spec.ssm.family: mamba1 requires spec.prefill.tensorParallelSize to equal "
+            "spec.decode.tensorParallelSize "
             "(heterogeneous TP is unsupported for Mamba1)",
             "spec.ssm.family: mamba1 is supported by the mock engine only (spec.engine.runtime mock); "
             "PDConnector serves mamba2 and gdn hybrids through vLLM",
@@ -188,29 +293,49 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "dense model with prefill TP above decode TP",
         document({"prefill": {"tensorParallelSize": 2}}),
-        ["spec.prefill.tensorParallelSize: may exceed spec.decode.tensorParallelSize only when spec.model.architecture is hybrid-ssm or mla"],
+        [
+            "spec.prefill.tensorParallelSize: may exceed spec.decode.tensorParallelSize only when "
+            "spec.model.architecture is hybrid-ssm or mla"
+        ],
     ),
     (
         "TP sizes that do not divide",
-        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "prefill": {"tensorParallelSize": 3}, "decode": {"tensorParallelSize": 2}}),
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba2"},
+                "prefill": {"tensorParallelSize": 3},
+                "decode": {"tensorParallelSize": 2},
+            }
+        ),
         ["spec.decode.tensorParallelSize: must divide or be a multiple of spec.prefill.tensorParallelSize"],
     ),
     (
         "hybrid prefill with prefix caching",
         document({"model": HYBRID, "ssm": {"family": "gdn"}, "prefill": {"enablePrefixCaching": True}}),
         [
-            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its "
+            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then "
+            "keeps Mamba state in its "
             "'align' cache mode, whose state block placement the KV connector does not model)"
         ],
     ),
     (
         "hybrid decode with prefix caching",
         document({"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": True}}),
-        ["spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)"],
+        [
+            "spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching "
+            "breaks on SSM state received over NIXL)"
+        ],
     ),
     (
         "hybrid prefill with speculative decoding",
-        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "prefill": {"extraArgs": ['--speculative-config={"method":"ngram"}']}}),
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba2"},
+                "prefill": {"extraArgs": ['--speculative-config={"method":"ngram"}']},
+            }
+        ),
         [
             "spec.prefill.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
             "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
@@ -218,7 +343,13 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "hybrid decode with speculative decoding in underscore spelling",
-        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", "{}"]}}),
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba2"},
+                "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", "{}"]},
+            }
+        ),
         [
             "spec.decode.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
             "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
@@ -235,9 +366,11 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
             }
         ),
         [
-            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then keeps Mamba state in its "
+            "spec.prefill.enablePrefixCaching: must not be true for hybrid-ssm models (on GPUs vLLM then "
+            "keeps Mamba state in its "
             "'align' cache mode, whose state block placement the KV connector does not model)",
-            "spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching breaks on SSM state received over NIXL)",
+            "spec.decode.enablePrefixCaching: must not be true for hybrid-ssm models (decode prefix caching "
+            "breaks on SSM state received over NIXL)",
             "spec.prefill.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
             "(speculative decoding adds Mamba state slots the KV connector does not transfer)",
             "spec.decode.extraArgs: --speculative-config is not supported with architecture hybrid-ssm "
@@ -247,7 +380,10 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "EFA over UCX",
         document(_merge(EFA_LIBFABRIC, {"engine": {"transport": {"backend": "UCX"}}})),
-        ["spec.engine.transport.backend: must be LIBFABRIC when spec.network.efa.enabled is true (UCX on EFA silently falls back to TCP)"],
+        [
+            "spec.engine.transport.backend: must be LIBFABRIC when spec.network.efa.enabled is true (UCX on "
+            "EFA silently falls back to TCP)"
+        ],
     ),
     (
         "upstream push without a prefill engine id",
@@ -268,12 +404,18 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "mock transport with vLLM engines",
         document({"engine": {"transport": {"backend": "mock"}}}),
-        ["spec.engine.transport.backend: mock requires spec.engine.runtime mock (vLLM engines move KV over NIXL)"],
+        [
+            "spec.engine.transport.backend: mock requires spec.engine.runtime mock (vLLM engines move KV "
+            "over NIXL)"
+        ],
     ),
     (
         "mock engines over LIBFABRIC",
         document({"engine": {"runtime": "mock", "transport": {"backend": "LIBFABRIC"}}}),
-        ["spec.engine.transport.backend: must be mock or UCX when spec.engine.runtime is mock (mock engines move KV over TCP or NIXL's UCX backend)"],
+        [
+            "spec.engine.transport.backend: must be mock or UCX when spec.engine.runtime is mock (mock "
+            "engines move KV over TCP or NIXL's UCX backend)"
+        ],
     ),
     (
         "mock engines with the upstream connector",
@@ -283,7 +425,10 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "prefill engine id with the builtin connector",
         document({"engine": {"prefillEngineId": "prefill"}}),
-        ["spec.engine.prefillEngineId: may only be set with spec.engine.connector vllm (the builtin connector derives engine ids from pod names)"],
+        [
+            "spec.engine.prefillEngineId: may only be set with spec.engine.connector vllm (the builtin "
+            "connector derives engine ids from pod names)"
+        ],
     ),
     (
         "side channel on the HTTP port",
@@ -310,7 +455,11 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         document({"network": {"efa": {"privileged": True}}}),
         ["spec.network.efa.privileged: must be false unless spec.network.efa.enabled is true"],
     ),
-    ("empty model source", document({"model": {"source": {}}}), ["spec.model.source: exactly one of huggingFace or pvc must be set"]),
+    (
+        "empty model source",
+        document({"model": {"source": {}}}),
+        ["spec.model.source: exactly one of huggingFace or pvc must be set"],
+    ),
     (
         "two model sources",
         document({"model": {"source": {"huggingFace": {}, "pvc": {"claimName": "weights", "path": "m"}}}}),
@@ -323,7 +472,12 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "fewer GPUs than TP",
-        document({"prefill": {"tensorParallelSize": 4, "resources": {"gpus": 2}}, "decode": {"tensorParallelSize": 4}}),
+        document(
+            {
+                "prefill": {"tensorParallelSize": 4, "resources": {"gpus": 2}},
+                "decode": {"tensorParallelSize": 4},
+            }
+        ),
         ["spec.prefill.resources.gpus: must be 0 (CPU engines) or at least this role's tensorParallelSize"],
     ),
     (
@@ -334,23 +488,34 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "keyless Equal toleration",
         document({"decode": {"tolerations": [{"key": "a"}, {"value": "x"}]}}),
-        ["spec.decode.tolerations[1].operator: must be Exists when key is empty (an empty key matches every taint)"],
+        [
+            "spec.decode.tolerations[1].operator: must be Exists when key is empty (an empty key matches "
+            "every taint)"
+        ],
     ),
     (
         "toleration seconds without NoExecute",
-        document({"prefill": {"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}}),
+        document(
+            {"prefill": {"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}}
+        ),
         ["spec.prefill.tolerations[0].tolerationSeconds: may only be set when effect is NoExecute"],
     ),
     # ------------------------------------------------------------ beyond CEL
     (
         "TP flag in extraArgs",
         document({"prefill": {"extraArgs": ["--enforce-eager", "--tensor-parallel-size=4"]}}),
-        ["spec.prefill.extraArgs[1]: --tensor-parallel-size is set by the operator; use spec.prefill.tensorParallelSize"],
+        [
+            "spec.prefill.extraArgs[1]: --tensor-parallel-size is set by the operator; use "
+            "spec.prefill.tensorParallelSize"
+        ],
     ),
     (
         "KV transfer config through a dotted underscore flag",
         document({"decode": {"extraArgs": ["--kv_transfer_config.kv_connector=X"]}}),
-        ["spec.decode.extraArgs[0]: --kv-transfer-config is set by the operator; use spec.mode, spec.engine.connector and spec.engine.transport"],
+        [
+            "spec.decode.extraArgs[0]: --kv-transfer-config is set by the operator; use spec.mode, "
+            "spec.engine.connector and spec.engine.transport"
+        ],
     ),
     (
         "short TP flag",
@@ -368,33 +533,48 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "engine id flag for mock engines",
         document({**MOCK_ENGINE, "decode": {"extraArgs": ["--engine-id=x"]}}),
-        ["spec.decode.extraArgs[0]: --engine-id is set by the operator; the operator derives it from the pod name"],
+        [
+            "spec.decode.extraArgs[0]: --engine-id is set by the operator; the operator derives it from the "
+            "pod name"
+        ],
     ),
     (
         "conv layout through env",
         document({"prefill": {"env": [{"name": "VLLM_SSM_CONV_STATE_LAYOUT", "value": "SD"}]}}),
-        ["spec.prefill.env[0].name: VLLM_SSM_CONV_STATE_LAYOUT is set by the operator; use spec.ssm.convStateLayout"],
+        [
+            "spec.prefill.env[0].name: VLLM_SSM_CONV_STATE_LAYOUT is set by the operator; use "
+            "spec.ssm.convStateLayout"
+        ],
     ),
     (
         "side channel host through env",
         document({"decode": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"}]}}),
-        ["spec.decode.env[0].name: VLLM_NIXL_SIDE_CHANNEL_HOST is set by the operator; the operator sets it to the pod IP"],
+        [
+            "spec.decode.env[0].name: VLLM_NIXL_SIDE_CHANNEL_HOST is set by the operator; the operator sets "
+            "it to the pod IP"
+        ],
     ),
     (
         "libfabric provider through env with EFA on",
         document(_merge(EFA_LIBFABRIC, {"decode": {"env": [{"name": "FI_PROVIDER", "value": "tcp"}]}})),
-        ["spec.decode.env[0].name: FI_PROVIDER is set by the operator; the operator sets it when spec.network.efa.enabled is true"],
+        [
+            "spec.decode.env[0].name: FI_PROVIDER is set by the operator; the operator sets it when "
+            "spec.network.efa.enabled is true"
+        ],
     ),
     (
         "duplicate env names",
-        document({"prefill": {"env": [{"name": "A", "value": "1"}, {"name": "B"}, {"name": "A", "value": "2"}]}}),
+        document(
+            {"prefill": {"env": [{"name": "A", "value": "1"}, {"name": "B"}, {"name": "A", "value": "2"}]}}
+        ),
         ["spec.prefill.env[2].name: duplicate name A (first set in env[0])"],
     ),
     (
         "node selector key with a space",
         document({"decode": {"nodeSelector": {"instance type": "p5"}}}),
         [
-            "spec.decode.nodeSelector[instance type]: key must be a label key: an optional DNS subdomain and '/', then at most 63 "
+            "spec.decode.nodeSelector[instance type]: key must be a label key: an optional DNS subdomain "
+            "and '/', then at most 63 "
             "letters, digits, '-', '_' or '.'"
         ],
     ),
@@ -402,7 +582,8 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         "node selector value too long",
         document({"decode": {"nodeSelector": {"pool": "p" * 64}}}),
         [
-            "spec.decode.nodeSelector[pool]: value must be a label value: at most 63 letters, digits, '-', '_' or '.', starting and "
+            "spec.decode.nodeSelector[pool]: value must be a label value: at most 63 letters, digits, '-', "
+            "'_' or '.', starting and "
             "ending alphanumeric"
         ],
     ),
@@ -413,9 +594,18 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     (
         "metrics scraper with a bad namespace label key",
-        document({"monitoring": {"scrapers": [{"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring", "team name": "obs"}}]}}),
+        document(
+            {
+                "monitoring": {
+                    "scrapers": [
+                        {"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring", "team name": "obs"}}
+                    ]
+                }
+            }
+        ),
         [
-            "spec.monitoring.scrapers[0].namespaceLabels[team name]: key must be a label key: an optional DNS subdomain and '/', then "
+            "spec.monitoring.scrapers[0].namespaceLabels[team name]: key must be a label key: an optional "
+            "DNS subdomain and '/', then "
             "at most 63 letters, digits, '-', '_' or '.'"
         ],
     ),
@@ -423,7 +613,8 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         "metrics scraper with a bad pod label value",
         document({"monitoring": {"scrapers": [{"podLabels": {"app": "-prometheus"}}]}}),
         [
-            "spec.monitoring.scrapers[0].podLabels[app]: value must be a label value: at most 63 letters, digits, '-', '_' or '.', "
+            "spec.monitoring.scrapers[0].podLabels[app]: value must be a label value: at most 63 letters, "
+            "digits, '-', '_' or '.', "
             "starting and ending alphanumeric"
         ],
     ),
@@ -476,7 +667,11 @@ def test_the_base_document_is_valid():
     assert (parsed.namespace, parsed.name) == ("ns", "svc")
 
 
-@pytest.mark.parametrize(("document", "expected"), [(doc, expected) for _, doc, expected in CASES], ids=[name for name, _, _ in CASES])
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [(doc, expected) for _, doc, expected in CASES],
+    ids=[name for name, _, _ in CASES],
+)
 def test_bad_spec_is_rejected_with_exact_errors(document, expected):
     with pytest.raises(SpecError) as caught:
         parse_pdservice(document)
@@ -492,14 +687,17 @@ def test_all_problems_are_reported_together():
         parse_pdservice(bad)
     # Metadata problems come with the structural ones; semantic checks need a spec that parses.
     assert [str(error) for error in caught.value.errors] == [
-        "metadata.name: must start with a lowercase letter, end with a letter or digit, and contain only lowercase letters, digits and '-'",
+        "metadata.name: must start with a lowercase letter, end with a letter or digit, and contain only "
+        "lowercase letters, digits and '-'",
         "spec.mode: must be 'push' or 'pull' (got \"both\")",
     ]
     fixed = _merge(bad, {"spec": {"mode": "push"}})
     with pytest.raises(SpecError) as caught:
         parse_pdservice(fixed)
     assert [str(error) for error in caught.value.errors] == [
-        "metadata.name: must start with a lowercase letter, end with a letter or digit, and contain only lowercase letters, digits and '-'",
+        "metadata.name: must start with a lowercase letter, end with a letter or digit, and contain only "
+        "lowercase letters, digits and '-'",
         "spec.ssm: required when spec.model.architecture is hybrid-ssm",
-        "spec.prefill.env[0].name: HF_TOKEN is set by the operator; use spec.model.source.huggingFace.tokenSecretRef",
+        "spec.prefill.env[0].name: HF_TOKEN is set by the operator; use "
+        "spec.model.source.huggingFace.tokenSecretRef",
     ]

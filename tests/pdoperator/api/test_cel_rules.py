@@ -26,12 +26,30 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "hybrid-requires-ssm": ({"model": HYBRID, "ssm": {"family": "mamba2"}}, {"model": HYBRID}),
     "ssm-only-for-hybrid": ({"model": MODEL}, {"model": MODEL, "ssm": {"family": "mamba2"}}),
     "heterogeneous-tp-requires-ds-layout": (
-        {"model": HYBRID, "ssm": {"family": "mamba2", "convStateLayout": "SD"}, "decode": {"tensorParallelSize": 1}},
-        {"model": HYBRID, "ssm": {"family": "mamba2", "convStateLayout": "SD"}, "decode": {"tensorParallelSize": 2}},
+        {
+            "model": HYBRID,
+            "ssm": {"family": "mamba2", "convStateLayout": "SD"},
+            "decode": {"tensorParallelSize": 1},
+        },
+        {
+            "model": HYBRID,
+            "ssm": {"family": "mamba2", "convStateLayout": "SD"},
+            "decode": {"tensorParallelSize": 2},
+        },
     ),
     "upstream-connector-requires-ds-layout": (
-        {"model": HYBRID, "ssm": {"family": "gdn", "convStateLayout": "SD"}, "mode": "pull", "engine": {"connector": "builtin"}},
-        {"model": HYBRID, "ssm": {"family": "gdn", "convStateLayout": "SD"}, "mode": "pull", "engine": {"connector": "vllm"}},
+        {
+            "model": HYBRID,
+            "ssm": {"family": "gdn", "convStateLayout": "SD"},
+            "mode": "pull",
+            "engine": {"connector": "builtin"},
+        },
+        {
+            "model": HYBRID,
+            "ssm": {"family": "gdn", "convStateLayout": "SD"},
+            "mode": "pull",
+            "engine": {"connector": "vllm"},
+        },
     ),
     "mamba1-requires-equal-tp": (
         {**MAMBA1_MOCK, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
@@ -42,7 +60,11 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": HYBRID, "ssm": {"family": "mamba1"}, "engine": {"runtime": "vllm"}},
     ),
     "prefill-tp-above-decode-only-hybrid-or-mla": (
-        {"model": {"name": "m", "architecture": "mla"}, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 2}},
+        {
+            "model": {"name": "m", "architecture": "mla"},
+            "prefill": {"tensorParallelSize": 4},
+            "decode": {"tensorParallelSize": 2},
+        },
         {"model": MODEL, "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 2}},
     ),
     "tp-sizes-divide": (
@@ -62,8 +84,16 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": HYBRID, "ssm": MAMBA2, "prefill": {"extraArgs": [SPECULATIVE]}},
     ),
     "hybrid-decode-no-speculative-decoding": (
-        {"model": HYBRID, "ssm": MAMBA2, "decode": {"extraArgs": ["--enforce-eager", "--generation-config", "auto"]}},
-        {"model": HYBRID, "ssm": MAMBA2, "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", '{"method":"ngram"}']}},
+        {
+            "model": HYBRID,
+            "ssm": MAMBA2,
+            "decode": {"extraArgs": ["--enforce-eager", "--generation-config", "auto"]},
+        },
+        {
+            "model": HYBRID,
+            "ssm": MAMBA2,
+            "decode": {"extraArgs": ["--enforce-eager", "--speculative_config", '{"method":"ngram"}']},
+        },
     ),
     "efa-requires-libfabric": (
         {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
@@ -87,7 +117,11 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "mock-runtime-requires-builtin-connector": (
         {"model": MODEL, "mode": "pull", "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
-        {"model": MODEL, "mode": "pull", "engine": {"runtime": "mock", "connector": "vllm", "transport": {"backend": "mock"}}},
+        {
+            "model": MODEL,
+            "mode": "pull",
+            "engine": {"runtime": "mock", "connector": "vllm", "transport": {"backend": "mock"}},
+        },
     ),
     "prefill-engine-id-only-upstream": (
         {"model": MODEL, "mode": "pull"},
@@ -99,11 +133,19 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     ),
     "efa-prefill-devices": (
         {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
-        {"model": MODEL, "network": {"efa": {"enabled": True, "decodeDevices": 1}}, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+        {
+            "model": MODEL,
+            "network": {"efa": {"enabled": True, "decodeDevices": 1}},
+            "engine": {"transport": {"backend": "LIBFABRIC"}},
+        },
     ),
     "efa-decode-devices": (
         {"model": MODEL, "network": EFA_ON, "engine": {"transport": {"backend": "LIBFABRIC"}}},
-        {"model": MODEL, "network": {"efa": {"enabled": True, "prefillDevices": 1}}, "engine": {"transport": {"backend": "LIBFABRIC"}}},
+        {
+            "model": MODEL,
+            "network": {"efa": {"enabled": True, "prefillDevices": 1}},
+            "engine": {"transport": {"backend": "LIBFABRIC"}},
+        },
     ),
     "efa-devices-require-enabled": (
         {"model": MODEL, "network": {"efa": {"enabled": False}}},
@@ -138,7 +180,10 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": MODEL, "monitoring": {"scrapers": [{"namespaceLabels": {}}, {}]}},
     ),
     "toleration-seconds-requires-noexecute": (
-        {"model": MODEL, "decode": {"tolerations": [{"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}]}},
+        {
+            "model": MODEL,
+            "decode": {"tolerations": [{"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}]},
+        },
         {"model": MODEL, "decode": {"tolerations": [{"key": "k", "tolerationSeconds": 30}]}},
     ),
 }
@@ -171,7 +216,11 @@ def test_cel_and_python_reject_the_bad_sample_with_the_same_error(rule: CelRule,
 
 
 def test_rules_on_repeated_objects_report_each_occurrence(spec_cel_violations):
-    role = {"tensorParallelSize": 2, "resources": {"gpus": 1}, "tolerations": [{"key": "a"}, {"operator": "Exists", "value": "x"}]}
+    role = {
+        "tensorParallelSize": 2,
+        "resources": {"gpus": 1},
+        "tolerations": [{"key": "a"}, {"operator": "Exists", "value": "x"}],
+    }
     spec = {"model": MODEL, "prefill": role, "decode": role}
     expected = {
         ("spec.prefill.resources.gpus", "must be 0 (CPU engines) or at least this role's tensorParallelSize"),
@@ -185,10 +234,23 @@ def test_rules_on_repeated_objects_report_each_occurrence(spec_cel_violations):
 
 @pytest.mark.parametrize(
     "arg",
-    ["--speculative-config", "--speculative_config", SPECULATIVE, "--speculative_config={}", "--speculative-config.method=ngram"],
+    [
+        "--speculative-config",
+        "--speculative_config",
+        SPECULATIVE,
+        "--speculative_config={}",
+        "--speculative-config.method=ngram",
+    ],
 )
-def test_every_spelling_of_the_speculative_flag_is_refused_on_both_roles_of_a_hybrid(arg, spec_cel_violations):
-    spec = {"model": HYBRID, "ssm": MAMBA2, "prefill": {"extraArgs": ["--enforce-eager", arg]}, "decode": {"extraArgs": [arg, "{}"]}}
+def test_every_spelling_of_the_speculative_flag_is_refused_on_both_roles_of_a_hybrid(
+    arg, spec_cel_violations
+):
+    spec = {
+        "model": HYBRID,
+        "ssm": MAMBA2,
+        "prefill": {"extraArgs": ["--enforce-eager", arg]},
+        "decode": {"extraArgs": [arg, "{}"]},
+    }
     message = (
         "--speculative-config is not supported with architecture hybrid-ssm "
         "(speculative decoding adds Mamba state slots the KV connector does not transfer)"
@@ -229,10 +291,21 @@ _role = _optional(
     enablePrefixCaching=st.booleans(),
     tolerations=_tolerations,
     extraArgs=st.lists(
-        st.sampled_from(["--enforce-eager", "--speculative-config", SPECULATIVE, "--speculative_config.method=ngram", "{}"]), max_size=2
+        st.sampled_from(
+            [
+                "--enforce-eager",
+                "--speculative-config",
+                SPECULATIVE,
+                "--speculative_config.method=ngram",
+                "{}",
+            ]
+        ),
+        max_size=2,
     ),
 )
-_pvc = st.fixed_dictionaries({"claimName": st.just("weights"), "path": st.sampled_from(["m", "a/../b", "..", "a..b", "a/.."])})
+_pvc = st.fixed_dictionaries(
+    {"claimName": st.just("weights"), "path": st.sampled_from(["m", "a/../b", "..", "a..b", "a/.."])}
+)
 _specs = st.fixed_dictionaries(
     {
         "model": st.fixed_dictionaries(
@@ -243,7 +316,8 @@ _specs = st.fixed_dictionaries(
     optional={
         "mode": st.sampled_from(["push", "pull"]),
         "ssm": st.fixed_dictionaries(
-            {"family": st.sampled_from(["mamba2", "mamba1", "gdn"])}, optional={"convStateLayout": st.sampled_from(["DS", "SD"])}
+            {"family": st.sampled_from(["mamba2", "mamba1", "gdn"])},
+            optional={"convStateLayout": st.sampled_from(["DS", "SD"])},
         ),
         "prefill": _role,
         "decode": _role,
@@ -256,7 +330,12 @@ _specs = st.fixed_dictionaries(
             prefillEngineId=st.just("prefill-0"),
         ),
         "network": _optional(
-            efa=_optional(enabled=st.booleans(), prefillDevices=st.integers(0, 2), decodeDevices=st.integers(0, 2), privileged=st.booleans())
+            efa=_optional(
+                enabled=st.booleans(),
+                prefillDevices=st.integers(0, 2),
+                decodeDevices=st.integers(0, 2),
+                privileged=st.booleans(),
+            )
         ),
     },
 )

@@ -17,7 +17,9 @@ COMMITTED = Path(__file__).resolve().parents[3] / "crds" / "pdservices.inference
 
 def test_committed_crd_matches_the_source():
     assert COMMITTED.exists(), "crds/pdservices.inference.pdoperator.dev.yaml is missing: run `make crd`"
-    assert COMMITTED.read_text() == crd_yaml(), "the committed CRD drifted from pdoperator.api: run `make crd` and commit the result"
+    assert COMMITTED.read_text() == crd_yaml(), (
+        "the committed CRD drifted from pdoperator.api: run `make crd` and commit the result"
+    )
 
 
 def test_crd_yaml_is_the_manifest():
@@ -45,7 +47,11 @@ def test_names_and_version():
 
 def test_printer_columns_in_order():
     (version,) = crd_manifest()["spec"]["versions"]
-    default_columns = [(c["name"].upper(), c["jsonPath"]) for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
+    default_columns = [
+        (c["name"].upper(), c["jsonPath"])
+        for c in version["additionalPrinterColumns"]
+        if c.get("priority", 0) == 0
+    ]
     assert default_columns == [
         ("MODE", ".spec.mode"),
         ("MODEL", ".spec.model.name"),

@@ -25,7 +25,9 @@ def test_a_kubernetes_list_is_flattened():
 
 
 def test_a_list_item_that_is_not_an_object_is_named():
-    assert errors_of("kind: List\nitems: [1]\n") == ["document 1: items[0]: must be a mapping (a Kubernetes object), got a number"]
+    assert errors_of("kind: List\nitems: [1]\n") == [
+        "document 1: items[0]: must be a mapping (a Kubernetes object), got a number"
+    ]
 
 
 def test_bytes_and_paths_are_read_as_utf8(tmp_path):
@@ -36,7 +38,9 @@ def test_bytes_and_paths_are_read_as_utf8(tmp_path):
 
 
 def test_dates_stay_the_strings_they_were_written_as():
-    assert load_documents("servedName: 2024-01-01\nat: 2024-01-01T10:00:00Z\n") == [{"servedName": "2024-01-01", "at": "2024-01-01T10:00:00Z"}]
+    assert load_documents("servedName: 2024-01-01\nat: 2024-01-01T10:00:00Z\n") == [
+        {"servedName": "2024-01-01", "at": "2024-01-01T10:00:00Z"}
+    ]
 
 
 def test_a_syntax_error_names_line_and_column():
@@ -50,7 +54,9 @@ def test_an_unclosed_flow_sequence_is_a_syntax_error():
 
 
 def test_duplicate_keys_are_rejected_instead_of_silently_keeping_the_last():
-    assert errors_of("spec:\n  mode: push\n  mode: pull\n") == ["yaml: line 3, column 3: duplicate key 'mode'"]
+    assert errors_of("spec:\n  mode: push\n  mode: pull\n") == [
+        "yaml: line 3, column 3: duplicate key 'mode'"
+    ]
 
 
 def test_merge_keys_may_be_overridden():
@@ -76,7 +82,9 @@ def test_binary_input_is_not_utf8():
 
 
 def test_control_characters_are_a_yaml_error():
-    assert errors_of("a: \x00\n") == ["yaml: position 3: unacceptable character #x0000: control characters are not allowed"]
+    assert errors_of("a: \x00\n") == [
+        "yaml: position 3: unacceptable character #x0000: control characters are not allowed"
+    ]
 
 
 def test_an_alias_cycle_is_refused():
@@ -87,17 +95,24 @@ def test_an_alias_bomb_is_refused_quickly():
     levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
     levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
     started = time.monotonic()
-    assert errors_of("\n".join(levels) + "\n") == ["document 1: expands to more than 1000000 nodes through YAML aliases"]
+    assert errors_of("\n".join(levels) + "\n") == [
+        "document 1: expands to more than 1000000 nodes through YAML aliases"
+    ]
     assert time.monotonic() - started < 5
 
 
 def test_absurd_nesting_is_an_error_not_a_crash():
     (error,) = errors_of("a: " + "[" * 5000 + "]" * 5000 + "\n")
-    assert error.endswith(("nested too deeply", "exceeded maximum nesting depth (while increasing flow level)"))
+    assert error.endswith(
+        ("nested too deeply", "exceeded maximum nesting depth (while increasing flow level)")
+    )
 
 
 def test_deep_nesting_the_parser_allows_is_then_rejected_as_a_spec():
-    text = f"apiVersion: {API_VERSION}\nkind: PDService\nmetadata: {{name: x}}\nspec: {{model: {'[' * 990}{']' * 990}}}\n"
+    text = (
+        f"apiVersion: {API_VERSION}\nkind: PDService\nmetadata: {{name: x}}\nspec: {{model: "
+        f"{'[' * 990}{']' * 990}}}\n"
+    )
     (document,) = load_documents(text)
     with pytest.raises(SpecError) as caught:
         parse_pdservice(document)

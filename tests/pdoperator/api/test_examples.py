@@ -17,7 +17,10 @@ EXPECTED_EXAMPLES = {"qwen3-32b-push-efa.yaml", "nemotron-nano-hybrid.yaml", "ti
 
 def schema_errors(openapi: dict[str, Any], document: dict[str, Any]) -> list[str]:
     validator = jsonschema.Draft4Validator(openapi)
-    return sorted(f"{'.'.join(map(str, error.absolute_path))}: {error.message}" for error in validator.iter_errors(document))
+    return sorted(
+        f"{'.'.join(map(str, error.absolute_path))}: {error.message}"
+        for error in validator.iter_errors(document)
+    )
 
 
 def test_the_published_examples_exist():
@@ -41,13 +44,25 @@ def test_example_passes_the_crd_schema_and_its_cel_rules(path, openapi, spec_cel
 def test_examples_say_what_they_claim(example_documents):
     parsed = {name: parse_pdservice(document).spec for name, document in example_documents}
     qwen = parsed["qwen3-32b-push-efa.yaml"]
-    assert (qwen.mode, qwen.engine.transport.backend, qwen.network.efa.enabled) == (TransferMode.PUSH, TransportBackend.LIBFABRIC, True)
-    assert (qwen.prefill.tensor_parallel_size, qwen.decode.tensor_parallel_size, qwen.network.efa.prefill_devices) == (8, 8, 16)
+    assert (qwen.mode, qwen.engine.transport.backend, qwen.network.efa.enabled) == (
+        TransferMode.PUSH,
+        TransportBackend.LIBFABRIC,
+        True,
+    )
+    assert (
+        qwen.prefill.tensor_parallel_size,
+        qwen.decode.tensor_parallel_size,
+        qwen.network.efa.prefill_devices,
+    ) == (8, 8, 16)
     hybrid = parsed["nemotron-nano-hybrid.yaml"]
     assert hybrid.model.architecture is Architecture.HYBRID_SSM
     assert hybrid.prefill.tensor_parallel_size != hybrid.decode.tensor_parallel_size
     tiny = parsed["tiny-cpu.yaml"]
-    assert (tiny.engine.transport.backend, tiny.prefill.resources.gpus, tiny.decode.resources.gpus) == (TransportBackend.MOCK, 0, 0)
+    assert (tiny.engine.transport.backend, tiny.prefill.resources.gpus, tiny.decode.resources.gpus) == (
+        TransportBackend.MOCK,
+        0,
+        0,
+    )
 
 
 def _tiny() -> dict[str, Any]:
@@ -81,7 +96,9 @@ SCHEMA_REJECTS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "expected"), SCHEMA_REJECTS, ids=[case[0] for case in SCHEMA_REJECTS])
+@pytest.mark.parametrize(
+    ("path", "value", "expected"), SCHEMA_REJECTS, ids=[case[0] for case in SCHEMA_REJECTS]
+)
 def test_the_schema_rejects_a_bad_value(path, value, expected, openapi):
     errors = schema_errors(openapi, _set(_tiny(), path, value))
     assert errors, f"{path}={value!r} passed the schema"

@@ -30,7 +30,12 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yam
 
 
 def pdservice(spec: Any, **metadata: Any) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": "PDService", "metadata": {"name": "svc", **metadata}, "spec": spec}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "PDService",
+        "metadata": {"name": "svc", **metadata},
+        "spec": spec,
+    }
 
 
 def test_field_error_reads_as_path_and_message():
@@ -56,7 +61,9 @@ def test_namespace_defaults_and_metadata_is_carried_over():
 
 
 def test_nulls_are_pruned_like_the_api_server_does():
-    parsed = parse_pdservice(pdservice({"model": {"name": "m", "servedName": None}, "mode": None, "ssm": None, "decode": None}))
+    parsed = parse_pdservice(
+        pdservice({"model": {"name": "m", "servedName": None}, "mode": None, "ssm": None, "decode": None})
+    )
     assert parsed.spec.mode is TransferMode.PUSH
     assert parsed.spec.ssm is None
     assert parsed.spec.model.served_name is None
@@ -70,7 +77,9 @@ def test_read_only_mapping_views_are_accepted():
 
 
 def test_status_is_ignored():
-    parsed = parse_pdservice({**pdservice({"model": {"name": "m"}}), "status": {"phase": "Ready", "anything": 1}})
+    parsed = parse_pdservice(
+        {**pdservice({"model": {"name": "m"}}), "status": {"phase": "Ready", "anything": 1}}
+    )
     assert parsed.name == "svc"
 
 
@@ -80,7 +89,10 @@ def test_status_is_ignored():
         ([1, 2], "document: must be a mapping (a Kubernetes object), got a list"),
         ("text", "document: must be a mapping (a Kubernetes object), got a string"),
         (None, "document: must be a mapping (a Kubernetes object), got null"),
-        ({("tuple", "key"): 1}, "document: is not representable as JSON: keys must be str, int, float, bool or None, not tuple"),
+        (
+            {("tuple", "key"): 1},
+            "document: is not representable as JSON: keys must be str, int, float, bool or None, not tuple",
+        ),
     ],
 )
 def test_objects_that_are_not_kubernetes_objects(obj, expected):
@@ -93,14 +105,21 @@ def test_validate_spec_on_a_model_built_in_python():
     spec = PDServiceSpec(model=ModelSpec(name="m"))
     assert validate_spec(spec, "svc") == []
     assert [str(error) for error in validate_spec(spec, "svc", namespace="Bad")] == [
-        "metadata.namespace: must be a DNS label: at most 63 lowercase letters, digits and '-', starting and ending alphanumeric"
+        "metadata.namespace: must be a DNS label: at most 63 lowercase letters, digits and '-', starting "
+        "and ending alphanumeric"
     ]
 
 
 # ------------------------------------------------------------------ fuzzing
 
 # Every property name of the CRD's spec schema, so the fuzzer reaches every nested object.
-_FIELD_NAMES = sorted({path.rsplit(".", 1)[-1] for path, _ in schema_nodes(openapi_schema()["properties"]["spec"], "spec") if "[*]" not in path[-3:]})
+_FIELD_NAMES = sorted(
+    {
+        path.rsplit(".", 1)[-1]
+        for path, _ in schema_nodes(openapi_schema()["properties"]["spec"], "spec")
+        if "[*]" not in path[-3:]
+    }
+)
 _keys = st.sampled_from(_FIELD_NAMES) | st.text(max_size=6)
 _scalars = (
     st.none()
@@ -108,9 +127,29 @@ _scalars = (
     | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=12)
-    | st.sampled_from(["push", "pull", "hybrid-ssm", "mamba1", "DS", "SD", "mock", "LIBFABRIC", "vllm", "Exists", "16Gi", "0", "--port"])
+    | st.sampled_from(
+        [
+            "push",
+            "pull",
+            "hybrid-ssm",
+            "mamba1",
+            "DS",
+            "SD",
+            "mock",
+            "LIBFABRIC",
+            "vllm",
+            "Exists",
+            "16Gi",
+            "0",
+            "--port",
+        ]
+    )
 )
-_json = st.recursive(_scalars, lambda children: st.lists(children, max_size=4) | st.dictionaries(_keys, children, max_size=5), max_leaves=25)
+_json = st.recursive(
+    _scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(_keys, children, max_size=5),
+    max_leaves=25,
+)
 
 
 def _assert_only_spec_errors(document: dict[str, Any], openapi: dict[str, Any]) -> None:

@@ -78,7 +78,11 @@ def test_bounds_and_enums_come_from_the_model(openapi):
     assert (tp["minimum"], tp["maximum"], tp["default"]) == (1, 64, 1)
     assert spec["mode"]["enum"] == ["push", "pull"]
     assert spec["mode"]["default"] == "push"
-    assert spec["engine"]["properties"]["transport"]["properties"]["backend"]["enum"] == ["LIBFABRIC", "UCX", "mock"]
+    assert spec["engine"]["properties"]["transport"]["properties"]["backend"]["enum"] == [
+        "LIBFABRIC",
+        "UCX",
+        "mock",
+    ]
     assert openapi["properties"]["spec"]["required"] == ["model"]
 
 
@@ -94,17 +98,26 @@ def test_nested_objects_default_to_empty_so_their_defaults_apply(openapi):
 def test_every_default_is_valid_under_its_own_schema(openapi, defaulted):
     for path, node in schema_nodes(openapi):
         if "default" in node:
-            problems = [error.message for error in jsonschema.Draft4Validator(node).iter_errors(defaulted(node, node["default"]))]
+            problems = [
+                error.message
+                for error in jsonschema.Draft4Validator(node).iter_errors(defaulted(node, node["default"]))
+            ]
             assert not problems, f"{path}: {problems}"
 
 
 @pytest.mark.parametrize("rule", CEL_RULES, ids=lambda rule: rule.name)
 def test_every_rule_is_attached_and_its_field_path_exists(rule, openapi):
-    owners = [(path, node) for path, node in schema_nodes(openapi) if rule.validation() in node.get("x-kubernetes-validations", [])]
+    owners = [
+        (path, node)
+        for path, node in schema_nodes(openapi)
+        if rule.validation() in node.get("x-kubernetes-validations", [])
+    ]
     assert owners, f"{rule.name} is attached nowhere"
     for path, _ in owners:
         if rule.field_path:
-            assert path + rule.field_path in {node_path for node_path, _ in schema_nodes(openapi)}, path + rule.field_path
+            assert path + rule.field_path in {node_path for node_path, _ in schema_nodes(openapi)}, (
+                path + rule.field_path
+            )
 
 
 def test_schema_defaults_match_the_model_defaults(openapi, defaulted, example_documents):
@@ -112,7 +125,11 @@ def test_schema_defaults_match_the_model_defaults(openapi, defaulted, example_do
     spec_schema = openapi["properties"]["spec"]
     for name, document in example_documents:
         by_schema = _drop_empty(defaulted(spec_schema, document["spec"]))
-        by_model = _drop_empty(PDServiceSpec.model_validate(document["spec"]).model_dump(mode="json", by_alias=True, exclude_none=True))
+        by_model = _drop_empty(
+            PDServiceSpec.model_validate(document["spec"]).model_dump(
+                mode="json", by_alias=True, exclude_none=True
+            )
+        )
         assert by_schema == by_model, name
 
 

@@ -21,6 +21,12 @@ def test_run_prints_the_generated_crd(capsys):
 
 
 def test_pdctl_crd_output_is_the_committed_file():
-    result = subprocess.run([sys.executable, "-m", "pdoperator.cli.main", "crd"], capture_output=True, text=True, check=False, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pdoperator.cli.main", "crd"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == COMMITTED.read_text(), "crds/ drifted from pdoperator.api: run `make crd`"

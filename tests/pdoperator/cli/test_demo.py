@@ -50,7 +50,10 @@ def test_demo_shows_mode_model_replicas_tp_gpus_efa_connector_transport_and_obje
     assert re.search(r"decode\s+1 x TP8\s+8\s+16\s", qwen)
     assert "builtin pdconnector.vllm.connector.PDConnector" in qwen
     assert "LIBFABRIC over EFA (IPC_LOCK" in qwen
-    assert "objects    12: NetworkPolicy 2, PodDisruptionBudget 3, ConfigMap 1, Service 3, Deployment 1, StatefulSet 2" in qwen
+    assert (
+        "objects    12: NetworkPolicy 2, PodDisruptionBudget 3, ConfigMap 1, Service 3, Deployment 1, "
+        "StatefulSet 2" in qwen
+    )
     assert "12/12 valid for Kubernetes 1.35.0" in qwen
     hybrid = block(out, "nemotron-nano-hybrid.yaml")
     assert re.search(r"prefill\s+2 x TP1\s+1\s+0\s", hybrid)
@@ -86,15 +89,30 @@ def test_a_missing_or_empty_examples_directory_exits_1(tmp_path):
 
 def test_the_installed_pdctl_runs_the_demo_from_any_directory(tmp_path):
     pdctl_script = Path(sys.executable).parent / "pdctl"
-    result = subprocess.run([str(pdctl_script), "demo", "--local-run", ""], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [str(pdctl_script), "demo", "--local-run", ""],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "4 examples: 4 ok, 0 failed" in result.stdout
     assert "Traceback" not in result.stderr
 
 
 def test_the_readme_main_job_runs_the_tiny_example_locally_in_both_modes():
-    """`make demo`, the README's first command: render every example, then serve requests through a local P/D run."""
-    result = subprocess.run(["make", "--no-print-directory", "demo"], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    """`make demo`, the README's first command: render every example, then serve requests through a local P/D
+    run."""
+    result = subprocess.run(
+        ["make", "--no-print-directory", "demo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     for mode in ("push", "pull"):

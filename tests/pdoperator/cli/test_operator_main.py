@@ -15,7 +15,9 @@ def kopf_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(kopf, "run", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(kopf, "configure", lambda **kwargs: calls.append({"configure": kwargs}))
-    monkeypatch.setattr(KubernetesApi, "from_environment", classmethod(lambda cls, user_agent, timeout_seconds: object()))
+    monkeypatch.setattr(
+        KubernetesApi, "from_environment", classmethod(lambda cls, user_agent, timeout_seconds: object())
+    )
     return calls
 
 
@@ -33,7 +35,12 @@ def test_namespaces_scope_kopf_and_one_replica_runs_standalone(kopf_calls: list[
 
 
 def test_all_namespaces_with_peering_and_liveness(kopf_calls: list[dict[str, Any]]) -> None:
-    assert operator_main.main(["--all-namespaces", "--peering", "pd-operator", "--liveness", "http://0.0.0.0:8080/healthz"]) == 0
+    assert (
+        operator_main.main(
+            ["--all-namespaces", "--peering", "pd-operator", "--liveness", "http://0.0.0.0:8080/healthz"]
+        )
+        == 0
+    )
     kwargs = run_kwargs(kopf_calls)
     assert (kwargs["clusterwide"], kwargs["namespaces"]) == (True, [])
     assert (kwargs["standalone"], kwargs["peering_name"]) == (False, "pd-operator")
@@ -51,14 +58,21 @@ def test_no_scope_means_all_namespaces(kopf_calls: list[dict[str, Any]]) -> None
     assert run_kwargs(kopf_calls)["clusterwide"] is True
 
 
-@pytest.mark.parametrize(("flag", "expected"), [("json", kopf.LogFormat.JSON), ("plain", kopf.LogFormat.PLAIN), ("full", kopf.LogFormat.FULL)])
-def test_log_format_and_verbosity_reach_kopf_logging(kopf_calls: list[dict[str, Any]], flag: str, expected: kopf.LogFormat) -> None:
+@pytest.mark.parametrize(
+    ("flag", "expected"),
+    [("json", kopf.LogFormat.JSON), ("plain", kopf.LogFormat.PLAIN), ("full", kopf.LogFormat.FULL)],
+)
+def test_log_format_and_verbosity_reach_kopf_logging(
+    kopf_calls: list[dict[str, Any]], flag: str, expected: kopf.LogFormat
+) -> None:
     operator_main.main(["--log-format", flag, "--verbose"])
     (configure,) = [c["configure"] for c in kopf_calls if "configure" in c]
     assert configure == {"verbose": True, "log_format": expected}
 
 
-def test_namespace_and_all_namespaces_are_mutually_exclusive(kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_namespace_and_all_namespaces_are_mutually_exclusive(
+    kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         operator_main.main(["--namespace", "a", "--all-namespaces"])
     assert exit_info.value.code == 2
@@ -66,7 +80,9 @@ def test_namespace_and_all_namespaces_are_mutually_exclusive(kopf_calls: list[di
     assert kopf_calls == []
 
 
-def test_a_non_positive_interval_is_rejected_with_a_message(kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_non_positive_interval_is_rejected_with_a_message(
+    kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert operator_main.main(["--kv-check-interval", "0"]) == 2
     assert "--kv-check-interval" in capsys.readouterr().err
     assert kopf_calls == []
@@ -84,9 +100,20 @@ def test_without_any_kubernetes_configuration_it_exits_with_a_message(
 
 
 def test_the_router_image_comes_from_the_chart_environment() -> None:
-    assert operator_main.render_defaults("cluster.local", {"PD_OPERATOR_ROUTER_IMAGE": "r:1"}).router_image == "r:1"
+    assert (
+        operator_main.render_defaults("cluster.local", {"PD_OPERATOR_ROUTER_IMAGE": "r:1"}).router_image
+        == "r:1"
+    )
     assert operator_main.render_defaults("example.org", {}).cluster_domain == "example.org"
     assert operator_main.render_defaults(None, {}).cluster_domain == "cluster.local"
-    chart_env = {"PD_OPERATOR_ENGINE_IMAGE": "e:1", "PD_OPERATOR_MOCK_ENGINE_IMAGE": "m:1", "PD_OPERATOR_CLUSTER_DOMAIN": "corp.local"}
+    chart_env = {
+        "PD_OPERATOR_ENGINE_IMAGE": "e:1",
+        "PD_OPERATOR_MOCK_ENGINE_IMAGE": "m:1",
+        "PD_OPERATOR_CLUSTER_DOMAIN": "corp.local",
+    }
     from_chart = operator_main.render_defaults(None, chart_env)
-    assert (from_chart.engine_image, from_chart.mock_engine_image, from_chart.cluster_domain) == ("e:1", "m:1", "corp.local")
+    assert (from_chart.engine_image, from_chart.mock_engine_image, from_chart.cluster_domain) == (
+        "e:1",
+        "m:1",
+        "corp.local",
+    )

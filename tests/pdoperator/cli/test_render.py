@@ -35,12 +35,18 @@ def test_render_prints_every_manifest_as_a_yaml_stream():
     code, out, err = pdctl("render", "-f", str(EXAMPLES / "qwen3-32b-push-efa.yaml"))
     assert (code, err) == (0, "")
     assert out.startswith("---\n")
-    expected = render_pdservice(parse_pdservice(yaml.safe_load((EXAMPLES / "qwen3-32b-push-efa.yaml").read_text())), RenderDefaults())
+    expected = render_pdservice(
+        parse_pdservice(yaml.safe_load((EXAMPLES / "qwen3-32b-push-efa.yaml").read_text())), RenderDefaults()
+    )
     assert list(yaml.safe_load_all(out)) == expected
 
 
 def test_render_reads_several_pdservices_from_stdin():
-    text = (EXAMPLES / "tiny-cpu.yaml").read_text() + "\n---\n" + (EXAMPLES / "nemotron-nano-hybrid.yaml").read_text()
+    text = (
+        (EXAMPLES / "tiny-cpu.yaml").read_text()
+        + "\n---\n"
+        + (EXAMPLES / "nemotron-nano-hybrid.yaml").read_text()
+    )
     code, out, _ = pdctl("render", "-f", "-", stdin=text)
     assert code == 0
     names = [doc["metadata"]["name"] for doc in yaml.safe_load_all(out) if doc["kind"] == "StatefulSet"]
@@ -48,7 +54,9 @@ def test_render_reads_several_pdservices_from_stdin():
 
 
 def test_render_writes_one_file_per_object_into_the_output_dir(tmp_path):
-    code, out, _ = pdctl("render", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--output-dir", str(tmp_path / "out"))
+    code, out, _ = pdctl(
+        "render", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--output-dir", str(tmp_path / "out")
+    )
     assert code == 0
     files = sorted((tmp_path / "out").iterdir())
     assert len(files) == 12
@@ -108,17 +116,35 @@ def test_a_missing_file_exits_2(tmp_path):
 def test_an_unwritable_output_dir_exits_2(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    code, _, err = pdctl("render", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--output-dir", str(blocker / "sub"))
+    code, _, err = pdctl(
+        "render", "-f", str(EXAMPLES / "tiny-cpu.yaml"), "--output-dir", str(blocker / "sub")
+    )
     assert code == 2
     assert "cannot write" in err
 
 
 yaml_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=20,
 )
-spec_keys = st.sampled_from(["mode", "model", "ssm", "prefill", "decode", "engine", "network", "router", "replicas", "tensorParallelSize", "name"])
+spec_keys = st.sampled_from(
+    [
+        "mode",
+        "model",
+        "ssm",
+        "prefill",
+        "decode",
+        "engine",
+        "network",
+        "router",
+        "replicas",
+        "tensorParallelSize",
+        "name",
+    ]
+)
 near_pdservices = st.fixed_dictionaries(
     {
         "apiVersion": st.sampled_from(["inference.pdoperator.dev/v1alpha1", "v1", 3]),

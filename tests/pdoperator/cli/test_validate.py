@@ -61,7 +61,12 @@ def write(tmp_path: Path, name: str, content: str | bytes) -> str:
 def test_every_example_is_ok(capsys):
     status, out, err = run_validate(capsys, *map(str, EXAMPLES))
     assert (status, err) == (0, [])
-    assert out == ["OK inference/nemotron-nano", "OK inference/qwen3-32b", "OK default/tiny", "OK default/tiny-gpu"]
+    assert out == [
+        "OK inference/nemotron-nano",
+        "OK inference/qwen3-32b",
+        "OK default/tiny",
+        "OK default/tiny-gpu",
+    ]
 
 
 def test_invalid_documents_print_each_error_with_its_field_path(capsys, tmp_path):
@@ -71,7 +76,8 @@ def test_invalid_documents_print_each_error_with_its_field_path(capsys, tmp_path
     assert out == ["OK ml/good"]
     assert err == [
         f"{bad}: default/bad: spec.prefill.tensorParallelSize: must be at least 1 (got 0)",
-        f"{bad}: default/bad2: spec.engine.transport.backend: must be LIBFABRIC when spec.network.efa.enabled is true "
+        f"{bad}: default/bad2: spec.engine.transport.backend: must be LIBFABRIC when "
+        "spec.network.efa.enabled is true "
         "(UCX on EFA silently falls back to TCP)",
     ]
 
@@ -80,7 +86,10 @@ def test_other_kinds_are_skipped(capsys, tmp_path):
     secret = "apiVersion: v1\nkind: Secret\nmetadata: {name: hf-token}\n---\n" + GOOD
     status, out, _ = run_validate(capsys, write(tmp_path, "both.yaml", secret))
     assert status == 0
-    assert out == [f"SKIP {tmp_path / 'both.yaml'}: default/hf-token: v1 Secret is not a PDService", "OK ml/good"]
+    assert out == [
+        f"SKIP {tmp_path / 'both.yaml'}: default/hf-token: v1 Secret is not a PDService",
+        "OK ml/good",
+    ]
 
 
 def test_a_document_of_our_group_with_another_kind_is_an_error(capsys, tmp_path):
@@ -96,9 +105,15 @@ def test_a_document_of_our_group_with_another_kind_is_an_error(capsys, tmp_path)
         ("# nothing here\n", "no PDService documents (PDService, apiVersion inference.pdoperator.dev/...)"),
         ("- a\n- b\n", "document 1: must be a mapping (a Kubernetes object), got a list"),
         ("42\n", "document 1: must be a mapping (a Kubernetes object), got a number"),
-        ("key: [unclosed\n", "yaml: line 2, column 1: did not find expected ',' or ']' (while parsing a flow sequence)"),
+        (
+            "key: [unclosed\n",
+            "yaml: line 2, column 1: did not find expected ',' or ']' (while parsing a flow sequence)",
+        ),
         (b"\x7fELF\x02\x01\x01\x00\xff\xfe", "yaml: not UTF-8 text (byte 8: b'\\xff')"),
-        ("{apiVersion: inference.pdoperator.dev/v1alpha1, kind: PDService}\n", "document 1: metadata: required"),
+        (
+            "{apiVersion: inference.pdoperator.dev/v1alpha1, kind: PDService}\n",
+            "document 1: metadata: required",
+        ),
     ],
     ids=["empty", "comment only", "list", "scalar", "not yaml", "binary", "no metadata"],
 )
@@ -113,12 +128,19 @@ def test_an_unreadable_file_exits_2(capsys, tmp_path):
     missing = str(tmp_path / "missing.yaml")
     status, _, err = run_validate(capsys, write(tmp_path, "bad.yaml", BAD), missing, str(tmp_path))
     assert status == 2
-    assert err[-2:] == [f"{missing}: cannot read: No such file or directory", f"{tmp_path}: cannot read: Is a directory"]
+    assert err[-2:] == [
+        f"{missing}: cannot read: No such file or directory",
+        f"{tmp_path}: cannot read: Is a directory",
+    ]
 
 
 def test_stdin_and_real_process_exit_codes_without_tracebacks(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "pdoperator.cli.main", "validate", "-f", "-"], input=GOOD.encode(), capture_output=True, check=False, timeout=120
+        [sys.executable, "-m", "pdoperator.cli.main", "validate", "-f", "-"],
+        input=GOOD.encode(),
+        capture_output=True,
+        check=False,
+        timeout=120,
     )
     assert (ok.returncode, ok.stdout.decode(), ok.stderr.decode()) == (0, "OK ml/good\n", "")
     garbage = subprocess.run(
@@ -150,7 +172,11 @@ _YAMLISH = st.lists(st.sampled_from(_YAML_TOKENS), max_size=60).map("".join)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(content=st.binary(max_size=120) | _YAMLISH.map(str.encode) | _YAMLISH.map(lambda text: (GOOD + text).encode()))
+@given(
+    content=st.binary(max_size=120)
+    | _YAMLISH.map(str.encode)
+    | _YAMLISH.map(lambda text: (GOOD + text).encode())
+)
 def test_any_file_content_gives_an_exit_status_not_a_traceback(tmp_path, content):
     path = tmp_path / "fuzz.yaml"
     path.write_bytes(content)

@@ -37,7 +37,13 @@ def test_expansion_follows_kubernetes_rules():
 def test_every_pod_becomes_a_process_on_its_own_loopback_address_with_the_rendered_ports(tmp_path):
     plan = plan_for(tiny(prefill=2, decode=3), tmp_path)
     engines = [p for p in plan.processes if p.role is not ComponentRole.ROUTER]
-    assert [p.name for p in engines] == ["tiny-prefill-0", "tiny-prefill-1", "tiny-decode-0", "tiny-decode-1", "tiny-decode-2"]
+    assert [p.name for p in engines] == [
+        "tiny-prefill-0",
+        "tiny-prefill-1",
+        "tiny-decode-0",
+        "tiny-decode-1",
+        "tiny-decode-2",
+    ]
     assert len({p.host for p in plan.processes}) == len(plan.processes)
     assert {p.http_port for p in engines} == {8000}
     assert all(p.host.startswith(loopback_subnet("default", "tiny") + ".") for p in plan.processes)
@@ -58,7 +64,9 @@ def test_downward_api_variables_are_expanded_into_engine_ids_and_side_channel_ho
 def test_the_router_config_is_the_rendered_one_with_pod_names_resolved_to_process_addresses(tmp_path):
     pds = tiny(decode=2)
     manifests = render_pdservice(pds, RenderDefaults())
-    rendered = parse_router_config(next(m for m in manifests if m["kind"] == "ConfigMap")["data"]["router.yaml"])
+    rendered = parse_router_config(
+        next(m for m in manifests if m["kind"] == "ConfigMap")["data"]["router.yaml"]
+    )
     plan = plan_local_run(pds, manifests, tmp_path)
     local = parse_router_config(plan.router_config)
     hosts = {p.name: p.host for p in plan.processes}
@@ -83,18 +91,27 @@ def test_gpu_engines_cannot_run_locally(tmp_path):
 
 def test_vllm_engines_load_the_local_model_offline_with_the_rendered_connector_and_identity(tmp_path):
     pds = local_variant(tiny(), runtime="vllm")
-    plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model")
+    plan = plan_local_run(
+        pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model"
+    )
     prefill = next(p for p in plan.processes if p.name == "tiny-prefill-0")
     argv = list(prefill.argv)
     assert argv[argv.index("--model") + 1] == str(tmp_path / "model")
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
     kv_config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv_config["engine_id"].startswith("tiny-prefill-0-") and kv_config["kv_connector_extra_config"]["backends"] == ["UCX"]
+    assert kv_config["engine_id"].startswith("tiny-prefill-0-") and kv_config["kv_connector_extra_config"][
+        "backends"
+    ] == ["UCX"]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefill.host
     assert prefill.env["HF_HUB_OFFLINE"] == "1" and prefill.env["HF_HOME"].startswith(str(tmp_path))
     decode = next(p for p in plan.processes if p.name == "tiny-decode-0")
-    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] != decode.env["VLLM_CPU_OMP_THREADS_BIND"], "each engine on cores of its own"
-    assert prefill.startup_timeout_s > next(p for p in plan.processes if p.role is ComponentRole.ROUTER).startup_timeout_s
+    assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] != decode.env["VLLM_CPU_OMP_THREADS_BIND"], (
+        "each engine on cores of its own"
+    )
+    assert (
+        prefill.startup_timeout_s
+        > next(p for p in plan.processes if p.role is ComponentRole.ROUTER).startup_timeout_s
+    )
 
 
 def test_distinct_pdservices_get_distinct_subnets():
@@ -120,5 +137,10 @@ def test_a_binding_in_the_spec_env_is_kept(tmp_path):
     document = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     document["spec"]["decode"]["env"] = [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}]
     pds = local_variant(parse_pdservice(document), runtime="vllm")
-    plan = plan_local_run(pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model")
-    assert next(p for p in plan.processes if p.name == "tiny-decode-0").env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    plan = plan_local_run(
+        pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model"
+    )
+    assert (
+        next(p for p in plan.processes if p.name == "tiny-decode-0").env["VLLM_CPU_OMP_THREADS_BIND"]
+        == "nobind"
+    )

@@ -22,7 +22,11 @@ def pdctl(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str
 
 
 def complete(endpoint: str, body: dict[str, object]) -> tuple[dict[str, str], dict]:
-    request = urllib.request.Request(f"{endpoint}/v1/completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        f"{endpoint}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return dict(response.headers), json.loads(response.read())
 
@@ -65,24 +69,34 @@ def test_down_without_up_stops_nothing(state_dir):
 
 
 def test_up_of_a_gpu_example_fails_clearly_without_starting_anything(state_dir):
-    result = pdctl("up", "-f", str(REPO / "examples" / "qwen3-32b-push-efa.yaml"), "--state-dir", str(state_dir))
+    result = pdctl(
+        "up", "-f", str(REPO / "examples" / "qwen3-32b-push-efa.yaml"), "--state-dir", str(state_dir)
+    )
     assert result.returncode == 1
     assert "spec.engine.runtime is vllm" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_state(state_dir) == []
 
 
-def test_up_with_vllm_engines_serves_through_our_connector_and_down_stops_the_engines_process_groups(state_dir):
+def test_up_with_vllm_engines_serves_through_our_connector_and_down_stops_the_engines_process_groups(
+    state_dir,
+):
     result = pdctl("up", "-f", str(TINY), "--engine", "vllm", "--state-dir", str(state_dir), timeout_s=900)
     assert result.returncode == 0, result.stderr + result.stdout
     assert "is up in push mode" in result.stdout and (state_dir / "tiny-model" / "model.safetensors").exists()
     endpoint = endpoint_of(result.stdout)
     prompt = " ".join(f"t{i}" for i in range(200))  # more than one 128-token block
-    headers, body = complete(endpoint, {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    headers, body = complete(
+        endpoint, {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    )
     assert (headers["x-pd-prefill"], headers["x-pd-decode"]) == ("tiny-prefill-0", "tiny-decode-0")
     assert body["usage"]["prompt_tokens"] == 200 and body["usage"]["completion_tokens"] == 4
     with urllib.request.urlopen(f"{endpoint}/status", timeout=10) as response:
-        assert json.loads(response.read())["transfers"] == {"verified": 1, "unverified": 0, "unconfirmable": 0}
+        assert json.loads(response.read())["transfers"] == {
+            "verified": 1,
+            "unverified": 0,
+            "unconfirmable": 0,
+        }
     processes = read_state(state_dir)
     stopped = pdctl("down", "-f", str(TINY), "--state-dir", str(state_dir), timeout_s=120)
     assert "stopped 3 processes" in stopped.stdout

@@ -29,7 +29,9 @@ class FakeKubeApi:
         return [
             copy.deepcopy(obj)
             for (k, ns, _), obj in self.objects.items()
-            if k == kind and ns == namespace and label_selector_matches(label_selector, obj["metadata"].get("labels") or {})
+            if k == kind
+            and ns == namespace
+            and label_selector_matches(label_selector, obj["metadata"].get("labels") or {})
         ]
 
     async def get(self, kind: ResourceKind, namespace: str, name: str) -> dict[str, Any] | None:
@@ -43,11 +45,23 @@ class FakeKubeApi:
         if (kind, namespace, name) in self.objects:
             raise KubeApiError(409, "AlreadyExists", f"{name} exists")
         obj = copy.deepcopy(body)
-        obj["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), generation=1, resourceVersion=str(next(self._revisions)))
+        obj["metadata"].update(
+            namespace=namespace,
+            uid=str(uuid.uuid4()),
+            generation=1,
+            resourceVersion=str(next(self._revisions)),
+        )
         self.objects[(kind, namespace, name)] = obj
         return copy.deepcopy(obj)
 
-    async def patch(self, kind: ResourceKind, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+    async def patch(
+        self,
+        kind: ResourceKind,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
         self.writes.append(("patch", kind.kind, f"{name}/{subresource}" if subresource else name))
         old = self.objects.get((kind, namespace, name))
         if old is None:
@@ -56,7 +70,9 @@ class FakeKubeApi:
             new = {**old, "status": merge_patch(old.get("status") or {}, patch.get("status") or {})}
         else:
             new = merge_patch(old, {k: v for k, v in patch.items() if k != "status"})
-            if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {k: v for k, v in old.items() if k not in ("metadata", "status")}:
+            if {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
+                k: v for k, v in old.items() if k not in ("metadata", "status")
+            }:
                 new["metadata"]["generation"] = old["metadata"]["generation"] + 1
         new["metadata"]["resourceVersion"] = str(next(self._revisions))
         self.objects[(kind, namespace, name)] = new

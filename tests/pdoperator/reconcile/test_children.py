@@ -6,7 +6,15 @@ from pdoperator.reconcile.children import Create, Delete, Patch, plan
 from pdoperator.reconcile.diff import with_last_applied
 from pdoperator.reconcile.kinds import CONFIGMAPS, SERVICES
 
-OWNER = [{"apiVersion": "inference.pdoperator.dev/v1alpha1", "kind": "PDService", "name": "x", "uid": "u1", "controller": True}]
+OWNER = [
+    {
+        "apiVersion": "inference.pdoperator.dev/v1alpha1",
+        "kind": "PDService",
+        "name": "x",
+        "uid": "u1",
+        "controller": True,
+    }
+]
 
 
 def cm(name: str, data: dict[str, str], owners: list[dict] | None = None) -> dict:

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from pdoperator.reconcile.diff import LAST_APPLIED_ANNOTATION, child_patch, is_subset, last_applied_of, merge_patch, with_last_applied
+from pdoperator.reconcile.diff import (
+    LAST_APPLIED_ANNOTATION,
+    child_patch,
+    is_subset,
+    last_applied_of,
+    merge_patch,
+    with_last_applied,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,9 +43,17 @@ def test_a_changed_missing_or_reordered_field_is_not_a_subset(desired: dict, liv
 
 
 def test_merge_patch_touches_only_what_differs_and_replaces_whole_lists() -> None:
-    live = {"spec": {"replicas": 1, "template": {"containers": [{"name": "e", "image": "a", "imagePullPolicy": "Always"}]}, "extra": 1}}
+    live = {
+        "spec": {
+            "replicas": 1,
+            "template": {"containers": [{"name": "e", "image": "a", "imagePullPolicy": "Always"}]},
+            "extra": 1,
+        }
+    }
     desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "e", "image": "b"}]}}}
-    assert merge_patch({}, desired, live) == {"spec": {"replicas": 2, "template": {"containers": [{"name": "e", "image": "b"}]}}}
+    assert merge_patch({}, desired, live) == {
+        "spec": {"replicas": 2, "template": {"containers": [{"name": "e", "image": "b"}]}}
+    }
 
 
 def test_merge_patch_nulls_keys_applied_before_and_no_longer_desired() -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 from pdoperator.api.model import ConditionStatus
-from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts, Verdict, parse_router_status, verdict
+from pdoperator.reconcile.kvtransfer import (
+    RouterStatusError,
+    TransferCounts,
+    Verdict,
+    parse_router_status,
+    verdict,
+)
 
 VERIFIED = Verdict(ConditionStatus.TRUE, "TransfersVerified", "ok")
 
@@ -41,12 +47,18 @@ def test_requests_through_upstream_connectors_leave_the_condition_unknown_not_fa
     assert (v.status, v.reason) == (ConditionStatus.UNKNOWN, "NotConfirmable")
     assert "spec.engine.connector" in v.message
     assert verdict(TransferCounts(0, 0, 9), TransferCounts(0, 0, 7), VERIFIED).reason == "NotConfirmable"
-    assert verdict(TransferCounts(0, 0, 2), TransferCounts(0, 0, 7), None).reason == "NotConfirmable", "router restarted"
+    assert verdict(TransferCounts(0, 0, 2), TransferCounts(0, 0, 7), None).reason == "NotConfirmable", (
+        "router restarted"
+    )
 
 
 def test_router_status_payload_is_parsed() -> None:
-    assert parse_router_status({"transfers": {"verified": 2, "unverified": 1}, "mode": "push"}) == TransferCounts(2, 1)
-    assert parse_router_status({"transfers": {"verified": 0, "unverified": 0, "unconfirmable": 4}}) == TransferCounts(0, 0, 4)
+    assert parse_router_status(
+        {"transfers": {"verified": 2, "unverified": 1}, "mode": "push"}
+    ) == TransferCounts(2, 1)
+    assert parse_router_status(
+        {"transfers": {"verified": 0, "unverified": 0, "unconfirmable": 4}}
+    ) == TransferCounts(0, 0, 4)
 
 
 @pytest.mark.parametrize(

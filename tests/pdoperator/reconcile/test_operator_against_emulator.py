@@ -25,7 +25,14 @@ from pdoperator.reconcile.diff import is_subset
 from pdoperator.render import RenderDefaults, render_pdservice
 from pdoperator.render.names import LABEL_COMPAT
 
-from tests.k8s.harness import Kubectl, OperatorProcess, eventually, is_operator_request, rbac_attributes, writes_by_operator
+from tests.k8s.harness import (
+    Kubectl,
+    OperatorProcess,
+    eventually,
+    is_operator_request,
+    rbac_attributes,
+    writes_by_operator,
+)
 from tests.k8s.server import EmulatedCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -35,7 +42,14 @@ PDS = "inference.pdoperator.dev/v1alpha1/pdservices"
 STS = "apps/v1/statefulsets"
 DEPLOY = "apps/v1/deployments"
 CM = "v1/configmaps"
-CHILD_RESOURCES = (STS, DEPLOY, "v1/services", CM, "networking.k8s.io/v1/networkpolicies", "policy/v1/poddisruptionbudgets")
+CHILD_RESOURCES = (
+    STS,
+    DEPLOY,
+    "v1/services",
+    CM,
+    "networking.k8s.io/v1/networkpolicies",
+    "policy/v1/poddisruptionbudgets",
+)
 
 
 class FakeRouterStatus:
@@ -53,7 +67,9 @@ class FakeRouterStatus:
                     self.send_error(404)
                     return
                 verified, unverified = owner.counts[key]
-                body = json.dumps({"mode": "push", "transfers": {"verified": verified, "unverified": unverified}}).encode()
+                body = json.dumps(
+                    {"mode": "push", "transfers": {"verified": verified, "unverified": unverified}}
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -91,7 +107,10 @@ class Env:
         for resource in CHILD_RESOURCES:
             for obj in self.cluster.objects(resource):
                 meta = obj["metadata"]
-                if meta.get("namespace") == namespace and (meta.get("labels") or {}).get("app.kubernetes.io/instance") == instance:
+                if (
+                    meta.get("namespace") == namespace
+                    and (meta.get("labels") or {}).get("app.kubernetes.io/instance") == instance
+                ):
                     found[(resource, meta["name"])] = obj
         return found
 
@@ -118,7 +137,11 @@ def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         kubeconfig = cluster.write_kubeconfig(tmp / "kubeconfig")
         cli = Kubectl(kubectl, kubeconfig)
         cli.run("apply", "--validate=false", "-f", str(CRD))
-        operator = OperatorProcess(kubeconfig, tmp / "operator.log", ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"])
+        operator = OperatorProcess(
+            kubeconfig,
+            tmp / "operator.log",
+            ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"],
+        )
         operator.start()
         try:
             eventually(lambda: _watching_pdservices(cluster), "the operator to watch PDServices", timeout=30)
@@ -132,7 +155,10 @@ def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _watching_pdservices(cluster: EmulatedCluster) -> bool:
-    return any(is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices") for r in cluster.requests())
+    return any(
+        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices")
+        for r in cluster.requests()
+    )
 
 
 def tiny(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
@@ -155,7 +181,10 @@ def wait_children(env: Env, namespace: str, name: str) -> dict[tuple[str, str], 
     """Every rendered child exists (and carries this PDService's current generation of rendering)."""
     pds = eventually(lambda: env.cluster.get(PDS, namespace, name), f"PDService {namespace}/{name}")
     count = len(render_pdservice(parse_pdservice(pds), RenderDefaults()))
-    return eventually(lambda: (c := env.children(namespace, name)) and len(c) == count and c, f"{count} children of {namespace}/{name}")
+    return eventually(
+        lambda: (c := env.children(namespace, name)) and len(c) == count and c,
+        f"{count} children of {namespace}/{name}",
+    )
 
 
 def mark_ready(env: Env, namespace: str, name: str) -> None:
@@ -166,13 +195,28 @@ def mark_ready(env: Env, namespace: str, name: str) -> None:
             if meta["namespace"] != namespace or meta["labels"].get("app.kubernetes.io/instance") != name:
                 continue
             replicas = obj["spec"].get("replicas", 1)
-            status = {"observedGeneration": meta["generation"], "replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas}
+            status = {
+                "observedGeneration": meta["generation"],
+                "replicas": replicas,
+                "readyReplicas": replicas,
+                "updatedReplicas": replicas,
+            }
             if kind == "statefulset":
                 status |= {"currentRevision": "rev", "updateRevision": "rev", "availableReplicas": replicas}
             else:
                 status |= {"availableReplicas": replicas}
             patch = json.dumps({"status": status})
-            env.kubectl.run("patch", kind, meta["name"], "-n", namespace, "--subresource=status", "--type=merge", "-p", patch)
+            env.kubectl.run(
+                "patch",
+                kind,
+                meta["name"],
+                "-n",
+                namespace,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                patch,
+            )
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -196,7 +240,9 @@ def test_applying_the_tiny_example_creates_every_rendered_child_owned_by_the_pds
     by_name = {(_kind(r), n): obj for (r, n), obj in children.items()}
     for manifest in rendered:
         live = by_name[(manifest["kind"], manifest["metadata"]["name"])]
-        assert is_subset({k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}, live), manifest["metadata"]["name"]
+        assert is_subset({k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}, live), (
+            manifest["metadata"]["name"]
+        )
         (owner,) = live["metadata"]["ownerReferences"]
         assert owner == {
             "apiVersion": "inference.pdoperator.dev/v1alpha1",
@@ -206,12 +252,19 @@ def test_applying_the_tiny_example_creates_every_rendered_child_owned_by_the_pds
             "controller": True,
             "blockOwnerDeletion": True,
         }
-    status = eventually(lambda: env.status("default", "tiny").get("phase") and env.status("default", "tiny"), "a status")
+    status = eventually(
+        lambda: env.status("default", "tiny").get("phase") and env.status("default", "tiny"), "a status"
+    )
     assert status["phase"] == "Pending"
     assert status["routerEndpoint"] == "http://tiny-router.default.svc.cluster.local:8000"
     assert condition(status, "SpecValid")["status"] == "True"
     assert condition(status, "Ready")["status"] == "False"
-    eventually(lambda: any(e["reason"] == "ChildrenCreated" and e["type"] == "Normal" for e in env.events("default", "tiny")), "ChildrenCreated")
+    eventually(
+        lambda: any(
+            e["reason"] == "ChildrenCreated" and e["type"] == "Normal" for e in env.events("default", "tiny")
+        ),
+        "ChildrenCreated",
+    )
 
 
 def _kind(resource: str) -> str:
@@ -225,11 +278,20 @@ def _kind(resource: str) -> str:
     }[resource]
 
 
-def test_ready_children_make_the_pdservice_ready_with_per_role_counts_and_printer_columns_show_them(env: Env) -> None:
-    apply(env, tiny("ready", "team-a", prefill__tensorParallelSize=1, decode__tensorParallelSize=1, decode__replicas=2))
+def test_ready_children_make_the_pdservice_ready_with_per_role_counts_and_printer_columns_show_them(
+    env: Env,
+) -> None:
+    apply(
+        env,
+        tiny(
+            "ready", "team-a", prefill__tensorParallelSize=1, decode__tensorParallelSize=1, decode__replicas=2
+        ),
+    )
     wait_children(env, "team-a", "ready")
     mark_ready(env, "team-a", "ready")
-    status = eventually(lambda: (s := env.status("team-a", "ready")).get("phase") == "Ready" and s, "phase Ready")
+    status = eventually(
+        lambda: (s := env.status("team-a", "ready")).get("phase") == "Ready" and s, "phase Ready"
+    )
     assert status["prefill"] == {"desiredReplicas": 1, "readyReplicas": 1, "summary": "1/1"}
     assert status["decode"] == {"desiredReplicas": 2, "readyReplicas": 2, "summary": "2/2"}
     assert status["router"] == {"desiredReplicas": 1, "readyReplicas": 1, "summary": "1/1"}
@@ -242,9 +304,20 @@ def test_ready_children_make_the_pdservice_ready_with_per_role_counts_and_printe
     crd = env.kubectl.get_json("crd", "pdservices.inference.pdoperator.dev")
     columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
     spec = ",".join(f"{c['name']}:{c['jsonPath']}" for c in columns)
-    table = env.kubectl.run("get", "pds", "ready", "-n", "team-a", "-o", f"custom-columns={spec}").stdout.splitlines()
+    table = env.kubectl.run(
+        "get", "pds", "ready", "-n", "team-a", "-o", f"custom-columns={spec}"
+    ).stdout.splitlines()
     values = dict(zip(table[0].split(), table[1].split(), strict=True))
-    expected = {"Mode": "push", "Model": "tiny-llama", "Prefill": "1/1", "Decode": "2/2", "P-TP": "1", "D-TP": "1", "Ready": "True", "Phase": "Ready"}
+    expected = {
+        "Mode": "push",
+        "Model": "tiny-llama",
+        "Prefill": "1/1",
+        "Decode": "2/2",
+        "P-TP": "1",
+        "D-TP": "1",
+        "Ready": "True",
+        "Phase": "Ready",
+    }
     assert {k: values[k] for k in expected} == expected
     assert values["Endpoint"] == "http://ready-router.team-a.svc.cluster.local:8000"
     assert values["Age"] == env.pds("team-a", "ready")["metadata"]["creationTimestamp"]
@@ -258,31 +331,47 @@ def test_scaling_decode_patches_only_the_decode_statefulset_and_the_router_confi
     quiet(env)
     before = env.children("team-b", "scale")
     mark = env.request_count()
-    env.kubectl.run("patch", "pds", "scale", "-n", "team-b", "--type=merge", "-p", '{"spec":{"decode":{"replicas":3}}}')
-    eventually(lambda: env.status("team-b", "scale")["decode"]["desiredReplicas"] == 3, "decode desired 3 in status")
+    env.kubectl.run(
+        "patch", "pds", "scale", "-n", "team-b", "--type=merge", "-p", '{"spec":{"decode":{"replicas":3}}}'
+    )
+    eventually(
+        lambda: env.status("team-b", "scale")["decode"]["desiredReplicas"] == 3, "decode desired 3 in status"
+    )
     quiet(env)
-    child_writes = [w for w in env.operator_writes_since(mark) if "/pdservices/" not in w and "/events" not in w]
+    child_writes = [
+        w for w in env.operator_writes_since(mark) if "/pdservices/" not in w and "/events" not in w
+    ]
     assert sorted(child_writes) == [
         "PATCH /api/v1/namespaces/team-b/configmaps/scale-router",
         "PATCH /apis/apps/v1/namespaces/team-b/statefulsets/scale-decode",
     ]
     after = env.children("team-b", "scale")
     assert after[(STS, "scale-decode")]["spec"]["replicas"] == 3
-    assert after[(STS, "scale-prefill")]["metadata"]["resourceVersion"] == before[(STS, "scale-prefill")]["metadata"]["resourceVersion"]
-    assert env.status("team-b", "scale")["phase"] in ("Progressing", "Degraded")  # the new decode replicas are not ready yet
+    assert (
+        after[(STS, "scale-prefill")]["metadata"]["resourceVersion"]
+        == before[(STS, "scale-prefill")]["metadata"]["resourceVersion"]
+    )
+    # the new decode replicas are not ready yet
+    assert env.status("team-b", "scale")["phase"] in ("Progressing", "Degraded")
 
 
 def test_switching_push_to_pull_rolls_both_roles_to_one_new_compat_hash(env: Env) -> None:
     apply(env, tiny("mode", "team-c"))
     before = wait_children(env, "team-c", "mode")
-    old = {role: before[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT] for role in ("prefill", "decode")}
+    old = {
+        role: before[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT]
+        for role in ("prefill", "decode")
+    }
     assert old["prefill"] == old["decode"]
     mark = env.request_count()
     env.kubectl.run("patch", "pds", "mode", "-n", "team-c", "--type=merge", "-p", '{"spec":{"mode":"pull"}}')
 
     def new_hashes() -> dict[str, str] | None:
         children = env.children("team-c", "mode")
-        labels = {role: children[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT] for role in ("prefill", "decode")}
+        labels = {
+            role: children[(STS, f"mode-{role}")]["spec"]["template"]["metadata"]["labels"][LABEL_COMPAT]
+            for role in ("prefill", "decode")
+        }
         return labels if labels["prefill"] != old["prefill"] and labels["decode"] != old["decode"] else None
 
     new = eventually(new_hashes, "both roles with a new compat hash")
@@ -294,18 +383,28 @@ def test_switching_push_to_pull_rolls_both_roles_to_one_new_compat_hash(env: Env
     assert "PATCH /api/v1/namespaces/team-c/configmaps/mode-router" in writes
     router_config = env.cluster.get(CM, "team-c", "mode-router")
     assert router_config is not None and new["prefill"] in json.dumps(router_config["data"])
-    eventually(lambda: any(e["reason"] == "RolloutStarted" for e in env.events("team-c", "mode")), "a RolloutStarted event")
+    eventually(
+        lambda: any(e["reason"] == "RolloutStarted" for e in env.events("team-c", "mode")),
+        "a RolloutStarted event",
+    )
 
 
 def test_an_invalid_spec_is_reported_once_with_the_field_and_touches_no_children(env: Env) -> None:
     bad = tiny("bad", "team-d")
     bad["spec"]["engine"]["runtime"] = "vllm"  # the mock transport needs the mock engine
     apply(env, bad)
-    status = eventually(lambda: (s := env.status("team-d", "bad")).get("phase") == "Invalid" and s, "phase Invalid")
+    status = eventually(
+        lambda: (s := env.status("team-d", "bad")).get("phase") == "Invalid" and s, "phase Invalid"
+    )
     spec_valid = condition(status, "SpecValid")
     assert (spec_valid["status"], spec_valid["reason"]) == ("False", "InvalidSpec")
     assert "spec.engine" in spec_valid["message"]
-    warnings = eventually(lambda: [e for e in env.events("team-d", "bad") if e["type"] == "Warning" and e["reason"] == "InvalidSpec"], "a warning")
+    warnings = eventually(
+        lambda: [
+            e for e in env.events("team-d", "bad") if e["type"] == "Warning" and e["reason"] == "InvalidSpec"
+        ],
+        "a warning",
+    )
     assert len(warnings) == 1 and "spec.engine" in warnings[0]["message"]
     assert env.children("team-d", "bad") == {}
     mark = env.request_count()
@@ -319,10 +418,21 @@ def test_a_valid_pdservice_made_invalid_keeps_its_children_as_they_are(env: Env)
     wait_children(env, "team-d", "turns-bad")
     quiet(env)
     before = env.children("team-d", "turns-bad")
-    env.kubectl.run("patch", "pds", "turns-bad", "-n", "team-d", "--type=merge", "-p", '{"spec":{"engine":{"runtime":"vllm"}}}')
+    env.kubectl.run(
+        "patch",
+        "pds",
+        "turns-bad",
+        "-n",
+        "team-d",
+        "--type=merge",
+        "-p",
+        '{"spec":{"engine":{"runtime":"vllm"}}}',
+    )
     eventually(lambda: env.status("team-d", "turns-bad").get("phase") == "Invalid", "phase Invalid")
     after = env.children("team-d", "turns-bad")
-    assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {k: v["metadata"]["resourceVersion"] for k, v in before.items()}
+    assert {k: v["metadata"]["resourceVersion"] for k, v in after.items()} == {
+        k: v["metadata"]["resourceVersion"] for k, v in before.items()
+    }
 
 
 def test_a_deleted_child_is_restored_and_a_hand_edit_is_reverted(env: Env) -> None:
@@ -332,46 +442,86 @@ def test_a_deleted_child_is_restored_and_a_hand_edit_is_reverted(env: Env) -> No
     old_uid = before[(STS, "drift-decode")]["metadata"]["uid"]
     env.kubectl.run("delete", "statefulset", "drift-decode", "-n", "team-e")
     restored = eventually(
-        lambda: (o := env.cluster.get(STS, "team-e", "drift-decode")) and o["metadata"]["uid"] != old_uid and o,
+        lambda: (
+            (o := env.cluster.get(STS, "team-e", "drift-decode")) and o["metadata"]["uid"] != old_uid and o
+        ),
         "the decode StatefulSet back",
         timeout=5,
     )
     assert restored["spec"] == before[(STS, "drift-decode")]["spec"]
 
-    env.kubectl.run("patch", "deployment", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"spec":{"replicas":5}}')
-    eventually(lambda: env.cluster.get(DEPLOY, "team-e", "drift-router")["spec"]["replicas"] == 1, "router replicas back to 1", timeout=5)
-    env.kubectl.run("patch", "configmap", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"data":{"extra":"x"}}')
-    eventually(lambda: "extra" not in env.cluster.get(CM, "team-e", "drift-router")["data"], "hand-added ConfigMap key removed", timeout=5)
-    eventually(lambda: any(e["reason"] == "DriftCorrected" for e in env.events("team-e", "drift")), "a DriftCorrected event")
+    env.kubectl.run(
+        "patch", "deployment", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"spec":{"replicas":5}}'
+    )
+    eventually(
+        lambda: env.cluster.get(DEPLOY, "team-e", "drift-router")["spec"]["replicas"] == 1,
+        "router replicas back to 1",
+        timeout=5,
+    )
+    env.kubectl.run(
+        "patch", "configmap", "drift-router", "-n", "team-e", "--type=merge", "-p", '{"data":{"extra":"x"}}'
+    )
+    eventually(
+        lambda: "extra" not in env.cluster.get(CM, "team-e", "drift-router")["data"],
+        "hand-added ConfigMap key removed",
+        timeout=5,
+    )
+    eventually(
+        lambda: any(e["reason"] == "DriftCorrected" for e in env.events("team-e", "drift")),
+        "a DriftCorrected event",
+    )
 
 
 def test_kv_transfer_verified_follows_the_router_counts(env: Env) -> None:
     apply(env, tiny("kv", "team-f"))
     wait_children(env, "team-f", "kv")
-    awaiting = eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified"), "a KVTransferVerified condition")
+    awaiting = eventually(
+        lambda: condition(env.status("team-f", "kv"), "KVTransferVerified"), "a KVTransferVerified condition"
+    )
     assert (awaiting["status"], awaiting["reason"]) == ("Unknown", "AwaitingRouter")
     mark_ready(env, "team-f", "kv")
-    assert eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["reason"] == "RouterUnreachable", "RouterUnreachable")
+    assert eventually(
+        lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["reason"] == "RouterUnreachable",
+        "RouterUnreachable",
+    )
 
     env.router.counts[("team-f", "kv")] = (0, 0)
-    unknown = eventually(lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["reason"] == "NoTraffic" and c, "NoTraffic")
+    unknown = eventually(
+        lambda: (
+            (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["reason"] == "NoTraffic" and c
+        ),
+        "NoTraffic",
+    )
     assert unknown["status"] == "Unknown"
 
     env.router.counts[("team-f", "kv")] = (4, 0)
-    verified = eventually(lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "True" and c, "verified")
+    verified = eventually(
+        lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "True" and c,
+        "verified",
+    )
     assert verified["reason"] == "TransfersVerified"
 
     env.router.counts[("team-f", "kv")] = (4, 2)
     failed = eventually(
-        lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "False" and c, "served without transfer"
+        lambda: (c := condition(env.status("team-f", "kv"), "KVTransferVerified"))["status"] == "False" and c,
+        "served without transfer",
     )
     assert failed["reason"] == "ServedWithoutTransfer"
     status = env.status("team-f", "kv")
     assert condition(status, "Degraded")["status"] == "True" and status["phase"] == "Degraded"
-    eventually(lambda: any(e["type"] == "Warning" and e["reason"] == "ServedWithoutTransfer" for e in env.events("team-f", "kv")), "a warning")
+    eventually(
+        lambda: any(
+            e["type"] == "Warning" and e["reason"] == "ServedWithoutTransfer"
+            for e in env.events("team-f", "kv")
+        ),
+        "a warning",
+    )
 
     env.router.counts[("team-f", "kv")] = (9, 2)  # transfers work again
-    eventually(lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["status"] == "True", "verified again")
+    eventually(
+        lambda: condition(env.status("team-f", "kv"), "KVTransferVerified")["status"] == "True",
+        "verified again",
+    )
     mark = env.request_count()
     time.sleep(1.5)  # several probes with unchanged counts
     assert [w for w in env.operator_writes_since(mark) if "/team-f/" in w and "/events" not in w] == []
@@ -383,20 +533,33 @@ def test_a_restarted_operator_writes_nothing_and_duplicates_nothing(env: Env) ->
     mark_ready(env, "team-j", "resume")
     eventually(lambda: env.status("team-j", "resume").get("phase") == "Ready", "phase Ready")
     quiet(env)
-    objects_before = {r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)}
+    objects_before = {
+        r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)
+    }
     env.operator.stop()
     mark = env.request_count()
     env.operator.start()
-    eventually(lambda: _watching_pdservices_since(env, mark), "the restarted operator to watch PDServices", timeout=30)
-    eventually(lambda: "Resuming is processed" in env.operator.log().split("Operator is stopping")[-1], "resume handlers to finish", timeout=30)
+    eventually(
+        lambda: _watching_pdservices_since(env, mark),
+        "the restarted operator to watch PDServices",
+        timeout=30,
+    )
+    eventually(
+        lambda: "Resuming is processed" in env.operator.log().split("Operator is stopping")[-1],
+        "resume handlers to finish",
+        timeout=30,
+    )
     time.sleep(2)  # KV probes and child events after the resume
     assert env.operator_writes_since(mark) == []
-    assert {r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)} == objects_before
+    assert {
+        r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)
+    } == objects_before
 
 
 def _watching_pdservices_since(env: Env, mark: int) -> bool:
     return any(
-        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices") for r in env.cluster.requests()[mark:]
+        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices")
+        for r in env.cluster.requests()[mark:]
     )
 
 
@@ -404,19 +567,32 @@ def test_deleting_a_pdservice_completes_its_delete_handler_and_removes_the_child
     apply(env, tiny("gone", "team-g"))
     wait_children(env, "team-g", "gone")
     assert "inference.pdoperator.dev/finalizer" in env.pds("team-g", "gone")["metadata"]["finalizers"]
-    env.kubectl.run("delete", "pds", "gone", "-n", "team-g", "--timeout=20s")  # waits until the finalizer is removed
+    # waits until the finalizer is removed
+    env.kubectl.run("delete", "pds", "gone", "-n", "team-g", "--timeout=20s")
     assert env.cluster.get(PDS, "team-g", "gone") is None
     assert eventually(lambda: env.children("team-g", "gone") == {}, "children deleted", timeout=5)
-    eventually(lambda: any(e["reason"] == "ChildrenDeleted" for e in env.events("team-g", "gone")), "a ChildrenDeleted event")
+    eventually(
+        lambda: any(e["reason"] == "ChildrenDeleted" for e in env.events("team-g", "gone")),
+        "a ChildrenDeleted event",
+    )
 
 
 def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_liveness_and_metrics(
     env: Env, tmp_path: pathlib.Path, unused_tcp_port_factory: Callable[[], int]
 ) -> None:
-    env.kubectl.apply(yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-h"}}))
+    env.kubectl.apply(
+        yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-h"}})
+    )
     env.operator.stop()
     health_port, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
-    args = ["--namespace", "team-h", "--log-format", "json", "--liveness", f"http://127.0.0.1:{health_port}/healthz"]
+    args = [
+        "--namespace",
+        "team-h",
+        "--log-format",
+        "json",
+        "--liveness",
+        f"http://127.0.0.1:{health_port}/healthz",
+    ]
     args += ["--metrics-port", str(metrics_port)]
     scoped = OperatorProcess(env.operator.kubeconfig, tmp_path / "scoped.log", args)
     scoped.start()
@@ -457,28 +633,52 @@ spec:
   group: kopf.dev
   names: {kind: ClusterKopfPeering, plural: clusterkopfpeerings, singular: clusterkopfpeering}
   versions:
-  - {name: v1, served: true, storage: true, schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}}
+  - name: v1
+    served: true
+    storage: true
+    schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}
 """
 
 
-def test_peered_replicas_keep_one_active_and_the_standby_takes_over_when_it_leaves(env: Env, tmp_path: pathlib.Path) -> None:
+def test_peered_replicas_keep_one_active_and_the_standby_takes_over_when_it_leaves(
+    env: Env, tmp_path: pathlib.Path
+) -> None:
     env.kubectl.apply(KOPF_PEERING)
-    eventually(lambda: env.kubectl.run("get", "crd", "clusterkopfpeerings.kopf.dev", check=False).returncode == 0, "the peering CRD")
-    env.kubectl.apply(yaml.safe_dump({"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "pd-operator"}}))
+    eventually(
+        lambda: env.kubectl.run("get", "crd", "clusterkopfpeerings.kopf.dev", check=False).returncode == 0,
+        "the peering CRD",
+    )
+    env.kubectl.apply(
+        yaml.safe_dump(
+            {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "pd-operator"}}
+        )
+    )
     env.operator.stop()
-    high = OperatorProcess(env.operator.kubeconfig, tmp_path / "high.log", ["-A", "--peering", "pd-operator", "--priority", "20"])
-    low = OperatorProcess(env.operator.kubeconfig, tmp_path / "low.log", ["-A", "--peering", "pd-operator", "--priority", "10", "--verbose"])
+    high = OperatorProcess(
+        env.operator.kubeconfig, tmp_path / "high.log", ["-A", "--peering", "pd-operator", "--priority", "20"]
+    )
+    low = OperatorProcess(
+        env.operator.kubeconfig,
+        tmp_path / "low.log",
+        ["-A", "--peering", "pd-operator", "--priority", "10", "--verbose"],
+    )
     try:
         high.start()
         eventually(lambda: "Resuming is processed" in high.log(), "the first replica to work", timeout=30)
         low.start()
-        eventually(lambda: "Pausing the watch-stream for pdservices" in low.log(), "the low-priority replica to stand by", timeout=30)
+        eventually(
+            lambda: "Pausing the watch-stream for pdservices" in low.log(),
+            "the low-priority replica to stand by",
+            timeout=30,
+        )
         peers = env.kubectl.get_json("clusterkopfpeering", "pd-operator")["status"]
         assert sorted(peer["priority"] for peer in peers.values()) == [10, 20]
         apply(env, tiny("peered", "team-k"))
         wait_children(env, "team-k", "peered")
         high.stop()
-        eventually(lambda: "Resuming operations after the pause" in low.log(), "the standby to take over", timeout=30)
+        eventually(
+            lambda: "Resuming operations after the pause" in low.log(), "the standby to take over", timeout=30
+        )
         standby_part = low.log().split("Resuming operations after the pause")[0]
         assert "Handler 'reconcile'" not in standby_part  # nothing was handled while standing by
         eventually(lambda: "Handler 'reconcile'" in low.log(), "the new active replica to work", timeout=30)
@@ -492,7 +692,9 @@ def restart(env: Env) -> None:
     """Start the module's operator again and wait until it watches PDServices."""
     mark = env.request_count()
     env.operator.start()
-    eventually(lambda: _watching_pdservices_since(env, mark), "the operator to watch PDServices again", timeout=30)
+    eventually(
+        lambda: _watching_pdservices_since(env, mark), "the operator to watch PDServices again", timeout=30
+    )
 
 
 def test_every_request_the_operator_made_is_granted_by_its_rbac_rules(env: Env) -> None:
@@ -501,4 +703,9 @@ def test_every_request_the_operator_made_is_granted_by_its_rbac_rules(env: Env) 
     denied = sorted(a for a in attributes if a is not None and not is_granted(*a))
     assert denied == []
     used = {(verb, resource) for verb, _, resource in (a for a in attributes if a is not None)}
-    assert {("patch", "pdservices/status"), ("create", "statefulsets"), ("watch", "statefulsets"), ("create", "events")} <= used
+    assert {
+        ("patch", "pdservices/status"),
+        ("create", "statefulsets"),
+        ("watch", "statefulsets"),
+        ("create", "events"),
+    } <= used

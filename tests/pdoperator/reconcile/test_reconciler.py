@@ -115,7 +115,9 @@ async def test_a_field_no_longer_rendered_is_removed_from_the_child() -> None:
     subject = reconciler(api)
     await subject.reconcile(make(api))
     await subject.reconcile(edit_spec(api, decode__nodeSelector={"pool": "decode"}))
-    assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "decode"}
+    assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["template"]["spec"]["nodeSelector"] == {
+        "pool": "decode"
+    }
     await subject.reconcile(edit_spec(api, decode__nodeSelector={}))
     assert not api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["template"]["spec"].get("nodeSelector")
 
@@ -128,7 +130,13 @@ async def test_ready_children_make_the_status_ready_and_a_second_pass_writes_not
     await subject.reconcile(fresh(api))
     status = fresh(api)["status"]
     assert status["phase"] == "Ready"
-    assert [c["type"] for c in status["conditions"]] == ["SpecValid", "Ready", "Progressing", "Degraded", "KVTransferVerified"]
+    assert [c["type"] for c in status["conditions"]] == [
+        "SpecValid",
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "KVTransferVerified",
+    ]
     assert status["conditions"][-1]["reason"] == "AwaitingRouter"
     api.writes.clear()
     await subject.reconcile(fresh(api))
@@ -266,9 +274,17 @@ async def test_a_restarted_operator_takes_the_router_counts_as_a_baseline() -> N
 
     first = reconciler(api)
     await first.probe_kv_transfer(fresh(api), mixed)  # totals: served without transfer
-    fresh(api)["status"]["conditions"] = [c for c in fresh(api)["status"]["conditions"] if c["type"] != "KVTransferVerified"]
+    fresh(api)["status"]["conditions"] = [
+        c for c in fresh(api)["status"]["conditions"] if c["type"] != "KVTransferVerified"
+    ]
     fresh(api)["status"]["conditions"].append(
-        {"type": "KVTransferVerified", "status": "True", "reason": "TransfersVerified", "message": "m", "lastTransitionTime": NOW}
+        {
+            "type": "KVTransferVerified",
+            "status": "True",
+            "reason": "TransfersVerified",
+            "message": "m",
+            "lastTransitionTime": NOW,
+        }
     )
     restarted = reconciler(api)
     api.writes.clear()
@@ -297,7 +313,9 @@ class ImmutableStatefulSets(FakeKubeApi):
     async def patch(self, kind, namespace, name, patch, subresource=None):
         if kind == STATEFULSETS and subresource is None:
             self.writes.append(("patch", kind.kind, name))
-            raise KubeApiError(422, "Invalid", "spec: Forbidden: updates to statefulset spec for fields other than ...")
+            raise KubeApiError(
+                422, "Invalid", "spec: Forbidden: updates to statefulset spec for fields other than ..."
+            )
         return await super().patch(kind, namespace, name, patch, subresource)
 
 

@@ -30,16 +30,33 @@ def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of ``base`` with ``patch`` merged in (mappings recursively, everything else replaced)."""
     result = copy.deepcopy(base)
     for key, value in patch.items():
-        result[key] = merge(result[key], value) if isinstance(value, dict) and isinstance(result.get(key), dict) else copy.deepcopy(value)
+        result[key] = (
+            merge(result[key], value)
+            if isinstance(value, dict) and isinstance(result.get(key), dict)
+            else copy.deepcopy(value)
+        )
     return result
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "gpu-push-ucx": GPU_SPEC,
     "gpu-pull": merge(GPU_SPEC, {"mode": "pull"}),
-    "upstream-push": merge(GPU_SPEC, {"engine": {"connector": "vllm", "prefillEngineId": "prefill-fixed", "image": "vllm/vllm-openai:v0.32.0"}}),
-    "upstream-pull": merge(GPU_SPEC, {"mode": "pull", "engine": {"connector": "vllm", "image": "vllm/vllm-openai:v0.32.0"}}),
-    "pvc-source": merge(GPU_SPEC, {"model": {"source": {"pvc": {"claimName": "weights", "path": "qwen3-8b"}}}}),
+    "upstream-push": merge(
+        GPU_SPEC,
+        {
+            "engine": {
+                "connector": "vllm",
+                "prefillEngineId": "prefill-fixed",
+                "image": "vllm/vllm-openai:v0.32.0",
+            }
+        },
+    ),
+    "upstream-pull": merge(
+        GPU_SPEC, {"mode": "pull", "engine": {"connector": "vllm", "image": "vllm/vllm-openai:v0.32.0"}}
+    ),
+    "pvc-source": merge(
+        GPU_SPEC, {"model": {"source": {"pvc": {"claimName": "weights", "path": "qwen3-8b"}}}}
+    ),
     "efa-privileged": merge(
         GPU_SPEC,
         {
@@ -48,19 +65,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "affinity": {
                     "nodeAffinity": {
                         "requiredDuringSchedulingIgnoredDuringExecution": {
-                            "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                            ]
                         }
                     }
                 },
             },
             "decode": {"resources": {"memory": "512Gi"}},
             "engine": {"transport": {"backend": "LIBFABRIC"}},
-            "network": {"efa": {"enabled": True, "prefillDevices": 4, "decodeDevices": 2, "privileged": True}},
+            "network": {
+                "efa": {"enabled": True, "prefillDevices": 4, "decodeDevices": 2, "privileged": True}
+            },
         },
     ),
     "hybrid-gdn": merge(
         GPU_SPEC,
-        {"model": {"architecture": "hybrid-ssm"}, "ssm": {"family": "gdn", "convStateLayout": "DS"}, "decode": {"tensorParallelSize": 4}},
+        {
+            "model": {"architecture": "hybrid-ssm"},
+            "ssm": {"family": "gdn", "convStateLayout": "DS"},
+            "decode": {"tensorParallelSize": 4},
+        },
     ),
     "api-key-cpu": merge(
         GPU_SPEC,
@@ -71,7 +96,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
                 "env": [{"name": "X", "value": "1"}],
             },
             "decode": {"resources": {"gpus": 0}, "enablePrefixCaching": True},
-            "router": {"apiKeySecretRef": {"name": "router-key", "key": "token"}, "port": 80, "policy": "round-robin", "replicas": 0},
+            "router": {
+                "apiKeySecretRef": {"name": "router-key", "key": "token"},
+                "port": 80,
+                "policy": "round-robin",
+                "replicas": 0,
+            },
         },
     ),
 }
@@ -79,7 +109,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def pds_from_document(doc: dict[str, Any]) -> PDService:
     meta = doc["metadata"]
-    return PDService(name=meta["name"], namespace=meta.get("namespace", "default"), spec=PDServiceSpec.model_validate(doc["spec"]))
+    return PDService(
+        name=meta["name"],
+        namespace=meta.get("namespace", "default"),
+        spec=PDServiceSpec.model_validate(doc["spec"]),
+    )
 
 
 def load_example(name: str) -> PDService:

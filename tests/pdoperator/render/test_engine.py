@@ -20,7 +20,9 @@ EFA_ON = {
 
 def statefulset(pds: PDService, role: str, defaults: RenderDefaults | None = None) -> dict[str, Any]:
     objects = render_pdservice(pds, defaults or RenderDefaults())
-    return next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"{pds.name}-{role}")
+    return next(
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"{pds.name}-{role}"
+    )
 
 
 def container(pds: PDService, role: str) -> dict[str, Any]:
@@ -65,7 +67,14 @@ def test_served_name_defaults_to_the_model_name(make_pds):
 
 
 def test_extra_args_come_last_and_user_env_is_added(make_pds):
-    pds = make_pds({"decode": {"extraArgs": ["--block-size", "32"], "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}})
+    pds = make_pds(
+        {
+            "decode": {
+                "extraArgs": ["--block-size", "32"],
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+            }
+        }
+    )
     assert container(pds, "decode")["args"][-2:] == ["--block-size", "32"]
     assert env(pds, "decode")["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert "VLLM_LOGGING_LEVEL" not in env(pds, "prefill")
@@ -76,7 +85,11 @@ def test_the_engine_port_setting_moves_the_server_the_container_port_and_the_ser
     engine = container(pds, "prefill")
     assert arg_value(engine["args"], "--port") == "9000"
     assert {"name": "http", "containerPort": 9000, "protocol": "TCP"} in engine["ports"]
-    service = next(o for o in render_pdservice(pds, RenderDefaults()) if o["kind"] == "Service" and o["metadata"]["name"] == "svc-prefill")
+    service = next(
+        o
+        for o in render_pdservice(pds, RenderDefaults())
+        if o["kind"] == "Service" and o["metadata"]["name"] == "svc-prefill"
+    )
     assert service["spec"]["ports"][0]["port"] == 9000
 
 
@@ -87,8 +100,10 @@ def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_side_channel_and_co
         engine = container(pds, role)
         assert engine["command"] == ["pd-mock-engine"]
         assert engine["args"] == [
-            "--role", role, "--port", "8000", "--model", "tiny-llama", "--engine-id", f"$(POD_NAME)-{compat}",
-            "--side-channel-host", "$(POD_IP)", "--side-channel-port", "5600", "--tp-size", "1", "--transport", "mock",
+            "--role", role, "--port", "8000", "--model", "tiny-llama",
+            "--engine-id", f"$(POD_NAME)-{compat}",
+            "--side-channel-host", "$(POD_IP)", "--side-channel-port", "5600",
+            "--tp-size", "1", "--transport", "mock",
             "--compat-hash", compat, "--transfer-timeout", "60", "--max-model-len", "2048",
         ]  # fmt: skip
         # A mock engine loads no weights: no model volume, no Hugging Face settings.
@@ -97,7 +112,12 @@ def test_mock_runtime_runs_pd_mock_engine_with_the_engine_id_side_channel_and_co
 
 
 def test_mock_runtime_over_a_nixl_backend_uses_the_nixl_transport(make_pds):
-    pds = make_pds({"engine": {"runtime": "mock", "transport": {"backend": "UCX"}}, "prefill": {"resources": {"gpus": 0}}})
+    pds = make_pds(
+        {
+            "engine": {"runtime": "mock", "transport": {"backend": "UCX"}},
+            "prefill": {"resources": {"gpus": 0}},
+        }
+    )
     args = container(pds, "prefill")["args"]
     assert args[args.index("--transport") + 1] == "nixl"
 
@@ -113,14 +133,23 @@ def test_pd_mock_engine_accepts_the_rendered_command_line(example_pds):
 
 def test_mock_engines_keep_their_kv_in_gpu_memory_when_their_pod_has_gpus(make_pds):
     pds = make_pds(
-        {"engine": {"runtime": "mock", "transport": {"backend": "UCX"}}, "prefill": {"resources": {"gpus": 1}}, "decode": {"resources": {"gpus": 0}}}
+        {
+            "engine": {"runtime": "mock", "transport": {"backend": "UCX"}},
+            "prefill": {"resources": {"gpus": 1}},
+            "decode": {"resources": {"gpus": 0}},
+        }
     )
     assert arg_value(container(pds, "prefill")["args"], "--kv-device") == "cuda"
     assert "--kv-device" not in container(pds, "decode")["args"]
 
 
 def test_mock_engines_on_the_mock_transport_keep_their_kv_in_host_memory_even_on_gpu_pods(make_pds):
-    pds = make_pds({"engine": {"runtime": "mock", "transport": {"backend": "mock"}}, "prefill": {"resources": {"gpus": 1}}})
+    pds = make_pds(
+        {
+            "engine": {"runtime": "mock", "transport": {"backend": "mock"}},
+            "prefill": {"resources": {"gpus": 1}},
+        }
+    )
     assert "--kv-device" not in container(pds, "prefill")["args"]
 
 
@@ -136,7 +165,15 @@ def test_pd_mock_engine_accepts_the_gpu_example_command_line(example_pds):
 
 
 def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_roles(make_pds):
-    pds = make_pds({"engine": {"sideChannelPort": 6100, "transferTimeoutSeconds": 30, "kvLoadFailurePolicy": "recompute"}})
+    pds = make_pds(
+        {
+            "engine": {
+                "sideChannelPort": 6100,
+                "transferTimeoutSeconds": 30,
+                "kvLoadFailurePolicy": "recompute",
+            }
+        }
+    )
     compat = compatibility_hash(pds.spec, RenderDefaults())
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         config = kv_config(pds, role)
@@ -152,7 +189,8 @@ def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_
                 "backends": ["UCX"],
                 "side_channel_port": 6100,
                 "transfer_timeout_s": 30,
-                "fence_s": 96.0,  # 1 s registration grace + 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
+                # 1 s registration grace + 30 s write timeout + 2 x 30 s liveness kill bound + 5 s slack
+                "fence_s": 96.0,
                 "heartbeat_dir": "/tmp/pdconnector-heartbeat",
                 "kv_cache_layout": "BLHNC",
             },
@@ -208,10 +246,18 @@ def test_engines_without_gpus_keep_kv_buffers_in_host_memory(make_pds):
 
 def test_cpu_engines_are_not_pinned_to_the_first_cores_unless_the_user_says_so(make_pds):
     pds = make_pds(
-        {"prefill": {"resources": {"gpus": 0}}, "decode": {"resources": {"gpus": 0}, "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]}}
+        {
+            "prefill": {"resources": {"gpus": 0}},
+            "decode": {
+                "resources": {"gpus": 0},
+                "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}],
+            },
+        }
     )
     assert env(pds, "prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    assert [var["value"] for var in container(pds, "decode")["env"] if var["name"] == "VLLM_CPU_OMP_THREADS_BIND"] == ["0-3"]
+    assert [
+        var["value"] for var in container(pds, "decode")["env"] if var["name"] == "VLLM_CPU_OMP_THREADS_BIND"
+    ] == ["0-3"]
     assert "VLLM_CPU_OMP_THREADS_BIND" not in env(make_pds({}), "prefill"), "GPU engines keep vLLM's default"
 
 
@@ -222,13 +268,16 @@ def test_hybrid_models_get_the_conv_state_layout_and_both_roles_without_prefix_c
     pds = example_pds("nemotron-nano-hybrid")
     for role in ("prefill", "decode"):
         assert env(pds, role)["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
-        # On GPUs prefix caching would switch vLLM's Mamba cache to 'align' mode, which the connector does not model.
+        # On GPUs prefix caching would switch vLLM's Mamba cache to 'align' mode, which the connector does not
+        # model.
         assert "--no-enable-prefix-caching" in container(pds, role)["args"]
         assert "--enable-prefix-caching" not in container(pds, role)["args"]
 
 
 def test_the_sd_layout_is_passed_through(make_pds):
-    pds = make_pds({"model": {"architecture": "hybrid-ssm"}, "ssm": {"family": "mamba2", "convStateLayout": "SD"}})
+    pds = make_pds(
+        {"model": {"architecture": "hybrid-ssm"}, "ssm": {"family": "mamba2", "convStateLayout": "SD"}}
+    )
     assert env(pds, "decode")["VLLM_SSM_CONV_STATE_LAYOUT"] == "SD"
 
 
@@ -236,7 +285,9 @@ def test_dense_models_keep_vllms_prefix_caching_default_and_no_ssm_layout(make_p
     pds = make_pds()
     for role in ("prefill", "decode"):
         assert "VLLM_SSM_CONV_STATE_LAYOUT" not in env(pds, role)
-        assert not {"--no-enable-prefix-caching", "--enable-prefix-caching"} & set(container(pds, role)["args"])
+        assert not {"--no-enable-prefix-caching", "--enable-prefix-caching"} & set(
+            container(pds, role)["args"]
+        )
 
 
 def test_explicit_prefix_caching_settings_win(make_pds):
@@ -260,7 +311,9 @@ def test_pod_identity_comes_from_the_downward_api_and_the_side_channel_host_is_t
     assert values["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
     # $(VAR) expands only variables defined earlier in the list.
     assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
-    assert {"name": "side-channel", "containerPort": 7000, "protocol": "TCP"} in container(pds, "prefill")["ports"]
+    assert {"name": "side-channel", "containerPort": 7000, "protocol": "TCP"} in container(pds, "prefill")[
+        "ports"
+    ]
 
 
 def test_hugging_face_models_download_into_a_cache_volume_with_the_token_from_the_secret(example_pds):
@@ -278,7 +331,9 @@ def test_pvc_models_are_mounted_read_only_and_loaded_from_the_mount(make_pds):
     engine = sts["spec"]["template"]["spec"]["containers"][0]
     assert arg_value(engine["args"], "--model") == "/models/qwen/8b"
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in sts["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in sts[
+        "spec"
+    ]["template"]["spec"]["volumes"]
     assert "HF_TOKEN" not in env(pds, "decode")
     assert "HF_HOME" not in env(pds, "decode")
 
@@ -294,11 +349,14 @@ def test_probes_hit_health_and_startup_tolerates_a_long_model_load(make_pds):
     engine = container(make_pds(), "prefill")
     for probe in ("startupProbe", "readinessProbe"):
         assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert "http://127.0.0.1:8000/health" in engine["livenessProbe"]["exec"]["command"]  # besides the transfer heartbeat
+    # besides the transfer heartbeat
+    assert "http://127.0.0.1:8000/health" in engine["livenessProbe"]["exec"]["command"]
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
     budget = RenderDefaults(engine_startup_budget_seconds=600)
-    startup = statefulset(make_pds(), "prefill", budget)["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    startup = statefulset(make_pds(), "prefill", budget)["spec"]["template"]["spec"]["containers"][0][
+        "startupProbe"
+    ]
     assert startup["periodSeconds"] * startup["failureThreshold"] == 600
 
 
@@ -307,13 +365,19 @@ def test_probes_hit_health_and_startup_tolerates_a_long_model_load(make_pds):
 
 def test_gpus_default_to_the_tensor_parallel_size_as_request_and_limit(make_pds):
     pds = make_pds({"prefill": {"tensorParallelSize": 4}, "decode": {"resources": {"gpus": 8}}})
-    assert container(pds, "prefill")["resources"] == {"requests": {"nvidia.com/gpu": 4}, "limits": {"nvidia.com/gpu": 4}}
+    assert container(pds, "prefill")["resources"] == {
+        "requests": {"nvidia.com/gpu": 4},
+        "limits": {"nvidia.com/gpu": 4},
+    }
     assert container(pds, "decode")["resources"]["limits"] == {"nvidia.com/gpu": 8}
 
 
 def test_zero_gpus_request_no_gpu_and_cpu_memory_are_passed_through(make_pds):
     pds = make_pds({"prefill": {"resources": {"gpus": 0, "cpu": "2", "memory": "4Gi"}}})
-    assert container(pds, "prefill")["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
+    assert container(pds, "prefill")["resources"] == {
+        "requests": {"cpu": "2", "memory": "4Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
 
 
 def test_efa_adds_devices_per_role_hugepages_libfabric_env_and_ipc_lock(make_pds):
@@ -349,7 +413,15 @@ def test_without_efa_there_is_no_efa_resource_env_capability_or_hugepage(make_pd
     for role in ("prefill", "decode"):
         engine = container(pds, role)
         text = json.dumps(engine)
-        for marker in ("vpc.amazonaws.com/efa", "hugepages", "FI_PROVIDER", "FI_EFA", "LD_LIBRARY_PATH", "IPC_LOCK", "privileged"):
+        for marker in (
+            "vpc.amazonaws.com/efa",
+            "hugepages",
+            "FI_PROVIDER",
+            "FI_EFA",
+            "LD_LIBRARY_PATH",
+            "IPC_LOCK",
+            "privileged",
+        ):
             assert marker not in text
         assert "securityContext" not in engine
 
@@ -368,7 +440,13 @@ def test_efa_puts_prefill_and_decode_on_different_hosts(make_pds):
 
 
 def test_without_efa_the_user_affinity_is_used_unchanged_and_absent_stays_absent(make_pds):
-    user = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {"matchExpressions": []}}]}}
+    user = {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "preference": {"matchExpressions": []}}
+            ]
+        }
+    }
     pds = make_pds({"prefill": {"affinity": user}})
     assert statefulset(pds, "prefill")["spec"]["template"]["spec"]["affinity"] == user
     assert "affinity" not in statefulset(pds, "decode")["spec"]["template"]["spec"]
@@ -377,7 +455,9 @@ def test_without_efa_the_user_affinity_is_used_unchanged_and_absent_stays_absent
 def test_user_affinity_is_merged_with_the_efa_anti_affinity_without_being_modified(make_pds):
     own_term = {"labelSelector": {"matchLabels": {"team": "x"}}, "topologyKey": "topology.kubernetes.io/zone"}
     user = {
-        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchFields": []}]}},
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchFields": []}]}
+        },
         "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [own_term]},
     }
     pds = make_pds({**EFA_ON, "prefill": {"affinity": user, "resources": {"memory": "1Gi"}}})
@@ -387,7 +467,9 @@ def test_user_affinity_is_merged_with_the_efa_anti_affinity_without_being_modifi
     assert terms[0] == own_term
     assert terms[1]["labelSelector"]["matchLabels"]["inference.pdoperator.dev/role"] == "decode"
     # The spec itself is untouched, so rendering again gives the same result.
-    assert pds.spec.prefill.affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [own_term]
+    assert pds.spec.prefill.affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        own_term
+    ]
     assert statefulset(pds, "prefill")["spec"]["template"]["spec"]["affinity"] == affinity
 
 
@@ -401,21 +483,31 @@ def test_node_selector_and_tolerations_are_passed_through(example_pds):
 
 
 def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(variant, example_pds):
-    """extraArgs and env cannot override what rendering sets (but defaults meant to be overridden): validation rejects these names."""
+    """extraArgs and env cannot override what rendering sets (but defaults meant to be overridden): validation
+    rejects these names."""
     for pds in (variant[1], example_pds("tiny-cpu"), example_pds("qwen3-32b-push-efa")):
         for role in ("prefill", "decode"):
             engine = container(pds, role)
             user_args = len(getattr(pds.spec, role).extra_args)
             own_args = engine["args"][: len(engine["args"]) - user_args]
             flags = {arg for arg in own_args if arg.startswith("--")}
-            assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(MANAGED_FLAGS[pds.spec.engine.runtime])
+            assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(
+                MANAGED_FLAGS[pds.spec.engine.runtime]
+            )
             user_env = {var.name for var in getattr(pds.spec, role).env}
-            own_env = {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV}
-            assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
+            own_env = (
+                {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV}
+            )
+            assert own_env <= set(RESERVED_ENV) | set(EFA_RESERVED_ENV), (
+                own_env - set(RESERVED_ENV) - set(EFA_RESERVED_ENV)
+            )
 
 
-def test_engines_with_our_connector_are_killed_by_a_stale_transfer_heartbeat_within_the_bound_decode_fences_for(make_pds, tmp_path):
-    """A frozen prefill must die (and its NIC context with it) before decode's fence frees the blocks it may write."""
+def test_engines_with_our_connector_are_killed_by_a_stale_heartbeat_within_the_bound_decode_fences_for(
+    make_pds, tmp_path
+):
+    """A frozen prefill must die (and its NIC context with it) before decode's fence frees the blocks it may
+    write."""
     from pdconnector.protocol.liveness import LivenessProbe  # noqa: PLC0415
     from pdconnector.worker.liveness import main as liveness_check  # noqa: PLC0415
 
@@ -425,7 +517,8 @@ def test_engines_with_our_connector_are_killed_by_a_stale_transfer_heartbeat_wit
         command = probe["exec"]["command"]
         assert command[:3] == ["python3", "-m", "pdconnector.worker.liveness"]
         assert command[3] == "/tmp/pdconnector-heartbeat"
-        assert liveness_check([str(tmp_path), *command[4:6]]) == 0  # the rendered arguments parse (no heartbeat yet: passes)
+        # the rendered arguments parse (no heartbeat yet: passes)
+        assert liveness_check([str(tmp_path), *command[4:6]]) == 0
         kill_bound = LivenessProbe(
             heartbeat_max_age_s=int(command[5]),
             period_s=probe["periodSeconds"],

@@ -29,7 +29,14 @@ def test_rendered_example_matches_its_golden_file(example):
         pytest.fail(f"no golden file {golden}; create it with `make golden`")
     expected = golden.read_text(encoding="utf-8")
     if rendered != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), rendered.splitlines(True), f"golden/{name}.yaml", f"rendered {name}"))
+        diff = "".join(
+            difflib.unified_diff(
+                expected.splitlines(True),
+                rendered.splitlines(True),
+                f"golden/{name}.yaml",
+                f"rendered {name}",
+            )
+        )
         advice = "If the change is intended, run `make golden` and commit the updated golden files."
         pytest.fail(f"rendering of examples/{name}.yaml changed:\n{diff}\n{advice}", pytrace=False)
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from pdoperator.render import LABEL_COMPAT, RenderDefaults, build_router_config, compatibility_hash, render_pdservice
+from pdoperator.render import (
+    LABEL_COMPAT,
+    RenderDefaults,
+    build_router_config,
+    compatibility_hash,
+    render_pdservice,
+)
 
 INCOMPATIBLE_CHANGES = {
     "model name": {"model": {"name": "Qwen/Qwen3-14B"}},
@@ -44,7 +50,9 @@ def test_the_hash_is_a_short_lowercase_hex_label_value(make_pds):
 
 
 def test_the_hash_is_stable_across_calls_and_equal_specs(make_pds):
-    assert compatibility_hash(make_pds().spec, RenderDefaults()) == compatibility_hash(make_pds(name="other").spec, RenderDefaults())
+    assert compatibility_hash(make_pds().spec, RenderDefaults()) == compatibility_hash(
+        make_pds(name="other").spec, RenderDefaults()
+    )
 
 
 @pytest.mark.parametrize("change", sorted(INCOMPATIBLE_CHANGES))
@@ -62,7 +70,9 @@ def test_the_hash_ignores_settings_that_keep_engines_compatible(make_pds, change
 def test_the_hash_covers_the_default_engine_image_a_role_falls_back_to(make_pds):
     # Only the image a role really runs matters: an explicit image hides the default.
     pds = make_pds()
-    assert compatibility_hash(pds.spec, RenderDefaults(engine_image="a")) == compatibility_hash(pds.spec, RenderDefaults(engine_image="b"))
+    assert compatibility_hash(pds.spec, RenderDefaults(engine_image="a")) == compatibility_hash(
+        pds.spec, RenderDefaults(engine_image="b")
+    )
 
 
 def test_pod_templates_engine_ids_and_router_config_carry_the_hash(make_pds):
@@ -77,13 +87,20 @@ def test_pod_templates_engine_ids_and_router_config_carry_the_hash(make_pds):
         assert LABEL_COMPAT not in sts["spec"]["selector"]["matchLabels"]
     config = build_router_config(pds, defaults)
     assert config.compat_hash == compat
-    assert [b.engine_id for b in config.prefill.backends] == [f"svc-prefill-0-{compat}", f"svc-prefill-1-{compat}"]
+    assert [b.engine_id for b in config.prefill.backends] == [
+        f"svc-prefill-0-{compat}",
+        f"svc-prefill-1-{compat}",
+    ]
     assert all(b.engine_id == f"{b.name}-{compat}" for b in config.decode.backends)
 
 
 def test_an_incompatible_change_changes_both_roles_pod_templates(make_pds):
     def templates(pds):
-        return {o["metadata"]["name"]: o["spec"]["template"] for o in render_pdservice(pds, RenderDefaults()) if o["kind"] == "StatefulSet"}
+        return {
+            o["metadata"]["name"]: o["spec"]["template"]
+            for o in render_pdservice(pds, RenderDefaults())
+            if o["kind"] == "StatefulSet"
+        }
 
     before, after = templates(make_pds()), templates(make_pds({"decode": {"tensorParallelSize": 4}}))
     # Prefill's own settings did not change, yet its pods roll: their engine ids name the new generation.
@@ -92,14 +109,26 @@ def test_an_incompatible_change_changes_both_roles_pod_templates(make_pds):
 
 
 def test_scaling_changes_only_replica_counts_and_the_router_config(make_pds):
-    small = render_pdservice(make_pds({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}), RenderDefaults())
-    large = render_pdservice(make_pds({"prefill": {"replicas": 4}, "decode": {"replicas": 6}}), RenderDefaults())
-    assert [(o["kind"], o["metadata"]["name"]) for o in small] == [(o["kind"], o["metadata"]["name"]) for o in large]
+    small = render_pdservice(
+        make_pds({"prefill": {"replicas": 1}, "decode": {"replicas": 1}}), RenderDefaults()
+    )
+    large = render_pdservice(
+        make_pds({"prefill": {"replicas": 4}, "decode": {"replicas": 6}}), RenderDefaults()
+    )
+    assert [(o["kind"], o["metadata"]["name"]) for o in small] == [
+        (o["kind"], o["metadata"]["name"]) for o in large
+    ]
     changed = set()
     for before, after in zip(small, large, strict=True):
         if before != after:
             changed.add((before["kind"], before["metadata"]["name"]))
             if before["kind"] == "StatefulSet":
                 assert before["spec"]["template"] == after["spec"]["template"]
-                assert {k: v for k, v in before["spec"].items() if k != "replicas"} == {k: v for k, v in after["spec"].items() if k != "replicas"}
-    assert changed == {("StatefulSet", "svc-prefill"), ("StatefulSet", "svc-decode"), ("ConfigMap", "svc-router")}
+                assert {k: v for k, v in before["spec"].items() if k != "replicas"} == {
+                    k: v for k, v in after["spec"].items() if k != "replicas"
+                }
+    assert changed == {
+        ("StatefulSet", "svc-prefill"),
+        ("StatefulSet", "svc-decode"),
+        ("ConfigMap", "svc-router"),
+    }

@@ -16,7 +16,9 @@ def assert_valid(objects):
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
-            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {error.message} at {list(error.absolute_path)}")
+            pytest.fail(
+                f"{obj['kind']} {obj['metadata']['name']}: {error.message} at {list(error.absolute_path)}"
+            )
 
 
 def test_every_object_of_every_example_is_valid(example, defaults):
@@ -37,11 +39,22 @@ def test_the_check_covers_every_kind_we_render(example_pds, defaults):
         with pytest.raises(kubernetes_validate.ValidationError):
             kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
         kinds.add(obj["kind"])
-    assert kinds == {"NetworkPolicy", "PodDisruptionBudget", "ConfigMap", "Service", "Deployment", "StatefulSet"}
+    assert kinds == {
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "StatefulSet",
+    }
 
 
 def test_the_check_rejects_a_wrongly_typed_resource_quantity(example_pds, defaults):
-    (sts,) = [o for o in render_pdservice(example_pds("tiny-cpu"), defaults) if o["metadata"]["name"] == "tiny-decode" and o["kind"] == "StatefulSet"]
+    (sts,) = [
+        o
+        for o in render_pdservice(example_pds("tiny-cpu"), defaults)
+        if o["metadata"]["name"] == "tiny-decode" and o["kind"] == "StatefulSet"
+    ]
     sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = {"gi": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, KUBERNETES_VERSION, strict=True)

@@ -53,7 +53,11 @@ def test_role_objects_carry_role_and_component_labels(make_pds):
 
 def test_workload_selectors_match_their_pods_and_services(make_pds):
     objects = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))
-    for kind, name in (("StatefulSet", "svc-prefill"), ("StatefulSet", "svc-decode"), ("Deployment", "svc-router")):
+    for kind, name in (
+        ("StatefulSet", "svc-prefill"),
+        ("StatefulSet", "svc-decode"),
+        ("Deployment", "svc-router"),
+    ):
         workload = objects[kind, name]
         selector = workload["spec"]["selector"]["matchLabels"]
         pod_labels = workload["spec"]["template"]["metadata"]["labels"]
@@ -63,7 +67,9 @@ def test_workload_selectors_match_their_pods_and_services(make_pds):
 
 
 def test_engine_statefulsets_are_governed_by_headless_services_of_ready_pods(make_pds):
-    objects = by_kind_and_name(render_pdservice(make_pds({"engine": {"sideChannelPort": 5700}}), RenderDefaults()))
+    objects = by_kind_and_name(
+        render_pdservice(make_pds({"engine": {"sideChannelPort": 5700}}), RenderDefaults())
+    )
     for role in ("prefill", "decode"):
         sts = objects["StatefulSet", f"svc-{role}"]
         assert sts["spec"]["serviceName"] == f"svc-{role}"
@@ -71,29 +77,47 @@ def test_engine_statefulsets_are_governed_by_headless_services_of_ready_pods(mak
         service = objects["Service", f"svc-{role}"]["spec"]
         assert service["clusterIP"] == "None"
         assert service["publishNotReadyAddresses"] is False
-        assert [(p["name"], p["port"], p["targetPort"]) for p in service["ports"]] == [("http", 8000, "http"), ("side-channel", 5700, "side-channel")]
-        # Service links would put <SERVICE>_PORT variables (VLLM_PORT for a Service named vllm) into vLLM's environment.
+        assert [(p["name"], p["port"], p["targetPort"]) for p in service["ports"]] == [
+            ("http", 8000, "http"),
+            ("side-channel", 5700, "side-channel"),
+        ]
+        # Service links would put <SERVICE>_PORT variables (VLLM_PORT for a Service named vllm) into vLLM's
+        # environment.
         assert sts["spec"]["template"]["spec"]["enableServiceLinks"] is False
 
 
 def test_engines_admit_peers_on_every_port_and_the_router_on_http_only(make_pds):
-    policy = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-engines"]["spec"]
+    policy = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-engines"][
+        "spec"
+    ]
     engines = {
         "matchLabels": {"app.kubernetes.io/name": "pd-operator", "app.kubernetes.io/instance": "svc"},
-        "matchExpressions": [{"key": "inference.pdoperator.dev/role", "operator": "In", "values": ["prefill", "decode"]}],
+        "matchExpressions": [
+            {"key": "inference.pdoperator.dev/role", "operator": "In", "values": ["prefill", "decode"]}
+        ],
     }
     assert policy["podSelector"] == engines
     assert policy["policyTypes"] == ["Ingress"]
     peers, router = policy["ingress"]
     # NIXL's TCP/UCX transports connect on ports chosen at run time: peers get every port.
     assert peers == {"from": [{"podSelector": engines}]}
-    router_pods = {"app.kubernetes.io/name": "pd-operator", "app.kubernetes.io/instance": "svc", "inference.pdoperator.dev/role": "router"}
+    router_pods = {
+        "app.kubernetes.io/name": "pd-operator",
+        "app.kubernetes.io/instance": "svc",
+        "inference.pdoperator.dev/role": "router",
+    }
     assert router["from"] == [{"podSelector": {"matchLabels": router_pods}}]
     assert router["ports"] == [{"protocol": "TCP", "port": 8000}]
 
 
 def test_metrics_scrapers_are_admitted_to_the_engines_http_port_only_with_their_selectors_as_given(make_pds):
-    scrapers = [{"namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"}, "podLabels": {"app": "prometheus"}}, {"podLabels": {}}]
+    scrapers = [
+        {
+            "namespaceLabels": {"kubernetes.io/metadata.name": "monitoring"},
+            "podLabels": {"app": "prometheus"},
+        },
+        {"podLabels": {}},
+    ]
     pds = make_pds({"monitoring": {"scrapers": scrapers}})
     policy = by_kind_and_name(render_pdservice(pds, RenderDefaults()))["NetworkPolicy", "svc-engines"]["spec"]
     assert policy["ingress"][-1] == {
@@ -106,13 +130,18 @@ def test_metrics_scrapers_are_admitted_to_the_engines_http_port_only_with_their_
         ],
         "ports": [{"protocol": "TCP", "port": 8000}],
     }
-    without = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-engines"]["spec"]
+    without = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))[
+        "NetworkPolicy", "svc-engines"
+    ]["spec"]
     assert len(without["ingress"]) == len(policy["ingress"]) - 1
 
 
 def pod_annotations(objects):
     workloads = [o for o in objects if "template" in o.get("spec", {})]
-    return {(o["kind"], o["metadata"]["name"]): o["spec"]["template"]["metadata"].get("annotations", {}) for o in workloads}
+    return {
+        (o["kind"], o["metadata"]["name"]): o["spec"]["template"]["metadata"].get("annotations", {})
+        for o in workloads
+    }
 
 
 def test_scrape_annotations_are_opt_in_so_an_operator_upgrade_does_not_roll_the_engines(make_pds):
@@ -130,14 +159,22 @@ def test_scrape_annotations_name_each_pods_metrics_port(make_pds):
 
 
 def test_the_router_port_is_open_to_everyone(make_pds):
-    policy = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-router"]["spec"]
+    policy = by_kind_and_name(render_pdservice(make_pds(), RenderDefaults()))["NetworkPolicy", "svc-router"][
+        "spec"
+    ]
     assert policy["podSelector"]["matchLabels"]["inference.pdoperator.dev/role"] == "router"
     assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
 
 
 def test_every_role_has_a_budget_of_one_unavailable_pod_whatever_its_replicas(make_pds):
     for replicas in (0, 1, 5):
-        pds = make_pds({"prefill": {"replicas": replicas}, "decode": {"replicas": replicas}, "router": {"replicas": replicas}})
+        pds = make_pds(
+            {
+                "prefill": {"replicas": replicas},
+                "decode": {"replicas": replicas},
+                "router": {"replicas": replicas},
+            }
+        )
         budgets = [o for o in render_pdservice(pds, RenderDefaults()) if o["kind"] == "PodDisruptionBudget"]
         assert [b["spec"]["maxUnavailable"] for b in budgets] == [1, 1, 1]
 

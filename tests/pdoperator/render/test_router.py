@@ -8,7 +8,12 @@ from pdoperator.render import RenderDefaults, build_router_config, render_pdserv
 
 def router_objects(pds, defaults=None):
     objects = render_pdservice(pds, defaults or RenderDefaults())
-    return {o["kind"]: o for o in objects if o["metadata"]["name"] == f"{pds.name}-router" and o["kind"] in {"ConfigMap", "Deployment", "Service"}}
+    return {
+        o["kind"]: o
+        for o in objects
+        if o["metadata"]["name"] == f"{pds.name}-router"
+        and o["kind"] in {"ConfigMap", "Deployment", "Service"}
+    }
 
 
 def test_router_config_lists_every_replicas_stable_pod_dns_name(make_pds):
@@ -29,12 +34,21 @@ def test_router_config_carries_mode_model_policy_and_prefill_coordinates(make_pd
             "mode": "pull",
             "prefill": {"tensorParallelSize": 1},
             "decode": {"tensorParallelSize": 4},
-            "engine": {"sideChannelPort": 5900, "transferTimeoutSeconds": 15, "kvLoadFailurePolicy": "recompute"},
+            "engine": {
+                "sideChannelPort": 5900,
+                "transferTimeoutSeconds": 15,
+                "kvLoadFailurePolicy": "recompute",
+            },
             "router": {"policy": "round-robin"},
         }
     )
     config = build_router_config(pds, RenderDefaults())
-    assert (config.mode, config.served_model_name, config.policy, config.connector) == ("pull", "qwen3-8b", "round-robin", "builtin")
+    assert (config.mode, config.served_model_name, config.policy, config.connector) == (
+        "pull",
+        "qwen3-8b",
+        "round-robin",
+        "builtin",
+    )
     assert (config.prefill.tp_size, config.decode.tp_size) == (1, 4)
     assert config.prefill.side_channel_port == 5900
     assert config.prefill.http_port == 8000
@@ -74,7 +88,9 @@ def test_the_router_runs_pd_router_on_the_mounted_config_directory(make_pds):
 def test_the_api_key_reaches_the_router_from_the_secret(make_pds):
     pds = make_pds({"router": {"apiKeySecretRef": {"name": "router-key", "key": "token"}}})
     (router,) = router_objects(pds)["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert router["env"] == [{"name": "PD_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "router-key", "key": "token"}}}]
+    assert router["env"] == [
+        {"name": "PD_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {"name": "router-key", "key": "token"}}}
+    ]
     assert build_router_config(pds, RenderDefaults()).api_key_env == "PD_ROUTER_API_KEY"
 
 
@@ -85,5 +101,9 @@ def test_the_router_service_maps_the_spec_port_to_the_routers_http_port(make_pds
 
 
 def test_a_router_image_in_the_spec_wins_over_the_default(make_pds):
-    deployment = router_objects(make_pds({"router": {"image": "mirror.local/pd-operator:0.1.0"}}))["Deployment"]
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "mirror.local/pd-operator:0.1.0"
+    deployment = router_objects(make_pds({"router": {"image": "mirror.local/pd-operator:0.1.0"}}))[
+        "Deployment"
+    ]
+    assert (
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "mirror.local/pd-operator:0.1.0"
+    )

@@ -1,4 +1,5 @@
-"""The rendered engine command lines against the installed vLLM: its own argument parser and KV connector registry."""
+"""The rendered engine command lines against the installed vLLM: its own argument parser and KV connector
+registry."""
 
 from __future__ import annotations
 
@@ -31,14 +32,21 @@ def parse(parser, args):
         pytest.fail(f"vLLM rejected {args}: exit {error.code}")
 
 
-def test_vllm_parses_every_engine_command_line_of_the_gpu_examples_and_variants(vllm_server_parser, example_pds, make_pds):
+def test_vllm_parses_every_engine_command_line_of_the_gpu_examples_and_variants(
+    vllm_server_parser, example_pds, make_pds
+):
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args  # noqa: PLC0415
 
     services = [
         example_pds("qwen3-32b-push-efa"),
         example_pds("nemotron-nano-hybrid"),
         make_pds({"mode": "pull", "engine": {"connector": "vllm"}, "prefill": {"enablePrefixCaching": True}}),
-        make_pds({"engine": {"connector": "vllm", "prefillEngineId": "fixed"}, "model": {"source": {"pvc": {"claimName": "w", "path": "m"}}}}),
+        make_pds(
+            {
+                "engine": {"connector": "vllm", "prefillEngineId": "fixed"},
+                "model": {"source": {"pvc": {"claimName": "w", "path": "m"}}},
+            }
+        ),
     ]
     for pds in services:
         for name, args in vllm_engine_args(pds):

@@ -1,4 +1,5 @@
-"""Waiting on a local cluster: conditions polled to a deadline, and whether every engine has all its blocks back."""
+"""Waiting on a local cluster: conditions polled to a deadline, and whether every engine has all its blocks
+back."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A real deployment on loopback: 2 prefill + 2 decode mock engines, a co-located reference engine, routers per mode."""
+"""A real deployment on loopback: 2 prefill + 2 decode mock engines, a co-located reference engine, routers
+per mode."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pdconnector.sim.movers import mover_unavailable_reason
 def _require_mover(transport: str) -> None:
     reason = mover_unavailable_reason(transport)
     if reason is not None:
-        pytest.fail(f"mock engines must be able to move KV over {transport} here (make test installs it): {reason}")
+        pytest.fail(
+            f"mock engines must be able to move KV over {transport} here (make test installs it): {reason}"
+        )
 
 
 def start_cluster(
@@ -26,7 +29,13 @@ def start_cluster(
     **router_overrides: object,
 ) -> LocalCluster:
     _require_mover(transport)
-    cluster = LocalCluster(workdir=workdir, subnet=subnet, engine_args=engine_args, transport=transport, engine_env=engine_env or {})
+    cluster = LocalCluster(
+        workdir=workdir,
+        subnet=subnet,
+        engine_args=engine_args,
+        transport=transport,
+        engine_env=engine_env or {},
+    )
     try:
         cluster.start(colocated=colocated)
         cluster.start_router("push", "push", **router_overrides)
@@ -48,7 +57,16 @@ def fast_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def slow_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     """Engines with a latency model, so faults can strike mid-request."""
-    args = ["--prefill-seconds-per-token", "0.002", "--decode-seconds-per-token", "0.02", "--transfer-timeout", "2", "--lease", "2"]
+    args = [
+        "--prefill-seconds-per-token",
+        "0.002",
+        "--decode-seconds-per-token",
+        "0.02",
+        "--transfer-timeout",
+        "2",
+        "--lease",
+        "2",
+    ]
     cluster = start_cluster(tmp_path_factory.mktemp("slow"), 100, args)
     yield cluster
     cluster.stop()
@@ -57,6 +75,12 @@ def slow_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def nixl_cluster(tmp_path_factory) -> Iterator[LocalCluster]:
     """The same deployment moving KV with NIXL (UCX over host memory) instead of the TCP mock transport."""
-    cluster = start_cluster(tmp_path_factory.mktemp("nixl"), 140, ["--transfer-timeout", "10", "--lease", "10"], transport="nixl", colocated=False)
+    cluster = start_cluster(
+        tmp_path_factory.mktemp("nixl"),
+        140,
+        ["--transfer-timeout", "10", "--lease", "10"],
+        transport="nixl",
+        colocated=False,
+    )
     yield cluster
     cluster.stop()

@@ -1,13 +1,15 @@
-"""A seeded schedule of faults under load, through the routers to mock engines moving real bytes with the transfer worker.
+"""A seeded schedule of faults under load, through the routers to mock engines moving real bytes with the
+transfer worker.
 
-400 requests at concurrency 16, push and pull, while one fault at a time strikes: an engine frozen (SIGSTOP) for up to
-3 s then resumed, an engine killed (SIGKILL) and restarted, a router killed and restarted; all the while the mock
-transport drops 3% of the notifications and delays every WRITE and notification. The mock engine reads a prompt's KV
-again at every decode step, so a byte landing late in a reused block changes its answer.
+400 requests at concurrency 16, push and pull, while one fault at a time strikes: an engine frozen (SIGSTOP)
+for up to 3 s then resumed, an engine killed (SIGKILL) and restarted, a router killed and restarted; all the
+while the mock transport drops 3% of the notifications and delays every WRITE and notification. The mock
+engine reads a prompt's KV again at every decode step, so a byte landing late in a reused block changes its
+answer.
 
-Whatever happens: no wrong answer (every 200 equals the co-located engine's), no hung request (each answered within the
-transfer timeout + 5 s, plus the freeze when its own engine was the one frozen), no block left held once the faults stop,
-and the engines serve afterwards.
+Whatever happens: no wrong answer (every 200 equals the co-located engine's), no hung request (each answered
+within the transfer timeout + 5 s, plus the freeze when its own engine was the one frozen), no block left held
+once the faults stop, and the engines serve afterwards.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ def prompt_of(index: int) -> tuple[str, int]:
 
 
 def complete(url: str, prompt: str, max_tokens: int, timeout_s: float = 60.0) -> tuple[int, dict]:
-    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}, timeout=timeout_s)
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+        timeout=timeout_s,
+    )
     return response.status_code, response.json()
 
 
@@ -80,7 +86,13 @@ def complete(url: str, prompt: str, max_tokens: int, timeout_s: float = 60.0) ->
 def chaos_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     args = ["--prefill-seconds-per-token", "0.0005", "--decode-seconds-per-token", "0.01"]
     args += ["--transfer-timeout", str(TRANSFER_TIMEOUT_S), "--lease", str(LEASE_S), "--fence", str(FENCE_S)]
-    cluster = start_cluster(tmp_path_factory.mktemp("chaos"), 180, args, engine_env={FAULTS_ENV: json.dumps(FAULTS)}, timeouts=TIMEOUTS)
+    cluster = start_cluster(
+        tmp_path_factory.mktemp("chaos"),
+        180,
+        args,
+        engine_env={FAULTS_ENV: json.dumps(FAULTS)},
+        timeouts=TIMEOUTS,
+    )
     yield cluster
     cluster.stop()
 
@@ -124,15 +136,21 @@ def _request(cluster: LocalCluster, index: int, rng_router: str) -> Outcome:
 
 
 @pytest.mark.timeout(900)
-def test_a_seeded_fault_schedule_gives_no_wrong_answer_no_hang_and_no_leaked_block(chaos_cluster: LocalCluster) -> None:
+def test_a_seeded_fault_schedule_gives_no_wrong_answer_no_hang_and_no_leaked_block(
+    chaos_cluster: LocalCluster,
+) -> None:
     cluster = chaos_cluster
     colocated = cluster.engines["colocated"].url
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        references = list(pool.map(lambda i: complete(colocated, *prompt_of(i))[1]["choices"][0]["text"], range(REQUESTS)))
+        references = list(
+            pool.map(lambda i: complete(colocated, *prompt_of(i))[1]["choices"][0]["text"], range(REQUESTS))
+        )
     rng = random.Random(SEED)
     routers = [rng.choice(["push", "pull"]) for _ in range(REQUESTS)]
     tally, stop = Tally(), threading.Event()
-    injector = threading.Thread(target=_inject, args=(cluster, random.Random(SEED + 1), stop, tally), daemon=True)
+    injector = threading.Thread(
+        target=_inject, args=(cluster, random.Random(SEED + 1), stop, tally), daemon=True
+    )
     injector.start()
     try:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
@@ -145,17 +163,23 @@ def test_a_seeded_fault_schedule_gives_no_wrong_answer_no_hang_and_no_leaked_blo
     wrong = [o for o in tally.outcomes if o.status == 200 and o.text != references[o.index]]
     assert wrong == [], f"{len(wrong)} wrong answers: {wrong[:3]}"
     slowest = max(o.seconds for o in tally.outcomes)
-    assert slowest < ANSWER_WITHIN_S, (slowest, [o for o in tally.outcomes if o.seconds >= ANSWER_WITHIN_S][:3])
-    unclear = [o for o in tally.outcomes if o.status is not None and o.status != 200 and "error" not in o.error]
+    assert slowest < ANSWER_WITHIN_S, (
+        slowest,
+        [o for o in tally.outcomes if o.seconds >= ANSWER_WITHIN_S][:3],
+    )
+    unclear = [
+        o for o in tally.outcomes if o.status is not None and o.status != 200 and "error" not in o.error
+    ]
     assert unclear == [], unclear[:3]
     served = sum(o.status == 200 for o in tally.outcomes)
     assert served >= REQUESTS // 2, (tally.by_status(), tally.faults)
-    assert {fault.split()[0] for fault in tally.faults} == {"freeze", "kill", "restart"}, tally.faults  # every kind struck
+    # every kind struck
+    assert {fault.split()[0] for fault in tally.faults} == {"freeze", "kill", "restart"}, tally.faults
     wait_until(lambda: blocks_all_free(cluster), timeout_s=FENCE_S + LEASE_S + 2 * TRANSFER_TIMEOUT_S + 10)
     print(f"fault schedule: {tally.by_status()} answers, slowest {slowest:.1f}s, faults: {tally.faults}")
 
-    # Every engine serves again, through both routers once they see every backend healthy (the transport still drops
-    # notifications, so a request may need a second try).
+    # Every engine serves again, through both routers once they see every backend healthy (the transport still
+    # drops notifications, so a request may need a second try).
     for router in cluster.routers.values():
         wait_until(lambda url=router.url: all_healthy(url), timeout_s=20)
     for index in range(CONCURRENCY):

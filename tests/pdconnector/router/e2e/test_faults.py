@@ -30,7 +30,8 @@ def ready(url: str) -> bool:
 
 @pytest.fixture
 def cluster(slow_cluster):
-    """The slow cluster, healed after each test: killed engines restarted and routers' health checks caught up."""
+    """The slow cluster, healed after each test: killed engines restarted and routers' health checks caught
+    up."""
     yield slow_cluster
     for name, engine in slow_cluster.engines.items():
         if not engine.alive:
@@ -43,7 +44,9 @@ def cluster(slow_cluster):
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster, mode):
     router = client_for(cluster.routers[mode].url)
-    raw = router.completions.with_raw_response.create(model=MODEL, prompt="a long story", max_tokens=500, stream=True)
+    raw = router.completions.with_raw_response.create(
+        model=MODEL, prompt="a long story", max_tokens=500, stream=True
+    )
     stream = raw.parse()
     next(iter(stream))
     cluster.engines[raw.headers["x-pd-decode"]].kill()
@@ -68,7 +71,9 @@ def test_prefill_killed_before_transfer_gives_a_clear_error_and_frees_decode(clu
     caller.start()
     wait_until(
         lambda: any(
-            e.metrics()["pd_mock_kv_blocks_free"] < e.metrics()["pd_mock_kv_blocks_total"] for e in cluster.engines.values() if e.role == "prefill"
+            e.metrics()["pd_mock_kv_blocks_free"] < e.metrics()["pd_mock_kv_blocks_total"]
+            for e in cluster.engines.values()
+            if e.role == "prefill"
         )
     )
     for engine in cluster.engines.values():
@@ -77,7 +82,8 @@ def test_prefill_killed_before_transfer_gives_a_clear_error_and_frees_decode(clu
     caller.join(timeout=20)
     assert len(outcome) == 1
     assert isinstance(outcome[0], openai.APIStatusError) and outcome[0].status_code == 502
-    # Whichever side notices first: the router sees the prefill leg break, or decode reports its transfer failed.
+    # Whichever side notices first: the router sees the prefill leg break, or decode reports its transfer
+    # failed.
     assert "prefill leg failed" in str(outcome[0]) or "KV transfer failed" in str(outcome[0])
     wait_until(lambda: blocks_all_free(cluster))
 
@@ -104,7 +110,9 @@ def test_a_backend_refusing_connections_is_retried_then_ejected(cluster):
     for mode in ("push", "pull"):
         router = client_for(cluster.routers[mode].url)
         for index in range(6):
-            raw = router.completions.with_raw_response.create(model=MODEL, prompt=f"retry {index}", max_tokens=2)
+            raw = router.completions.with_raw_response.create(
+                model=MODEL, prompt=f"retry {index}", max_tokens=2
+            )
             assert raw.headers["x-pd-decode"] == "decode-1" and raw.headers["x-pd-prefill"] == "prefill-0"
             assert raw.parse().choices[0].text
 
@@ -114,7 +122,8 @@ def test_client_disconnect_frees_blocks_on_both_engines(cluster):
         body = {"model": MODEL, "prompt": "talk for a while", "max_tokens": 500, "stream": True}
         with http.stream("POST", cluster.routers["push"].url + "/v1/completions", json=body) as response:
             decode = cluster.engines[response.headers["x-pd-decode"]]
-            lines = response.iter_lines()  # keep a reference: a discarded httpx line iterator closes the response
+            # keep a reference: a discarded httpx line iterator closes the response
+            lines = response.iter_lines()
             next(lines)
             assert decode.metrics()["pd_mock_kv_blocks_free"] < decode.metrics()["pd_mock_kv_blocks_total"]
     wait_until(lambda: blocks_all_free(cluster), timeout_s=3)

@@ -1,5 +1,5 @@
-"""The router fuzzed in front of mock engines moving real KV: only 4xx for bad input, never a 5xx or a hang, and a normal
-request afterwards is served and equals the co-located answer."""
+"""The router fuzzed in front of mock engines moving real KV: only 4xx for bad input, never a 5xx or a hang,
+and a normal request afterwards is served and equals the co-located answer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ CASES = 300
 
 
 def _served(url: str, reference: str) -> None:
-    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "after the storm", "max_tokens": 6}, timeout=30)
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "after the storm", "max_tokens": 6},
+        timeout=30,
+    )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == reference
 
@@ -26,15 +30,26 @@ def _served(url: str, reference: str) -> None:
 def test_hostile_bodies_get_4xx_and_leave_the_router_serving(fast_cluster: LocalCluster, mode: str) -> None:
     url = fast_cluster.routers[mode].url
     reference = httpx.post(
-        fast_cluster.engines["colocated"].url + "/v1/completions", json={"model": MODEL, "prompt": "after the storm", "max_tokens": 6}, timeout=30
+        fast_cluster.engines["colocated"].url + "/v1/completions",
+        json={"model": MODEL, "prompt": "after the storm", "max_tokens": 6},
+        timeout=30,
     ).json()["choices"][0]["text"]
     statuses: Counter[int] = Counter()
     with httpx.Client(timeout=30) as client:
-        for case in fuzz_cases(seed=17 if mode == "push" else 18, count=CASES, model=MODEL, max_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES):
-            response = client.post(url + case.path, content=case.body, headers={"Content-Type": "application/json"})
+        for case in fuzz_cases(
+            seed=17 if mode == "push" else 18,
+            count=CASES,
+            model=MODEL,
+            max_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        ):
+            response = client.post(
+                url + case.path, content=case.body, headers={"Content-Type": "application/json"}
+            )
             statuses[response.status_code] += 1
             assert response.status_code < 500, (case, response.text[:500])
             if response.status_code >= 400:
                 assert response.json()["error"]["message"], (case, response.text[:500])
-    assert statuses[200] > 0 and sum(n for status, n in statuses.items() if 400 <= status < 500) > CASES // 2, statuses
+    assert (
+        statuses[200] > 0 and sum(n for status, n in statuses.items() if 400 <= status < 500) > CASES // 2
+    ), statuses
     _served(url, reference)

@@ -1,4 +1,5 @@
-"""Through the router with the official openai client: outputs identical to a co-located engine, for both modes."""
+"""Through the router with the official openai client: outputs identical to a co-located engine, for both
+modes."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def assert_no_blocks_held(cluster) -> None:
         deadline = time.monotonic() + 2.0
         while True:
             samples = engine.metrics()
-            if samples["pd_mock_kv_blocks_free"] == samples["pd_mock_kv_blocks_total"] or time.monotonic() > deadline:
+            if (
+                samples["pd_mock_kv_blocks_free"] == samples["pd_mock_kv_blocks_total"]
+                or time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.05)
         assert samples["pd_mock_kv_blocks_free"] == samples["pd_mock_kv_blocks_total"], engine.name
@@ -49,10 +53,18 @@ def test_completion_equals_colocated_and_is_served_by_distinct_engines(fast_clus
     reference = client_for(fast_cluster.engines["colocated"].url)
     prompt = f"the quick brown fox {mode} {stream}"
     expected = reference.completions.create(model=MODEL, prompt=prompt, max_tokens=12).choices[0].text
-    raw = router.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=12, stream=stream)
-    assert raw.headers["x-pd-prefill"].startswith("prefill-") and raw.headers["x-pd-decode"].startswith("decode-")
+    raw = router.completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=12, stream=stream
+    )
+    assert raw.headers["x-pd-prefill"].startswith("prefill-") and raw.headers["x-pd-decode"].startswith(
+        "decode-"
+    )
     answer = raw.parse()
-    text = "".join(chunk.choices[0].text for chunk in answer if chunk.choices) if stream else answer.choices[0].text
+    text = (
+        "".join(chunk.choices[0].text for chunk in answer if chunk.choices)
+        if stream
+        else answer.choices[0].text
+    )
     assert text == expected
 
 
@@ -60,16 +72,25 @@ def test_completion_equals_colocated_and_is_served_by_distinct_engines(fast_clus
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_colocated(fast_cluster, mode, stream):
     router = client_for(fast_cluster.routers[mode].url)
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"hello {mode} {stream}"}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": f"hello {mode} {stream}"},
+    ]
     expected = "".join(f" t{t}" for t in reference_tokens(tokenize(chat_prompt(messages)), 7))
     answer = router.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, stream=stream)
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices) if stream else answer.choices[0].message.content
+    text = (
+        "".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices)
+        if stream
+        else answer.choices[0].message.content
+    )
     assert text == expected
 
 
 def test_every_successful_request_was_verified_and_no_blocks_are_held(fast_cluster):
     for mode in ("push", "pull"):
-        client_for(fast_cluster.routers[mode].url).completions.create(model=MODEL, prompt="count me", max_tokens=2)
+        client_for(fast_cluster.routers[mode].url).completions.create(
+            model=MODEL, prompt="count me", max_tokens=2
+        )
         transfers = status(fast_cluster.routers[mode].url)["transfers"]
         assert transfers["verified"] >= 1 and transfers["unverified"] == 0
     assert_no_blocks_held(fast_cluster)
@@ -94,7 +115,9 @@ async def _load(url: str, count: int, concurrency: int) -> list[tuple[str, int, 
         async def one(index: int) -> tuple[str, int, dict]:
             async with semaphore:
                 body = {"model": MODEL, "prompt": f"load request number {index}", "max_tokens": 4}
-                async with session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": f"load-{index}"}) as response:
+                async with session.post(
+                    url + "/v1/completions", json=body, headers={"X-Request-Id": f"load-{index}"}
+                ) as response:
                     return response.headers["X-Request-Id"], response.status, await response.json()
 
         return await asyncio.gather(*(one(i) for i in range(count)))
@@ -108,5 +131,7 @@ def test_load_2000_requests_at_concurrency_64_loses_and_duplicates_nothing(fast_
     for request_id, code, body in results:
         index = int(request_id.removeprefix("load-"))
         assert code == 200, body
-        assert body["choices"][0]["token_ids"] == reference_tokens(tokenize(f"load request number {index}"), 4)
+        assert body["choices"][0]["token_ids"] == reference_tokens(
+            tokenize(f"load request number {index}"), 4
+        )
     assert_no_blocks_held(fast_cluster)

@@ -1,6 +1,7 @@
 """Restarts under load: each side restarted 20 times (SIGKILL, same name and address, a new incarnation) while
-requests flow through both routers. No answer is wrong (no byte meant for an earlier life lands in a later one), no
-block is left held, and the survivor keeps one agent per live peer rank instead of one per incarnation it has seen."""
+requests flow through both routers. No answer is wrong (no byte meant for an earlier life lands in a later
+one), no block is left held, and the survivor keeps one agent per live peer rank instead of one per
+incarnation it has seen."""
 
 from __future__ import annotations
 
@@ -24,14 +25,24 @@ def prompt_of(index: int) -> str:
 
 
 def complete(url: str, prompt: str) -> tuple[int, str]:
-    response = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8}, timeout=30)
-    return response.status_code, response.json()["choices"][0]["text"] if response.status_code == 200 else response.text
+    response = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8}, timeout=30
+    )
+    return response.status_code, response.json()["choices"][0][
+        "text"
+    ] if response.status_code == 200 else response.text
 
 
 @pytest.fixture(scope="module")
 def pair_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     args = ["--decode-seconds-per-token", "0.002", "--transfer-timeout", "2", "--lease", "4", "--fence", "4"]
-    cluster = LocalCluster(workdir=tmp_path_factory.mktemp("restarts"), subnet=220, prefill_count=1, decode_count=1, engine_args=args)
+    cluster = LocalCluster(
+        workdir=tmp_path_factory.mktemp("restarts"),
+        subnet=220,
+        prefill_count=1,
+        decode_count=1,
+        engine_args=args,
+    )
     cluster.start()
     cluster.start_router("push", "push")
     cluster.start_router("pull", "pull")
@@ -78,7 +89,9 @@ class Load:
 
 
 @pytest.mark.timeout(900)
-def test_each_side_restarted_twenty_times_under_load_serves_right_and_leaks_neither_blocks_nor_agents(pair_cluster: LocalCluster) -> None:
+def test_each_side_restarted_twenty_times_under_load_serves_right_and_leaks_neither_blocks_nor_agents(
+    pair_cluster: LocalCluster,
+) -> None:
     cluster = pair_cluster
     load = Load(cluster)
     lanes = [threading.Thread(target=load.lane, args=(lane,), daemon=True) for lane in range(LOAD_LANES)]
@@ -87,7 +100,8 @@ def test_each_side_restarted_twenty_times_under_load_serves_right_and_leaks_neit
     try:
         for restart in range(2 * RESTARTS):
             served_before = load.served
-            wait_until(lambda before=served_before: load.served > before + 2, timeout_s=30)  # traffic reached this incarnation
+            # traffic reached this incarnation
+            wait_until(lambda before=served_before: load.served > before + 2, timeout_s=30)
             cluster.restart("prefill-0" if restart % 2 == 0 else "decode-0")
         wait_until(lambda: load.served > served_before + 10, timeout_s=30)
     finally:
@@ -100,4 +114,6 @@ def test_each_side_restarted_twenty_times_under_load_serves_right_and_leaks_neit
     for name in ("prefill-0", "decode-0"):
         # One agent per live peer rank: the peer's 20 earlier incarnations were dropped, not kept.
         assert cluster.engines[name].metrics()["pd_mock_peer_agents"] <= 1, name
-    print(f"restarts: {2 * RESTARTS}, served {load.served}, failed {load.failed} (requests caught by a restart)")
+    print(
+        f"restarts: {2 * RESTARTS}, served {load.served}, failed {load.failed} (requests caught by a restart)"
+    )
