@@ -131,7 +131,7 @@ def rows_of(buffer: Any, row_bytes: int) -> Any:
     return buffer[: buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)
 
 
-def fingerprint(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
+def checksum(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
     """A position-weighted sum of the given rows, in order: equal on both sides only if every byte went to its
     place."""
     picked = rows_of(buffer, row_bytes).index_select(0, rows).to(torch.int64).sum(1)
@@ -174,9 +174,9 @@ def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) 
                 pool.zero_()
                 memory.synchronize()
                 conn.send("ready")
-            elif command == "fingerprint":
+            elif command == "checksum":
                 rows, row_bytes = payload
-                conn.send(fingerprint(torch, pool, torch.as_tensor(rows, device=device), row_bytes))
+                conn.send(checksum(torch, pool, torch.as_tensor(rows, device=device), row_bytes))
             continue
         for _peer, message in agent.take_notifications():
             arrived = time.monotonic()
@@ -369,10 +369,8 @@ class Bench:
     def verified(self, plan: Any, src: Pools, dst: Pools) -> bool:
         """Whether the target's pool holds, at the plan's destination, the bytes of its source here."""
         src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
-        mine = fingerprint(
-            self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row
-        )
-        return mine == self._command("fingerprint", (dst_rows, row))
+        mine = checksum(self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row)
+        return mine == self._command("checksum", (dst_rows, row))
 
     def copy_ms(self, nbytes: int) -> float:
         times = []

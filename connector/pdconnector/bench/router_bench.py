@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from pdconnector.protocol.params import (
+    EngineRole,
     PrefillCoordinates,
     TransferMode,
     mint_transfer_id,
@@ -74,8 +75,8 @@ def coordinates(engine: Engine, cluster: LocalCluster) -> PrefillCoordinates:
 
 def direct_calls(cluster: LocalCluster, prompt_tokens: int, max_tokens: int) -> dict[str, Call]:
     """The router's work done by the client itself, alternating engines as a router would."""
-    prefills = [e for e in cluster.engines.values() if e.role == "prefill"]
-    decodes = [e for e in cluster.engines.values() if e.role == "decode"]
+    prefills = [e for e in cluster.engines.values() if e.role is EngineRole.PREFILL]
+    decodes = [e for e in cluster.engines.values() if e.role is EngineRole.DECODE]
 
     async def colocated(session: aiohttp.ClientSession, index: int) -> None:
         await post(session, cluster.engines["colocated"].url, body(index, prompt_tokens, max_tokens))

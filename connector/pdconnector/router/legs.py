@@ -83,6 +83,11 @@ async def call_json(
     return parsed, raw
 
 
+def sse_data(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``body`` as JSON, as OpenAI's streaming API frames it."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 @dataclass
 class SseEvent:
     raw: bytes

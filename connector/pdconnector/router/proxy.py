@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from pdconnector.router.legs import (
     call_json,
     cancel_and_wait,
     open_stream,
+    sse_data,
 )
 from pdconnector.router.metrics import RequestOutcome, RouterMetrics
 from pdconnector.router.selection import NoBackend, Selector, pick_backend
@@ -161,10 +161,6 @@ def _stronger(a: Evidence | None, b: Evidence | None) -> Evidence | None:
 def _stream_error(payload: dict[str, Any] | None) -> dict[str, Any] | None:
     error = payload.get("error") if payload else None
     return error if isinstance(error, dict) else None
-
-
-def _sse(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 class Dispatcher:
@@ -578,7 +574,7 @@ class Dispatcher:
                 "decode", started.backend.describe(), exchange.transfer_id, "the stream ended without [DONE]"
             )
         if failure is not None:
-            await response.write(_sse(failure.body()))
+            await response.write(sse_data(failure.body()))
         await response.write_eof()
         if failure is not None or error_seen:
             return response, RequestOutcome.UPSTREAM_ERROR

@@ -34,12 +34,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _is_int(value: object) -> bool:
+def is_json_int(value: object) -> bool:
+    """A JSON integer (``True`` parses as an int in Python, not in JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and len(value) > 0 and all(_is_int(t) and t >= 0 for t in value)
+    return isinstance(value, list) and len(value) > 0 and all(is_json_int(t) and t >= 0 for t in value)
 
 
 def _check_prompt(body: dict[str, Any]) -> None:
@@ -101,7 +102,7 @@ def _check_lengths(endpoint: Endpoint, body: dict[str, Any], max_model_len: int 
         value = body.get(field)
         if value is None:
             continue
-        if not (_is_int(value) and value >= 1):
+        if not (is_json_int(value) and value >= 1):
             raise bad_request(f"'{field}' must be a positive integer", field)
         if value > limit:
             raise bad_request(f"'{field}' is {value}, more than {bound}", field)
@@ -129,7 +130,7 @@ def _check_optional_fields(body: dict[str, Any]) -> None:
         value = body.get(field)
         if value is None:
             continue
-        if not _is_int(value):
+        if not is_json_int(value):
             raise bad_request(f"'{field}' must be an integer", field)
         if value != 1:
             # Prefill's KV moves to decode once, for one sequence; more choices would each need their own.

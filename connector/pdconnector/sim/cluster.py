@@ -21,7 +21,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdconnector.protocol.params import EngineRole
 from pdconnector.router.config import RouterConfig, dump_router_config
+from pdconnector.sim.engine import COLOCATED
 
 STARTUP_TIMEOUT_S = 60.0  # NIXL agents take seconds to create on a busy machine
 
@@ -116,7 +118,7 @@ class Process:
 
 @dataclass
 class Engine(Process):
-    role: str = "both"
+    role: EngineRole | None = None  # None: co-located
     host: str = "127.0.0.1"
     engine_id: str = ""
 
@@ -156,17 +158,19 @@ class LocalCluster:
     routers: dict[str, Process] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
-    def _hosts(self, role: str) -> list[str]:
-        offset = self.subnet if role == "prefill" else self.subnet + 10
-        count = self.prefill_count if role == "prefill" else self.decode_count
+    def _hosts(self, role: EngineRole) -> list[str]:
+        offset = self.subnet if role is EngineRole.PREFILL else self.subnet + 10
+        count = self.prefill_count if role is EngineRole.PREFILL else self.decode_count
         return [f"127.0.0.{offset + i}" for i in range(count)]
 
-    def _engine(self, name: str, role: str, host: str, port: int, side_channel_port: int) -> Engine:
+    def _engine(
+        self, name: str, role: EngineRole | None, host: str, port: int, side_channel_port: int
+    ) -> Engine:
         engine_id = f"{name}-{self.compat_hash}"
         argv = [
             *self.engine_command,
             "--role",
-            role,
+            role or COLOCATED,
             "--host",
             host,
             "--port",
@@ -205,7 +209,7 @@ class LocalCluster:
 
     def start(self, colocated: bool = True) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for role in ("prefill", "decode"):
+        for role in EngineRole:
             hosts = self._hosts(role)
             self.ports[role] = common_free_port(hosts)
             self.ports[f"{role}-side"] = common_free_port(hosts)
@@ -216,7 +220,7 @@ class LocalCluster:
                 )
         if colocated:
             self.engines["colocated"] = self._engine(
-                "colocated", "both", "127.0.0.1", common_free_port(["127.0.0.1"]), 1
+                "colocated", None, "127.0.0.1", common_free_port(["127.0.0.1"]), 1
             )
         self._launch(list(self.engines.values()))
 

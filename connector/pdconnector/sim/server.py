@@ -17,6 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from pdconnector.protocol.params import TransferParamsError, TransferRequest, parse_transfer_params
+from pdconnector.router.legs import sse_data
+from pdconnector.router.validation import is_json_int
 from pdconnector.sim.engine import COLOCATED, Generation, MockEngine, RoleMismatch
 from pdconnector.sim.model import chat_prompt, detokenize, tokenize
 from pdconnector.sim.mover import TransferFailed
@@ -36,10 +38,6 @@ class EngineError(Exception):
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param}}
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> list[int]:
@@ -73,7 +71,7 @@ def _prompt_tokens(body: dict[str, Any], chat: bool, max_model_len: int) -> list
             "context_length_exceeded",
             field,
         )
-    if not all(_is_int(t) and t >= 0 for t in tokens):
+    if not all(is_json_int(t) and t >= 0 for t in tokens):
         raise EngineError(
             400, "'prompt' must be a string or a non-empty list of token ids", "invalid_prompt", field
         )
@@ -88,7 +86,7 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, pr
     room = max_model_len - prompt_tokens
     if value is None:
         return min(DEFAULT_MAX_TOKENS, room)
-    if not _is_int(value) or value < 1:
+    if not is_json_int(value) or value < 1:
         raise EngineError(
             400, f"'{field}' must be a positive integer, got {value!r}", "invalid_max_tokens", field
         )
@@ -171,10 +169,6 @@ class _Formatter:
         return {**self._envelope(True), "choices": [], "usage": usage}
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
-
-
 async def _stream(
     request: web.Request,
     response: web.StreamResponse,
@@ -186,21 +180,21 @@ async def _stream(
     accumulates)."""
     await response.prepare(request)
     if formatter.chat:
-        await response.write(_sse(formatter.chunk(None, None, first=True)))
+        await response.write(sse_data(formatter.chunk(None, None, first=True)))
     produced = 0
     pending: int | None = None
     async for token in generation.tokens:
         if pending is not None:
-            await response.write(_sse(formatter.chunk(detokenize(pending), None)))
+            await response.write(sse_data(formatter.chunk(detokenize(pending), None)))
         pending = token
         produced += 1
     last = formatter.chunk(detokenize(pending) if pending is not None else "", "length")
     if generation.transfer_params is not None:
         # Streaming verification (see protocol.params): the final chunk carries kv_transfer_params.
         last["kv_transfer_params"] = generation.transfer_params
-    await response.write(_sse(last))
+    await response.write(sse_data(last))
     if include_usage:
-        await response.write(_sse(formatter.usage_chunk(generation.prompt_tokens, produced)))
+        await response.write(sse_data(formatter.usage_chunk(generation.prompt_tokens, produced)))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
 

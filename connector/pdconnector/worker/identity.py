@@ -18,7 +18,7 @@ from typing import Annotated, Final
 
 import msgspec
 
-from pdconnector.layout import BlockPlacement, KVModel, RankLayout, check_compatible
+from pdconnector.layout import BlockPlacement, KVModel, LayerKind, RankLayout, check_compatible
 from pdconnector.protocol.messages import (
     MAX_AGENT_METADATA_BYTES,
     MAX_REGIONS,
@@ -77,7 +77,7 @@ class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def layout_summary(model: KVModel) -> dict[str, str]:
     """The model's KV layout as named fields (what must be equal on both sides of a transfer)."""
     fields = {
-        "layers": "".join("A" if kind.value == "attention" else "S" for kind in model.layers),
+        "layers": "".join("A" if kind is LayerKind.ATTENTION else "S" for kind in model.layers),
         "block_size": str(model.block_size),
         "kernel_block_size": str(model.kernel_block_size),
     }

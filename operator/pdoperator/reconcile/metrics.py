@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Histogram
 
 if TYPE_CHECKING:
-    from .reconciler import Outcome
+    from .reconciler import ReconcileOutcome
 
 RECONCILES = Counter("pd_operator_reconciles_total", "Reconciliations of PDServices.", ["trigger", "result"])
 CHILD_WRITES = Counter(
@@ -17,7 +17,7 @@ STATUS_WRITES = Counter("pd_operator_status_writes_total", "Writes of PDService 
 RECONCILE_SECONDS = Histogram("pd_operator_reconcile_seconds", "Duration of one reconciliation.", ["trigger"])
 
 
-def observe(trigger: str, outcome: Outcome, seconds: float) -> None:
+def observe(trigger: str, outcome: ReconcileOutcome, seconds: float) -> None:
     RECONCILES.labels(trigger=trigger, result="ok").inc()
     RECONCILE_SECONDS.labels(trigger=trigger).observe(seconds)
     for action in outcome.actions:

@@ -52,7 +52,9 @@ class InvalidSpecError(Exception):
 
 
 @dataclass
-class Outcome:
+class ReconcileOutcome:
+    """What one reconcile pass wrote: the child actions it applied and whether it wrote the status."""
+
     actions: list[Action] = field(default_factory=list)
     status_written: bool = False
 
@@ -95,7 +97,7 @@ class Reconciler:
 
     # ---- entry points
 
-    async def reconcile(self, body: dict[str, Any]) -> Outcome:
+    async def reconcile(self, body: dict[str, Any]) -> ReconcileOutcome:
         """Bring children and status to the spec (create/update/resume). Raises InvalidSpecError for a
         rejected spec."""
         async with self._lock(_key(body)):
@@ -107,7 +109,7 @@ class Reconciler:
             resource_version is not None and self._written.get((plural, namespace, name)) == resource_version
         )
 
-    async def request(self, namespace: str, name: str) -> Outcome | None:
+    async def request(self, namespace: str, name: str) -> ReconcileOutcome | None:
         """Reconcile after a child changed; calls arriving while one waits for the lock are absorbed by it."""
         key = (namespace, name)
         if key in self._pending:
@@ -187,7 +189,7 @@ class Reconciler:
 
     # ---- the reconciliation
 
-    async def _reconcile(self, body: dict[str, Any], trigger: Trigger) -> Outcome:
+    async def _reconcile(self, body: dict[str, Any], trigger: Trigger) -> ReconcileOutcome:
         meta = body["metadata"]
         previous = parse_status(body.get("status"))
         try:
@@ -241,7 +243,7 @@ class Reconciler:
             cluster_domain=self._defaults.cluster_domain,
             now=self._clock(),
         )
-        return Outcome(actions=actions, status_written=await self._write_status(body, status))
+        return ReconcileOutcome(actions=actions, status_written=await self._write_status(body, status))
 
     def _kv_condition(self, key: Key, previous: Any, generation: int) -> Condition | None:
         state = self._kv.get(key)

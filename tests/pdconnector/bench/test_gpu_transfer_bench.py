@@ -56,14 +56,14 @@ def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_
     assert staged["verified"] is True
 
 
-def test_the_fingerprint_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one() -> None:
+def test_the_checksum_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one() -> None:
     import torch  # noqa: PLC0415 (the bench's own dependency)
 
     buffer = torch.arange(64, dtype=torch.uint8)
     rows = torch.tensor([3, 1, 2])
-    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) == gpu_transfer_bench.fingerprint(
+    assert gpu_transfer_bench.checksum(torch, buffer, rows, 8) == gpu_transfer_bench.checksum(
         torch, buffer.clone(), rows, 8
     )
-    assert gpu_transfer_bench.fingerprint(torch, buffer, rows, 8) != gpu_transfer_bench.fingerprint(
+    assert gpu_transfer_bench.checksum(torch, buffer, rows, 8) != gpu_transfer_bench.checksum(
         torch, buffer, torch.tensor([1, 3, 2]), 8
     )
