@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import multiprocessing
 import statistics
 import time
@@ -52,7 +51,7 @@ from pdconnector.layout import (
     plan_transfer,
 )
 from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
-from pdconnector.layout.plan import split_runs
+from pdconnector.layout.staging import PathCosts, stage
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
 
 POOL_SLACK = 2  # pools hold twice the largest request, so scattered blocks have free blocks between them
@@ -138,18 +137,6 @@ def checksum(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
     return int((picked * torch.arange(1, picked.numel() + 1, device=picked.device)).sum())
 
 
-def plan_rows(
-    plan: Any, src_addrs: Sequence[int], src_base: int, dst_addrs: Sequence[int], dst_base: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """The plan as equal rows (the largest size every run's offsets and length are multiples of): source and
-    destination row indices into each side's buffer, in plan order, and the row size."""
-    src_offset = plan.src_offset + np.asarray(src_addrs, dtype=np.int64)[plan.src_region] - src_base
-    dst_offset = plan.dst_offset + np.asarray(dst_addrs, dtype=np.int64)[plan.dst_region] - dst_base
-    row = math.gcd(*np.unique(np.concatenate([src_offset, dst_offset, plan.length])).tolist())
-    src_starts, dst_starts = split_runs(plan.length, row, src_offset, dst_offset)
-    return src_starts // row, dst_starts // row, row
-
-
 def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) -> None:
     """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; staged
     chunks scattered into the pool after each one arrives."""
@@ -220,6 +207,7 @@ class Case:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.memory, self.args = Memory(args.device), args
+        self.efa = PathCosts(descriptor_us=args.efa_descriptor_us, link_gbps=args.efa_gbps)
         self.torch = torch = self.memory.torch
         self.max_tokens = max(args.tokens)
         self.pool_bytes = max(
@@ -311,13 +299,10 @@ class Bench:
     def staged(self, plan: Any, src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
         """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
         torch = self.torch
-        src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
+        staged = stage(plan, src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=chunk_bytes)
+        row = staged.row_bytes
         self._command("zero")
-        per_chunk = max(1, chunk_bytes // row)
-        chunks = [
-            (src_rows[i : i + per_chunk], dst_rows[i : i + per_chunk])
-            for i in range(0, src_rows.size, per_chunk)
-        ]
+        chunks = [staged.chunk(k) for k in range(staged.num_chunks)]
         if self._command("scatter", (chunk_bytes, [(d, row) for _s, d in chunks])) != "ready":
             raise RuntimeError("target did not take the scatter index")
         gathers = [torch.as_tensor(s, device=self.args.device) for s, _d in chunks]
@@ -354,6 +339,8 @@ class Bench:
             "post_to_scattered_ms": round(statistics.median(times) * 1e3, 3),
             "verified": self.verified(plan, src, dst),
             "chunks": len(chunks),
+            # What the cost model (fitted to an earlier H200 run) expects, next to what this run measured.
+            "model_ms": round(PathCosts().staged_ms(staged.nbytes, staged.num_chunks), 3),
             "chunk_bytes": half,
             "row_bytes": row,
             "cpu_ms": round(statistics.median(cpu) * 1e3, 3),
@@ -368,9 +355,14 @@ class Bench:
 
     def verified(self, plan: Any, src: Pools, dst: Pools) -> bool:
         """Whether the target's pool holds, at the plan's destination, the bytes of its source here."""
-        src_rows, dst_rows, row = plan_rows(plan, src.region_addrs, src.base, dst.region_addrs, dst.base)
-        mine = checksum(self.torch, self.local, self.torch.as_tensor(src_rows, device=self.args.device), row)
-        return mine == self._command("checksum", (dst_rows, row))
+        rows = stage(plan, src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=plan.nbytes)
+        mine = checksum(
+            self.torch,
+            self.local,
+            self.torch.as_tensor(rows.src_rows, device=self.args.device),
+            rows.row_bytes,
+        )
+        return mine == self._command("checksum", (rows.dst_rows, rows.row_bytes))
 
     def copy_ms(self, nbytes: int) -> float:
         times = []
@@ -421,10 +413,7 @@ class Bench:
                                     self.staged(plan_of(), src, dst, mib * 2**20)
                                     for mib in self.args.chunk_mib
                                 ]
-                            efa = (
-                                descriptors * self.args.efa_descriptor_us / 1e3
-                                + nbytes / (self.args.efa_gbps * 1e9) * 1e3
-                            )
+                            efa = self.efa.direct_ms(descriptors, nbytes)
                             case = Case(
                                 name,
                                 placement.value,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from pdconnector.bench import gpu_transfer_bench
+from pdconnector.layout.staging import PathCosts
 from pdconnector.transport import nixl_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
@@ -54,6 +55,11 @@ def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_
     assert staged["chunks"] == 2 and staged["post_to_scattered_ms"] > 0
     # gathered, written and scattered: every byte where the direct WRITE put it
     assert staged["verified"] is True
+    # the cost model next to the measurement; the EFA model is the direct path's cost on EFA figures
+    assert staged["model_ms"] == round(PathCosts().staged_ms(2 * 2**20, 2), 3)
+    efa = PathCosts(descriptor_us=2.44, link_gbps=50.0)
+    for case in cases:
+        assert case["efa_model_ms"] == round(efa.direct_ms(case["descriptors"], case["nbytes"]), 3)
 
 
 def test_the_checksum_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one() -> None:
