@@ -97,8 +97,7 @@ def request_blocks(layout: RankLayout, num_tokens: int, *, scattered: bool, seed
     return [pool[a:b].tolist() for a, b in itertools.pairwise(bounds.tolist())]
 
 
-# --------------------------------------------------------------------------------------------------- target
-# process
+# --------------------------------------------------------------------------------------------- target process
 
 
 class Memory:
@@ -181,8 +180,7 @@ def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) 
     agent.close()
 
 
-# ---------------------------------------------------------------------------------------------------
-# measurements
+# ----------------------------------------------------------------------------------------------- measurements
 
 
 @dataclass

@@ -165,8 +165,7 @@ class WorkerMover:
         self._pending[transfer_id] = pending
         return pending
 
-    # --- prefill
-    # ---------------------------------------------------------------------------------------------------
+    # --- prefill --------------------------------------------------------------------------------------------
     def export_blocks(
         self,
         transfer_id: str,
@@ -191,8 +190,7 @@ class WorkerMover:
         for worker in self.transfers.workers:
             worker.prefill_finished(transfer_id, [block_ids], num_tokens, pull=mode is TransferMode.PULL)
 
-    # --- decode
-    # ----------------------------------------------------------------------------------------------------
+    # --- decode ---------------------------------------------------------------------------------------------
     async def _received(
         self,
         transfer_id: str,

@@ -15,7 +15,9 @@ prefill that never answers; default from the transfer timeout and the default li
 :func:`pdconnector.protocol.liveness.fence_seconds`), ``heartbeat_dir`` (where the transfer threads
 stamp the heartbeat the liveness probe checks; none by default), ``log_timeline`` (true: one log
 line per transfer with its stages, :mod:`pdconnector.protocol.timeline`; default false),
-``kv_cache_layout`` (the KV cache layout the connector asks vLLM for, default ``BLHNC``: a block's
+``idle_step_wait_s`` (how long a step that runs no request waits for a transfer to end, default 0.002;
+vLLM steps such an engine back to back while it waits for KV, a core's worth of CPU; 0 turns the wait
+off), ``kv_cache_layout`` (the KV cache layout the connector asks vLLM for, default ``BLHNC``: a block's
 pages of every layer are one run, so a request costs one descriptor per block instead of one per
 layer per block; ``BHLNC`` keeps a heterogeneous-TP head slice of every layer in one run, for dense
 models; backends that accept neither get ``LBHNC``, and the engine logs why).
@@ -46,11 +48,16 @@ _KNOWN_KEYS: Final = frozenset(
         "heartbeat_dir",
         "log_timeline",
         "kv_cache_layout",
+        "idle_step_wait_s",
     }
 )
 # vLLM's KVCacheLayout names the connector can move (pdconnector.vllm.kv_layout.SUPPORTED_LAYOUTS maps them).
 KV_CACHE_LAYOUTS: Final = ("BLHNC", "BHLNC", "BLNHC", "LBHNC", "LBNHC")
 DEFAULT_KV_CACHE_LAYOUT: Final = "BLHNC"
+# Long enough to spare the CPU an empty step's work many times over, short enough that a request arriving
+# meanwhile waits no more than this to be scheduled.
+DEFAULT_IDLE_STEP_WAIT_S: Final = 0.002
+MAX_IDLE_STEP_WAIT_S: Final = 0.1
 
 
 class ConnectorConfigError(ValueError):
@@ -76,6 +83,7 @@ class ConnectorConfig:
     recompute_on_failure: bool
     log_timeline: bool = False
     kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT
+    idle_step_wait_s: float = DEFAULT_IDLE_STEP_WAIT_S
 
     @property
     def uses_mock_transport(self) -> bool:
@@ -167,6 +175,7 @@ def parse_connector_config(
         recompute_on_failure=policy == "recompute",
         log_timeline=log_timeline,
         kv_cache_layout=kv_cache_layout,
+        idle_step_wait_s=_idle_step_wait(extra),
     )
 
 
@@ -188,3 +197,13 @@ def _positive(extra: Mapping[str, Any], key: str, default: float) -> float:
             f"kv_connector_extra_config.{key}", f"expected seconds in (0, 86400], got {value!r}"
         )
     return float(value)
+
+
+def _idle_step_wait(extra: Mapping[str, Any]) -> float:
+    wait = extra.get("idle_step_wait_s", DEFAULT_IDLE_STEP_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_IDLE_STEP_WAIT_S:
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.idle_step_wait_s",
+            f"expected seconds in [0, {MAX_IDLE_STEP_WAIT_S:g}], got {wait!r}",
+        )
+    return float(wait)

@@ -164,8 +164,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         return requested_kv_cache_layout(transfer.kv_connector_extra_config if transfer is not None else None)
 
-    # --- worker side
-    # -----------------------------------------------------------------------------------------------
+    # --- worker side ----------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         device = kv_buffer_device(self.config.buffer_device, kv_caches)
@@ -269,8 +268,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             self._server.close()
             self._server = None
 
-    # --- scheduler side
-    # --------------------------------------------------------------------------------------------
+    # --- scheduler side -------------------------------------------------------------------------------------
 
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "scheduler-side call on a worker-side connector"

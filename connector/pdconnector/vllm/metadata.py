@@ -32,11 +32,14 @@ Command = PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | AbandonTransf
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     """One step's commands; ``engine`` (this engine as its side channel serves it, msgpack) and ``peers``
-    (engines that announced themselves, msgpack) let ranks in other processes share the handshake."""
+    (engines that announced themselves, msgpack) let ranks in other processes share the handshake.
+    ``idle_wait_s``: the step runs no request, so a rank may wait this long for a transfer to end before it
+    returns (0: return at once)."""
 
     commands: list[Command] = field(default_factory=list)
     engine: bytes | None = None
     peers: list[bytes] = field(default_factory=list)
+    idle_wait_s: float = 0.0
 
 
 @dataclass

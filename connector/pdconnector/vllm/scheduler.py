@@ -123,8 +123,7 @@ class SchedulerSide:
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
-    # --- handshake plumbing
-    # -----------------------------------------------------------------------------------------
+    # --- handshake plumbing ---------------------------------------------------------------------------------
 
     def set_engine_info(self, encoded: bytes) -> None:
         with self._lock:
@@ -135,8 +134,7 @@ class SchedulerSide:
         with self._lock:
             self._peers.append(encoded)
 
-    # --- both roles
-    # ------------------------------------------------------------------------------------------------
+    # --- both roles -----------------------------------------------------------------------------------------
 
     def _params(self, request: Any) -> dict[str, Any] | None:
         params = request.kv_transfer_params
@@ -172,8 +170,7 @@ class SchedulerSide:
             else num_prompt_tokens
         )
 
-    # --- decode
-    # ----------------------------------------------------------------------------------------------------
+    # --- decode ---------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)
@@ -315,12 +312,14 @@ class SchedulerSide:
         with self._lock:
             self._commands.append(command)
 
-    # --- per step
-    # ---------------------------------------------------------------------------------------------------
+    # --- per step -------------------------------------------------------------------------------------------
 
     def build_meta(self, scheduled: Iterable[str] = ()) -> PDConnectorMetadata:
         """This step's commands for the workers; ``scheduled``: the requests this step runs (a received one
-        resumes)."""
+        resumes). A step that runs none lets the workers wait for a transfer to end: vLLM keeps stepping an
+        engine whose requests wait for KV (or hold blocks for a send), and each empty step returned at once
+        would cost the CPU a core's worth of scheduling for nothing."""
+        scheduled = list(scheduled)
         if self._resuming:
             now = time.monotonic()
             for request_id in scheduled:
@@ -328,7 +327,11 @@ class SchedulerSide:
                 if since is not None:
                     self._stats.record_stages({Stage.RESUME.value: now - since})
         with self._lock:
-            meta = PDConnectorMetadata(commands=self._commands, peers=self._peers)
+            meta = PDConnectorMetadata(
+                commands=self._commands,
+                peers=self._peers,
+                idle_wait_s=0.0 if scheduled else self.config.idle_step_wait_s,
+            )
             if self._engine_info is not None and not self._engine_info_shipped:
                 meta.engine = self._engine_info
                 self._engine_info_shipped = True
@@ -355,8 +358,7 @@ class SchedulerSide:
         for request_id in request_ids:
             self._holding.pop(request_id, None)
 
-    # --- end of a request
-    # ------------------------------------------------------------------------------------------
+    # --- end of a request -----------------------------------------------------------------------------------
 
     def request_finished(
         self, request: Any, block_ids: Sequence[Sequence[int]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ class TransferResults:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+
+    def any(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,16 @@ class WorkerSide:
         self._live: dict[str, _Live] = {}  # by transfer id, while the transfer is live
         self._stats = PDTransferStats()
         self._events_seen: dict[str, int] = {}
+        # Set by the transfer thread after each result it reports; an idle step waits on it.
+        self._result_ready = threading.Event()
+        self._idle_wait_s = 0.0
         self._worker = TransferWorker(
-            layout, regions, self._transport_factory(), config=worker_config, side_channel=self._client
+            layout,
+            regions,
+            self._transport_factory(),
+            config=worker_config,
+            side_channel=self._client,
+            on_result=self._result_ready.set,
         )
         self._immediate = TransferResults()
 
@@ -106,6 +118,7 @@ class WorkerSide:
 
     def apply(self, meta: PDConnectorMetadata) -> None:
         """Hand one step's commands to the transfer worker (never blocks)."""
+        self._idle_wait_s = meta.idle_wait_s
         if meta.engine is not None:
             self._engine = _engine_decoder.decode(meta.engine)
         for peer in meta.peers:
@@ -154,6 +167,12 @@ class WorkerSide:
                     self._immediate.failed_recving.add(command.request_id)
 
     def results(self) -> TransferResults:
+        """The transfers that ended since the last call; in a step that runs no request, first wait up to the
+        step's ``idle_wait_s`` for one to end (a result wakes the wait at once)."""
+        if self._idle_wait_s > 0 and not self._immediate.any() and self._live:
+            self._result_ready.wait(self._idle_wait_s)
+        self._idle_wait_s = 0.0
+        self._result_ready.clear()  # before taking them: a result reported from here on sets it again
         out, self._immediate = self._immediate, TransferResults()
         now = time.monotonic()
         for result in self._worker.results():

@@ -111,8 +111,7 @@ class WorkerContext:
             raise RuntimeError("transfer worker not started")
         return self._own
 
-    # --- results and counters (take_results / stats: any thread)
-    # ----------------------------------------------------
+    # --- results and counters (take_results / stats: any thread) --------------------------------------------
 
     def report(self, result: TransferResult) -> None:
         self.count(result.kind.value)
@@ -136,8 +135,7 @@ class WorkerContext:
         with self._counters_lock:
             return dict(self._counters)
 
-    # --- the transport (worker thread)
-    # ------------------------------------------------------------------------------
+    # --- the transport (worker thread) ----------------------------------------------------------------------
 
     def send(self, agent: str, message: FailureMessage | AbortMessage) -> bool:
         return self.send_frame(agent, encode(message))

@@ -157,8 +157,7 @@ class DecodeSide:
         """The READs in flight (for shutdown)."""
         return [handle for reading in self._reads.values() for handle in reading.handles.values()]
 
-    # --- inputs
-    # -----------------------------------------------------------------------------------------------------
+    # --- inputs ---------------------------------------------------------------------------------------------
 
     def begin(self, command: ExpectPush | ReadBlocks, deadline: float, issued_at: float) -> None:
         """Start receiving (asked for by the engine at ``issued_at``): look the prefill engine up;
@@ -389,8 +388,7 @@ class DecodeSide:
             self._report_failure(failure)
         return progressed or bool(polled.finished or polled.failed or polled.aborts)
 
-    # --- push: registration
-    # ------------------------------------------------------------------------------------------
+    # --- push: registration ---------------------------------------------------------------------------------
 
     @staticmethod
     def _received(waiting: _PushWait | _Reading | None, now: float) -> dict[str, float]:
@@ -491,8 +489,7 @@ class DecodeSide:
         for rank in abort.ranks:
             self._context.send(waiting.writers[rank], message)
 
-    # --- pull: reads
-    # -------------------------------------------------------------------------------------------------
+    # --- pull: reads ----------------------------------------------------------------------------------------
 
     def _post_reads(
         self, command: ReadBlocks, deadline: float, engine: EngineInfo, timeline: Timeline, now: float
@@ -587,8 +584,7 @@ class DecodeSide:
             self._context.send(agent, abort)
         self._fail(transfer_id, reason, detail)
 
-    # --- results
-    # -----------------------------------------------------------------------------------------------------
+    # --- results --------------------------------------------------------------------------------------------
 
     def _report_failure(self, failure: TransferFailure) -> None:
         detail = f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"

@@ -84,8 +84,7 @@ class PrefillSide:
         """The WRITEs in flight (for shutdown)."""
         return list(self._writes.values())
 
-    # --- inputs
-    # -----------------------------------------------------------------------------------------------------
+    # --- inputs ---------------------------------------------------------------------------------------------
 
     def prefill_done(self, command: PrefillDone, now: float) -> None:
         self._context.count("prefills_finished")
@@ -175,8 +174,7 @@ class PrefillSide:
             progressed = True
         return progressed
 
-    # --- rendezvous events -> transport
-    # -----------------------------------------------------------------------------
+    # --- rendezvous events -> transport ---------------------------------------------------------------------
 
     def _apply(self, events: list[Event], now: float) -> None:
         pending = list(events)

@@ -90,14 +90,14 @@ class WorkerConfig:
     min_poll_s: float = 1e-4
     busy_poll_max_s: float = 2e-3
     # Only a lost ring (or a peer known by name, which is never rung) waits this long. Each idle wake-up costs
-    # ~0.4 ms of CPU per rank; at 50 ms an idle two-rank engine measured 1.6-2.2% of a core, past the 2%
-    # budget, at 100 ms ~1%.
+    # ~0.37 ms of CPU per rank on the CI machine: ~0.1 ms is any timed wait there (a bare time.sleep wake-up
+    # costs 86 us of thread CPU), the rest is one turn's ~90 Python calls (NIXL's notification poll ~20 us of
+    # it). At 50 ms an idle two-rank engine measured 1.6-2.2% of a core, past the 2% budget; at 100 ms ~1%.
     idle_poll_max_s: float = 0.1
     start_timeout_s: float = 60.0
 
 
-# --- the inbox (engine thread -> worker thread): the transfer commands and these
-# ------------------------------------
+# --- the inbox (engine thread -> worker thread): the transfer commands and these ----------------------------
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,7 @@ class TransferWorker:
         self._heartbeat = Heartbeat(config.heartbeat_dir, layout.tp_rank)
         self._fenced = self._peer_agents = 0  # published by the thread each turn, read by others
 
-    # --- lifecycle
-    # -------------------------------------------------------------------------------------------------
+    # --- lifecycle ------------------------------------------------------------------------------------------
 
     def start(self) -> RankInfo:
         """Start the thread, create and register the transport on it; returns what the side channel serves for
@@ -218,8 +217,7 @@ class TransferWorker:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
-    # --- inputs (any thread, never block)
-    # --------------------------------------------------------------------------
+    # --- inputs (any thread, never block) -------------------------------------------------------------------
 
     def prefill_finished(
         self, transfer_id: str, block_ids: BlockIds, num_tokens: int, *, pull: bool = False
@@ -330,8 +328,7 @@ class TransferWorker:
     def _wake(self) -> None:
         self._inbox.put(_Wake())
 
-    # --- the thread
-    # ------------------------------------------------------------------------------------------------
+    # --- the thread -----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         transport: Transport | None = None

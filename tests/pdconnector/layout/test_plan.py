@@ -128,6 +128,15 @@ class Case:
     def plan(self, p: RankLayout, d: RankLayout, *, merge: bool = True) -> TransferPlan:
         return plan_transfer(p, d, self.src, self.dst, num_tokens=self.num_tokens, merge=merge)
 
+    def tagged_prefill_pools(self) -> list[list[np.ndarray]]:
+        """Each prefill rank's pools, its blocks of the request tagged (the rest a fill byte)."""
+        out = []
+        for p in self.prefill:
+            pools = allocate_pools(p, fill=0x5A)
+            write_tagged_blocks(p, pools, self.src, self.src)
+            out.append(pools)
+        return out
+
 
 def _block_ids(draw: st.DrawFn, num_blocks: int, counts: list[int]) -> tuple[tuple[int, ...], ...]:
     total = sum(counts)
@@ -315,11 +324,7 @@ def test_merged_and_unmerged_plans_move_the_same_bytes_to_the_same_places(case: 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_tagged_pools_land_byte_exact_for_random_layouts(case: Case) -> None:
-    prefill_pools = []
-    for p in case.prefill:
-        pools = allocate_pools(p, fill=0x5A)
-        write_tagged_blocks(p, pools, case.src, case.src)
-        prefill_pools.append(pools)
+    prefill_pools = case.tagged_prefill_pools()
     for d in case.decode:
         actual = allocate_pools(d, fill=0xC3)
         expected = allocate_pools(d, fill=0xC3)

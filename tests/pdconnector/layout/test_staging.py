@@ -24,7 +24,7 @@ from pdconnector.layout.staging import (
     stage,
     staging_cost_blocks,
 )
-from pdconnector.layout.synthetic import allocate_pools, apply_plan, write_tagged_blocks
+from pdconnector.layout.synthetic import allocate_pools, apply_plan
 
 from tests.pdconnector.layout.test_plan import Case, cases
 
@@ -60,11 +60,7 @@ def staged_copy(plan: TransferPlan, p: RankLayout, d: RankLayout, pools: Pools, 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases(), st.integers(1, 6))
 def test_staged_chunks_land_every_byte_where_the_direct_plan_puts_it(case: Case, rows_per_chunk: int) -> None:
-    prefill_pools = []
-    for p in case.prefill:
-        pools = allocate_pools(p, fill=0x5A)
-        write_tagged_blocks(p, pools, case.src, case.src)
-        prefill_pools.append(pools)
+    prefill_pools = case.tagged_prefill_pools()
     for d in case.decode:
         direct, staged = allocate_pools(d, fill=0xC3), allocate_pools(d, fill=0xC3)
         for p in case.prefill:

@@ -235,8 +235,7 @@ def test_many_transfers_are_tracked_independently():
     assert len(tracker) == 1
 
 
-# --- every interleaving
-# ---------------------------------------------------------------------------------------------
+# --- every interleaving -------------------------------------------------------------------------------------
 
 WRITERS = (0, 1)
 DEADLINE = 10.0

@@ -400,8 +400,7 @@ def _map_to_kernel_blocks(group: AttentionGroup, kernel_block_size: int, num_blo
     group.kernel_block_offsets = torch.arange(ratio, dtype=torch.int32)
 
 
-# --- planted values
-# -------------------------------------------------------------------------------------------------
+# --- planted values -----------------------------------------------------------------------------------------
 
 
 def tag(dtype: torch.dtype, *fields: torch.Tensor | int) -> torch.Tensor:

@@ -49,8 +49,7 @@ from tests.pdconnector.vllm.pd_engines import (
 pytestmark = pytest.mark.slow
 
 
-# --- decode with vLLM's prefix cache on (its own engine pair, started and stopped before the shared one)
-# ------------
+# --- decode with vLLM's prefix cache on (its own engine pair, started and stopped before the shared one) ----
 
 SHARED_PREFIX_BLOCKS = 3
 SUFFIX_TOKENS = 5
@@ -99,8 +98,7 @@ def test_a_decode_with_a_cached_prompt_prefix_receives_only_the_blocks_after_it_
         assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}
 
 
-# --- the shared pair (prefix caching off on both engines)
-# ------------------------------------------------------------
+# --- the shared pair (prefix caching off on both engines) ---------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -191,8 +189,7 @@ def test_engines_export_each_transfer_its_bytes_and_its_wait_on_their_metrics(de
     assert 0 < after["decode_waits"] - before["decode_waits"] < pushed.elapsed_s + pulled.elapsed_s
 
 
-# --- faults (the pair is shared: the destructive ones come last)
-# -----------------------------------------------------
+# --- faults (the pair is shared: the destructive ones come last) --------------------------------------------
 
 TRANSFER_TIMEOUT_S = 30.0  # pd_pair's transfer_timeout_s
 DEADLINE_SLACK_S = 20.0

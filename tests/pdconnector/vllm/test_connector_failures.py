@@ -106,8 +106,7 @@ def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[CrossedPairs]:
         )
 
 
-# --- recompute policy
-# --------------------------------------------------------------------------------------------
+# --- recompute policy ---------------------------------------------------------------------------------------
 
 
 def decode_from_an_unreachable_prefill(pair: PDPair, prompt: list[int]) -> Completion:
@@ -183,8 +182,7 @@ def test_with_the_recompute_policy_a_failed_transfer_is_computed_locally_and_equ
     assert wait_for_free_blocks(pair, timeout_s=LEASE_S + SLACK_S) == NO_BLOCKS_HELD
 
 
-# --- fail policy: the two legs name different transfers
-# -----------------------------------------------------------
+# --- fail policy: the two legs name different transfers -----------------------------------------------------
 
 
 @pytest.mark.timeout(300)

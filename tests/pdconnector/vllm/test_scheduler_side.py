@@ -415,6 +415,9 @@ def test_engine_description_is_shipped_once_and_announced_peers_each_time() -> N
         ({"backends": ["mock", "UCX"]}, "backends"),
         ({"log_timeline": "yes"}, "log_timeline"),
         ({"kv_cache_layout": "LHBNC"}, "kv_cache_layout"),
+        ({"idle_step_wait_s": 0.5}, "idle_step_wait_s"),
+        ({"idle_step_wait_s": -0.001}, "idle_step_wait_s"),
+        ({"idle_step_wait_s": True}, "idle_step_wait_s"),
     ],
 )
 def test_bad_connector_configuration_names_the_field(extra: dict[str, Any], key: str) -> None:
@@ -439,6 +442,24 @@ def test_configuration_defaults_and_side_channel_host_from_the_operator_env() ->
     assert parsed.recompute_on_failure is False
     # block-outermost: a request's scattered blocks cost one descriptor each
     assert parsed.kv_cache_layout == "BLHNC"
+    assert parsed.idle_step_wait_s == 0.002
+
+
+def test_only_a_step_that_runs_no_request_lets_the_workers_wait_for_a_transfer() -> None:
+    side = scheduler()
+    assert side.build_meta(scheduled=["d1"]).idle_wait_s == 0.0
+    assert side.build_meta(scheduled=[]).idle_wait_s == 0.002
+    off = SchedulerSide(
+        parse_connector_config(
+            engine_id="e", extra={"idle_step_wait_s": 0}, buffer_device="cpu", failure_policy="fail", env={}
+        ),
+        EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
+        num_groups=1,
+        ssm_groups=frozenset(),
+        block_size=16,
+        finished_statuses=frozenset({FINISHED}),
+    )
+    assert off.build_meta(scheduled=[]).idle_wait_s == 0.0
 
 
 def test_the_connector_asks_vllm_for_the_configured_kv_cache_layout() -> None:

@@ -107,8 +107,7 @@ def test_ringing_a_port_nobody_listens_on_does_not_raise() -> None:
     ringer.close()
 
 
-# --- transfer workers that only a ring can wake
-# -------------------------------------------------------------------
+# --- transfer workers that only a ring can wake -------------------------------------------------------------
 
 IDLE_POLL_S = 10.0
 PROMPT_BOUND_S = 1.0  # a ring costs a datagram and a thread wake-up; the idle poll would take 10 s

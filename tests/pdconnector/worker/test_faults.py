@@ -158,8 +158,7 @@ def _one(results: list[dict[str, Any]]) -> tuple[str, str]:
     return results[0]["kind"], results[0]["outcome"]
 
 
-# --- leases and deadlines
-# --------------------------------------------------------------------------------------------
+# --- leases and deadlines -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("engines", [{"registration_lease_s": 0.5}], indirect=True)
@@ -219,8 +218,7 @@ def test_decode_fails_promptly_when_the_prefill_side_channel_is_unreachable(
     assert "unreachable" in results[0]["detail"]
 
 
-# --- refused and failing registrations
-# --------------------------------------------------------------------------------
+# --- refused and failing registrations ----------------------------------------------------------------------
 
 
 def test_malformed_registration_is_answered_with_a_failure_naming_the_field(
@@ -385,8 +383,7 @@ def test_prefill_cancel_tells_a_registered_decode_at_once(
     assert _one(prefill.wait(transfer_id="tx-cancel", timeout_s=5)) == ("finished_sending", "cancelled")
 
 
-# --- attempts
-# -------------------------------------------------------------------------------------------------------
+# --- attempts -----------------------------------------------------------------------------------------------
 
 
 def test_reregistration_after_preemption_writes_only_the_new_attempts_blocks(
@@ -426,8 +423,7 @@ def test_repeating_the_same_attempt_sends_no_second_registration(
     }
 
 
-# --- idle cost
-# ------------------------------------------------------------------------------------------------------
+# --- idle cost ----------------------------------------------------------------------------------------------
 
 
 def test_idle_workers_burn_almost_no_cpu(engines: tuple[Engine, Engine, dict[str, Any]]) -> None:
