@@ -233,8 +233,12 @@ class RendezvousMachine(RuleBasedStateMachine):
 
     @invariant()
     def next_deadline_is_never_late(self) -> None:
+        """Whatever can still time out has a deadline. A write past its deadline was cancelled and now
+        waits for the transport alone (it never ends on the clock: the liveness probe bounds it), so a
+        transfer held open only by such writes has none."""
         deadline = self.table.next_deadline()
-        if self.in_flight or self.open:
+        waiting_on_transport = {key.transfer_id for key in self.cancelling}
+        if set(self.in_flight) - self.cancelling or self.open - waiting_on_transport:
             assert deadline is not None
 
     def teardown(self) -> None:
@@ -257,3 +261,22 @@ def test_rendezvous_table_invariants_hold_under_any_interleaving(registration):
     run_state_machine_as_test(
         machine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None)
     )
+
+
+def test_a_write_cancelled_past_its_deadline_waits_for_the_transport_not_the_clock(registration):
+    """Found by the machine: a registration outlives the write's deadline; the write is cancelled and the
+    transfer stays open with no deadline until the transport ends the write, then closes."""
+    machine = type("Replay", (RendezvousMachine,), {"build_registration": staticmethod(registration)})()
+    machine.decode_registers(
+        transfer_id="tx-0", attempt=0, layout=(1, 0), groups=1, registered=2, cached=0, lifetime_ms=4000
+    )
+    machine.time_passes(2.0)
+    machine.prefill_finishes("tx-0", [0, 0])
+    (key,) = machine.in_flight
+    machine.time_passes(3.0)  # past the write's deadline (2 s after its start)
+    assert machine.cancelling == {key} and machine.table.next_deadline() is None
+    assert "tx-0" in machine.table and machine.held  # blocks stay pinned while the write may still read
+    machine.next_deadline_is_never_late()
+    machine.end_write(key, succeeded=False)  # the transport confirms the cancel
+    machine.time_passes(0.5)
+    assert not machine.held
