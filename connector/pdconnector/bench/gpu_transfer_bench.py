@@ -4,7 +4,8 @@ Run (on a GPU): ``python -m pdconnector.bench.gpu_transfer_bench REPORT_DIR [--t
 [--repeat 5]``; writes ``REPORT_DIR/gpu-transfer-bench.json`` and prints one line per case.
 
 Each case is one request of one TP rank of a model (Qwen3-32B and Llama-3.3-70B at TP 8,
-NVIDIA-Nemotron-Nano-9B-v2 at TP 1), its blocks contiguous or scattered over the pools as in a long-running
+NVIDIA-Nemotron-Nano-9B-v2 at TP 1, Nemotron-3-Super-120B at TP 4), its blocks contiguous or scattered over
+the pools as in a long-running
 engine, in vLLM's layer-outer cache (LBHNC, one descriptor per layer per block) and the connector's
 block-outer one (BLHNC, one per block). The descriptors are the planner's (``plan_transfer``), posted through
 the project's ``NixlTransport`` from this process into a target process's VRAM pool (push: WRITE) or read from
@@ -14,12 +15,15 @@ it (pull: READ). Figures, all medians over ``--repeat`` runs:
   until the target's transfer thread holds the notification (one monotonic clock for both processes).
 - ``copy_ms``: ``torch`` copying the same number of bytes device to device, in the same run; ``vs_copy`` is
   the copy's time over the transfer's (1.0 = the transfer moves bytes as fast as a device copy).
-- ``cpu_ms``: the initiating thread's CPU time to plan the request, build its descriptors and post them.
+- ``plan_cpu_ms``, ``post_cpu_ms``: the initiating thread's CPU time to plan the request and build its
+  descriptors, and to post them; the transfer times start at the post.
 - ``staged``: the scattered request gathered on the GPU into a registered staging buffer, moved in WRITEs of
   each ``--chunk-mib`` size (two chunks in flight) and scattered by the target after each notification: what a
   fragmented transfer costs when descriptors, not bytes, are the bottleneck. Its ``post_to_scattered_ms`` runs
   to the target's last scatter; a chunk's half of the staging buffer is reused once the target said it
   scattered it (over a pipe here, a notification in a connector).
+- ``volume``: for the hybrid models, the bytes one request moves engine-wide, naive (whole HMA-padded pages,
+  whole logical blocks) against optimal (what the planner moves; one rank's share is each case's ``nbytes``).
 - ``efa_model_ms``: the same descriptors and bytes on EFA, modelled as ``descriptors * --efa-descriptor-us +
   bytes / --efa-gbps`` (defaults: 2.44 us per descriptor, from a published 18,880-descriptor post taking 46
   ms, and 50 GB/s, one H200's share of a p5en's 3,200 Gb/s).
@@ -31,10 +35,11 @@ import argparse
 import itertools
 import json
 import multiprocessing
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,16 +55,42 @@ from pdconnector.layout import (
     model_from_hf_config,
     plan_transfer,
 )
-from pdconnector.layout.known_models import LLAMA_3_3_70B, NEMOTRON_NANO_9B_V2, QWEN3_32B
+from pdconnector.layout.accounting import transfer_volume_table
+from pdconnector.layout.known_models import (
+    LLAMA_3_3_70B,
+    NEMOTRON_3_SUPER_120B,
+    NEMOTRON_NANO_9B_V2,
+    QWEN3_32B,
+)
 from pdconnector.layout.staging import PathCosts, stage
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
 
 POOL_SLACK = 2  # pools hold twice the largest request, so scattered blocks have free blocks between them
 WARMUP = 2
-MODELS: dict[str, tuple[dict[str, Any], int]] = {  # name: (HF config, TP size of the rank moved)
-    "qwen3-32b-tp8": (QWEN3_32B, 8),
-    "llama-3.3-70b-tp8": (LLAMA_3_3_70B, 8),
-    "nemotron-nano-9b-v2-tp1": (NEMOTRON_NANO_9B_V2, 1),
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A published model as one TP rank of a deployment holds it."""
+
+    config: Mapping[str, Any]  # HF config.json
+    tp_size: int  # of the engine whose rank 0 is moved
+    cache: Mapping[str, Any] = field(default_factory=dict)  # model_from_hf_config keywords: the KV cache's
+
+    def kv_model(self) -> KVModel:
+        return model_from_hf_config(self.config, tp_size=self.tp_size, **self.cache)
+
+
+MODELS: dict[str, BenchModel] = {
+    "qwen3-32b-tp8": BenchModel(QWEN3_32B, 8),
+    "llama-3.3-70b-tp8": BenchModel(LLAMA_3_3_70B, 8),
+    "nemotron-nano-9b-v2-tp1": BenchModel(NEMOTRON_NANO_9B_V2, 1),
+    # Served as NVIDIA publishes it for Hopper (NVFP4 weights, FP8 KV cache), conv state in bf16, temporal
+    # state fp32, blocks a multiple of 128 tokens: vLLM's hybrid rule then gives 4224-token blocks at TP 4,
+    # one replicated KV head per rank.
+    "nemotron-3-super-120b-tp4": BenchModel(
+        NEMOTRON_3_SUPER_120B, 4, {"dtype_bytes": 1, "ssm_conv_dtype_bytes": 2, "kernel_alignment": 128}
+    ),
 }
 PLACEMENTS = (BlockPlacement.LAYER_OUTER, BlockPlacement.BLOCK_OUTER)
 
@@ -119,9 +150,11 @@ class Memory:
         return MemoryRegion(tensor.data_ptr(), tensor.numel(), kind, 0)
 
     def synchronize(self) -> None:
-        """NIXL reads and writes the buffers outside torch's streams: kernels must have finished first."""
+        """NIXL reads and writes the buffers outside torch's streams: this stream's kernels must have finished
+        first. Only this stream: a device-wide synchronise would also wait for the copies UCX runs for WRITEs
+        this process posted, so a gather could never overlap the previous chunk's WRITE."""
         if self.device == "cuda":
-            self.torch.cuda.synchronize()
+            self.torch.cuda.current_stream().synchronize()
 
 
 def rows_of(buffer: Any, row_bytes: int) -> Any:
@@ -196,7 +229,8 @@ class Case:
     post_to_notified_ms: float | None
     copy_ms: float
     vs_copy: float
-    cpu_ms: float
+    plan_cpu_ms: float  # planning the request and building its descriptors
+    post_cpu_ms: float  # the post call alone
     efa_model_ms: float
     verified: bool | None  # WRITE: the target's pool holds the planned bytes at the planned places
     staged: list[dict[str, Any]] | None = None  # per --chunk-mib
@@ -217,6 +251,9 @@ class Bench:
         self.local = torch.randint(0, 256, (self.pool_bytes,), dtype=torch.uint8, device=args.device)
         self.local_staging = self.memory.zeros(self.staging_bytes)
         self.copy_dst = self.memory.zeros(self.pool_bytes)
+        # What the operator renders for GPU engines on UCX: without it UCX emulates a READ between two
+        # processes' VRAM over TCP where it sees no NVLink, as on a one-GPU machine (the target inherits it).
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         self.agent: Transport = create_transport("nixl", f"bench-initiator-{time.monotonic_ns()}")
         self.agent.register([self.memory.region(self.local), self.memory.region(self.local_staging)])
         context = multiprocessing.get_context("spawn")
@@ -233,8 +270,8 @@ class Bench:
 
     def models(self) -> dict[str, tuple[KVModel, int]]:
         return {
-            name: (model_from_hf_config(config), tp)
-            for name, (config, tp) in MODELS.items()
+            name: (model.kv_model(), model.tp_size)
+            for name, model in MODELS.items()
             if name in self.args.models
         }
 
@@ -267,49 +304,65 @@ class Bench:
 
     def direct(
         self, operation: str, plan_of: Callable[[], Any], src: Pools, dst: Pools
-    ) -> tuple[float, float | None, float, int, int]:
-        done, notified, cpu = [], [], []
+    ) -> tuple[float, float | None, float, float, int, int]:
+        """Median post-to-done and post-to-notified ms, plan and post CPU ms, descriptors and bytes."""
+        done, notified, plan_cpu, post_cpu = [], [], [], []
         for i in range(WARMUP + self.args.repeat):
             tag = f"{operation}-{i}-{time.monotonic_ns()}"
-            cpu_start, start = time.thread_time(), time.monotonic()
+            planned = time.thread_time()
             plan = plan_of()
             local, remote = plan.to_descriptors(src.region_addrs, dst.region_addrs)
             post = self.agent.write if operation == "write" else self.agent.read
+            posting, start = time.thread_time(), time.monotonic()
             handle = post(self.peer, local, remote, tag.encode() if operation == "write" else b"")
-            cpu_s = time.thread_time() - cpu_start
+            posted = time.thread_time()
             self._wait(handle)
             finished = time.monotonic()
             arrived = self._notified(tag) if operation == "write" else None
             if i >= WARMUP:
                 done.append(finished - start)
-                cpu.append(cpu_s)
+                plan_cpu.append(posting - planned)
+                post_cpu.append(posted - posting)
                 if arrived is not None:
                     notified.append(arrived - start)
         median_notified = statistics.median(notified) * 1e3 if notified else None
         return (
             statistics.median(done) * 1e3,
             median_notified,
-            statistics.median(cpu) * 1e3,
+            statistics.median(plan_cpu) * 1e3,
+            statistics.median(post_cpu) * 1e3,
             len(plan),
             plan.nbytes,
         )
 
-    def staged(self, plan: Any, src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
+    def staged(self, plan_of: Callable[[], Any], src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
         """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
         torch = self.torch
-        staged = stage(plan, src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=chunk_bytes)
+
+        def prepared() -> tuple[Any, list[Any]]:
+            """The request's rows and, per chunk, its gather index on the GPU: what the transfer thread
+            computes per request before the first gather."""
+            rows = stage(
+                plan_of(), src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=chunk_bytes
+            )
+            chunks = [rows.chunk(k)[0] for k in range(rows.num_chunks)]
+            return rows, [torch.as_tensor(c, device=self.args.device) for c in chunks]
+
+        staged, _ = prepared()
         row = staged.row_bytes
         self._command("zero")
-        chunks = [staged.chunk(k) for k in range(staged.num_chunks)]
-        if self._command("scatter", (chunk_bytes, [(d, row) for _s, d in chunks])) != "ready":
+        scatter = [(staged.chunk(k)[1], row) for k in range(staged.num_chunks)]
+        if self._command("scatter", (chunk_bytes, scatter)) != "ready":
             raise RuntimeError("target did not take the scatter index")
-        gathers = [torch.as_tensor(s, device=self.args.device) for s, _d in chunks]
         pool, half = rows_of(self.local, row), chunk_bytes
-        times, cpu = [], []
+        times, prepare_cpu, post_cpu = [], [], []
         for i in range(WARMUP + self.args.repeat):
             in_flight: list[Any] = [None, None]
             scattered: list[float] = []
-            start, cpu_start = time.monotonic(), time.thread_time()
+            planning = time.thread_time()
+            _, gathers = prepared()
+            prepare_s, launch_s = time.thread_time() - planning, 0.0
+            start = time.monotonic()
             for k, rows in enumerate(gathers):
                 slot = k % 2
                 if in_flight[slot] is not None:
@@ -317,31 +370,38 @@ class Bench:
                     # there.
                     self._wait(in_flight[slot])
                     scattered.append(self._notified(f"chunk-{k - 2}"))
+                launching = time.thread_time()
                 staging = self.local_staging[slot * half : slot * half + rows.numel() * row].view(-1, row)
                 torch.index_select(pool, 0, rows, out=staging)
+                launch_s += time.thread_time() - launching
                 self.memory.synchronize()
+                launching = time.thread_time()
                 nbytes = rows.numel() * row
                 local = np.array([[self.local_staging.data_ptr() + slot * half, nbytes, 0]], dtype=np.int64)
                 remote = np.array([[self.remote_staging + slot * half, nbytes, 0]], dtype=np.int64)
                 in_flight[slot] = self.agent.write(self.peer, local, remote, f"chunk-{k}".encode())
+                launch_s += time.thread_time() - launching
             for handle in in_flight:
                 if handle is not None:
                     self._wait(handle)
-            cpu_s = time.thread_time() - cpu_start
             scattered += [self._notified(f"chunk-{k}") for k in range(max(0, len(gathers) - 2), len(gathers))]
             last = max(scattered)
             if i >= WARMUP:
                 times.append(last - start)
-                cpu.append(cpu_s)
+                prepare_cpu.append(prepare_s)
+                post_cpu.append(launch_s)
         return {
             "post_to_scattered_ms": round(statistics.median(times) * 1e3, 3),
-            "verified": self.verified(plan, src, dst),
-            "chunks": len(chunks),
+            "verified": self.verified(plan_of(), src, dst),
+            "chunks": staged.num_chunks,
             # What the cost model (fitted to an earlier H200 run) expects, next to what this run measured.
             "model_ms": round(PathCosts().staged_ms(staged.nbytes, staged.num_chunks), 3),
             "chunk_bytes": half,
             "row_bytes": row,
-            "cpu_ms": round(statistics.median(cpu) * 1e3, 3),
+            # The transfer thread's own work, waits left out (a connector waits in its loop, this bench
+            # spins): plan, rows and gather index; then the gather launches and the posts.
+            "prepare_cpu_ms": round(statistics.median(prepare_cpu) * 1e3, 3),
+            "post_cpu_ms": round(statistics.median(post_cpu) * 1e3, 3),
             "staging_bytes_per_side": 2 * chunk_bytes,
         }
 
@@ -400,7 +460,7 @@ class Bench:
                         for operation in ("write", "read"):
                             if operation == "write":
                                 self._command("zero")
-                            done, notified, cpu, descriptors, nbytes = self.direct(
+                            done, notified, plan_cpu, post_cpu, descriptors, nbytes = self.direct(
                                 operation, plan_of, src, dst
                             )
                             verified = self.verified(plan_of(), src, dst) if operation == "write" else None
@@ -408,8 +468,7 @@ class Bench:
                             staged = None
                             if scattered and operation == "write" and self.args.staged:
                                 staged = [
-                                    self.staged(plan_of(), src, dst, mib * 2**20)
-                                    for mib in self.args.chunk_mib
+                                    self.staged(plan_of, src, dst, mib * 2**20) for mib in self.args.chunk_mib
                                 ]
                             efa = self.efa.direct_ms(descriptors, nbytes)
                             case = Case(
@@ -424,7 +483,8 @@ class Bench:
                                 None if notified is None else round(notified, 3),
                                 round(copy, 3),
                                 round(copy / (notified or done), 3),
-                                round(cpu, 3),
+                                round(plan_cpu, 3),
+                                round(post_cpu, 3),
                                 round(efa, 3),
                                 verified,
                                 staged,
@@ -434,10 +494,33 @@ class Bench:
         return cases
 
 
+def volume_report(models: Sequence[str], tokens: Sequence[int]) -> dict[str, list[dict[str, Any]]]:
+    """Per hybrid model, engine-wide bytes per request: naive (whole HMA-padded pages) against optimal (what
+    the planner moves), as :mod:`pdconnector.layout.accounting` computes them for the model's deployment."""
+    out = {}
+    for name in models:
+        model = MODELS[name]
+        kv_model = model.kv_model()
+        if kv_model.num_ssm_layers:
+            rows = transfer_volume_table(kv_model, tokens, tp_size=model.tp_size)
+            out[name] = [
+                {**asdict(row), "naive": row.naive, "optimal": row.optimal, "saved": row.saved}
+                for row in rows
+            ]
+            for row in rows:
+                print(
+                    f"{name}: {row.num_tokens} tokens, block {kv_model.block_size}: naive "
+                    f"{row.naive / 2**20:.1f} MiB, optimal {row.optimal / 2**20:.1f} MiB, saved "
+                    f"{row.saved / 2**20:.1f} MiB (engine-wide, TP {model.tp_size})",
+                    flush=True,
+                )
+    return out
+
+
 HEADER = (
-    f"{'model':<24}{'cache':<12}{'tokens':>7}  "
+    f"{'model':<28}{'cache':<12}{'tokens':>7}  "
     f"{'blocks':<11}{'op':<6}{'descs':>7}{'MiB':>8}{'ms':>9}{'notif ms':>9}{'copy ms':>8}"
-    f"{'vs copy':>8}{'cpu ms':>7}{'staged':>10}{'EFA ms':>8}"
+    f"{'vs copy':>8}{'plan ms':>8}{'post ms':>8}{'staged':>10}{'EFA ms':>8}"
 )
 
 
@@ -445,9 +528,9 @@ def _line(c: Case) -> str:
     notified = f"{c.post_to_notified_ms:>9.3f}" if c.post_to_notified_ms is not None else f"{'-':>9}"
     staged = f"{min(s['post_to_scattered_ms'] for s in c.staged):>10.3f}" if c.staged else f"{'-':>10}"
     return (
-        f"{c.model:<24}{c.placement:<12}{c.tokens:>7}  "
+        f"{c.model:<28}{c.placement:<12}{c.tokens:>7}  "
         f"{c.blocks:<11}{c.operation:<6}{c.descriptors:>7}{c.nbytes / 2**20:>8.1f}"
-        f"{c.post_to_done_ms:>9.3f}{notified}{c.copy_ms:>8.3f}{c.vs_copy:>8.3f}{c.cpu_ms:>7.2f}{staged}{c.efa_model_ms:>8.2f}"
+        f"{c.post_to_done_ms:>9.3f}{notified}{c.copy_ms:>8.3f}{c.vs_copy:>8.3f}{c.plan_cpu_ms:>8.2f}{c.post_cpu_ms:>8.2f}{staged}{c.efa_model_ms:>8.2f}"
     )
 
 
@@ -488,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = {
         "args": {k: v for k, v in vars(args).items() if k != "report_dir"},
         "cases": [asdict(c) for c in cases],
+        "volume": volume_report(args.models, args.tokens),
     }
     (args.report_dir / "gpu-transfer-bench.json").write_text(json.dumps(report, indent=2) + "\n")
 

@@ -308,16 +308,24 @@ class KVModel:
 
 
 def hybrid_block_size(
-    attention: AttentionSpec, ssm: SsmSpec, *, kernel_alignment: int, min_block_size: int = 16
+    attention: AttentionSpec,
+    ssm: SsmSpec,
+    *,
+    kernel_alignment: int,
+    min_block_size: int = 16,
+    tp_size: int = 1,
 ) -> int:
-    """vLLM's logical block size for a hybrid model: the smallest multiple of the kernel
-    alignment whose attention page is at least the SSM page (vLLM then pads the SSM page).
+    """vLLM's logical block size for a hybrid model on a TP-``tp_size`` engine: the smallest multiple of the
+    kernel alignment whose attention page is at least the SSM page of one rank (vLLM then pads the SSM page).
 
-    Both pages shrink by the same factor under TP, so the result does not depend on TP.
+    Both pages shrink by the same factor under TP while KV heads split; once ranks replicate KV heads (TP
+    above the KV head count) the attention page stops shrinking and the block size falls with TP.
     """
     alignment = max(kernel_alignment, min_block_size)
-    ssm_bytes = sum(s.nbytes for s in ssm.segments)
-    return alignment * -(-ssm_bytes // (alignment * attention.bytes_per_token))
+    ssm_bytes = sum(s.units // tp_size * s.unit_bytes for s in ssm.segments)
+    heads = attention.num_kv_heads
+    attention_bytes = attention.bytes_per_token // heads * max(1, heads // tp_size)
+    return alignment * -(-ssm_bytes // (alignment * attention_bytes))
 
 
 def model_from_hf_config(
@@ -331,6 +339,7 @@ def model_from_hf_config(
     kernel_alignment: int = 16,
     attention_layout: AttentionLayout = AttentionLayout.PACKED_HND,
     conv_layout: ConvLayout = ConvLayout.DS,
+    tp_size: int = 1,
 ) -> KVModel:
     """Build a :class:`KVModel` from an HF ``config.json`` dict.
 
@@ -339,7 +348,8 @@ def model_from_hf_config(
     Llama-like models. ``dtype_bytes`` is the KV cache's (attention) element size; the conv state follows
     ``ssm_conv_dtype_bytes`` (vLLM keeps it in the model dtype when the KV cache is fp8), the temporal state
     ``ssm_state_dtype_bytes``; they default to ``torch_dtype`` and ``mamba_ssm_cache_dtype``.
-    ``block_size`` defaults to vLLM's choice (16 for dense, :func:`hybrid_block_size` for hybrids).
+    ``block_size`` defaults to vLLM's choice (16 for dense, :func:`hybrid_block_size` for hybrids on a
+    TP-``tp_size`` engine).
     """
     kv_bytes = dtype_bytes or _dtype_bytes(config, "torch_dtype", default="bfloat16")
     conv_bytes = ssm_conv_dtype_bytes or kv_bytes
@@ -357,7 +367,7 @@ def model_from_hf_config(
         )
     if block_size is None:
         block_size = (
-            hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment)
+            hybrid_block_size(attention, ssm, kernel_alignment=kernel_alignment, tp_size=tp_size)
             if attention and ssm
             else max(16, kernel_alignment)
         )

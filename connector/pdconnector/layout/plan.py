@@ -10,7 +10,9 @@ as ``t`` equal contiguous runs, so prefill rank ``p`` holds global bytes
 ``[p * s_p, (p + 1) * s_p)`` of it and decode rank ``d`` holds ``[d * s_d, (d + 1) * s_d)``;
 their intersection is what ``p`` writes into ``d``. With ``D_TP > P_TP`` this is ``d``'s
 slice of ``p``'s block (offset ``(d % ratio) * s_d`` inside the segment); with
-``P_TP > D_TP`` it is chunk ``p % ratio`` of ``d``'s segment, filled by consecutive ranks.
+``P_TP > D_TP`` it is chunk ``p % ratio`` of ``d``'s segment, filled by consecutive ranks. Above the KV head
+count ranks replicate heads (rank ``r`` of TP ``t`` holds head ``r // (t / heads)``); of the writers holding a
+replicated head only the first sends it.
 Everything is numpy broadcasting over (region, block, piece); no Python loop per block.
 """
 
@@ -212,6 +214,9 @@ def group_transfers(
     check_compatible(src, dst)
     src_ids, dst_ids = _validated_blocks(src, dst, src_blocks, dst_blocks)
     ratio = src.model.physical_blocks_per_logical
+    writers = writers_for(dst.tp_rank, src.tp_size, dst.tp_size)
+    # Only writers share bytes with a decode rank; with replicated KV heads others may hold the same ones.
+    pairs = src.tp_rank in writers
     out: list[GroupTransfer] = []
     for kind in (LayerKind.ATTENTION, LayerKind.SSM):
         for group in (g for g in src.groups if g.kind is kind):
@@ -225,7 +230,11 @@ def group_transfers(
                 schemas = (src.attention_schema, dst.attention_schema)
             else:
                 schemas = (src.ssm_schema, dst.ssm_schema)
-            pieces = shard_pieces(schemas[0], src.tp_rank, schemas[1], dst.tp_rank)
+            pieces = shard_pieces(
+                schemas[0], src.tp_rank, schemas[1], dst.tp_rank, first_writer=src.tp_rank == writers[0]
+            )
+            if not pairs:
+                pieces = tuple(piece[:0] for piece in pieces)
             if BlockPlacement.HEAD_OUTER in (src.placement, dst.placement):
                 pieces = _per_head(pieces, src.head_bytes)
             out.append(
@@ -263,14 +272,18 @@ def plan_transfer(
 
 
 def shard_pieces(
-    src: PageSchema, src_rank: int, dst: PageSchema, dst_rank: int
+    src: PageSchema, src_rank: int, dst: PageSchema, dst_rank: int, *, first_writer: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Runs of one page that ``src_rank`` holds and ``dst_rank`` needs: (src offset, dst offset, length)."""
-    src_start = src_rank * src.sizes
-    dst_start = dst_rank * dst.sizes
+    """Runs of one page that ``src_rank`` holds and ``dst_rank`` needs: (src offset, dst offset, length).
+
+    A replicated segment is held by several consecutive source ranks; of the writers of ``dst_rank`` (a
+    contiguous range, ``first_writer`` says whether ``src_rank`` opens it) only the first holding it sends it,
+    so every destination byte is written once."""
+    src_start = src.starts(src_rank)
+    dst_start = dst.starts(dst_rank)
     lo = np.maximum(src_start, dst_start)
     hi = np.minimum(src_start + src.sizes, dst_start + dst.sizes)
-    keep = hi > lo
+    keep = (hi > lo) & (first_writer | (src_rank % src.replicas == 0))
     return (
         (src.offsets + lo - src_start)[keep],
         (dst.offsets + lo - dst_start)[keep],
@@ -394,10 +407,10 @@ def _validated_blocks(
         if s.size != d.size:
             raise ValueError(f"KV group {g}: {s.size} source blocks but {d.size} destination blocks")
     # Every region is shared by all groups, so a destination block id may appear only once overall.
-    all_dst = np.concatenate(dst_ids) if dst_ids else _EMPTY_I64
-    unique, counts = np.unique(all_dst, return_counts=True)
+    counts = np.bincount(np.concatenate(dst_ids) if dst_ids else _EMPTY_I64, minlength=dst.num_blocks)
     if (counts > 1).any():
-        raise ValueError(f"dst_blocks: block id {int(unique[counts > 1][0])} is requested more than once")
+        repeated = int(np.flatnonzero(counts > 1)[0])
+        raise ValueError(f"dst_blocks: block id {repeated} is requested more than once")
     return src_ids, dst_ids
 
 

@@ -69,20 +69,28 @@ class KVGroup:
 
 @dataclass(frozen=True)
 class PageSchema:
-    """Segments of one page as a rank holds them: local byte offset and size, and the global
-    (unsharded) size of each, in page order. Offsets are relative to the page start."""
+    """Segments of one page as a rank holds them: local byte offset and size, the global (unsharded) size of
+    each, in page order, and how many ranks hold the same bytes of each (``replicas``: above 1 when TP exceeds
+    the segment's units, as vLLM replicates KV heads once TP exceeds their count; each rank then holds one
+    unit). Offsets are relative to the page start."""
 
     offsets: np.ndarray
     sizes: np.ndarray
     global_sizes: np.ndarray
+    replicas: np.ndarray
 
     @classmethod
     def of(cls, segments: tuple[Segment, ...], tp_size: int) -> PageSchema:
         units = np.array([s.units for s in segments], dtype=np.int64)
         unit_bytes = np.array([s.unit_bytes for s in segments], dtype=np.int64)
-        sizes = units // tp_size * unit_bytes
+        replicas = np.maximum(1, tp_size // np.maximum(units, 1))
+        sizes = np.maximum(1, units // tp_size) * unit_bytes
         offsets = np.cumsum(sizes) - sizes
-        return cls(offsets, sizes, units * unit_bytes)
+        return cls(offsets, sizes, units * unit_bytes, replicas)
+
+    def starts(self, rank: int) -> np.ndarray:
+        """Where rank ``rank``'s bytes of each segment start in the global segment."""
+        return rank // self.replicas * self.sizes
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +131,11 @@ class RankLayout:
         for name, units in self._shard_units().items():
             if units % self.tp_size:
                 raise ValueError(f"RankLayout: {name} ({units}) is not divisible by tp_size {self.tp_size}")
+        if (heads := self._kv_heads()) and heads < self.tp_size and self.tp_size % heads:
+            raise ValueError(
+                f"RankLayout: tp_size {self.tp_size} is above the attention num_kv_heads ({heads}) and not a "
+                "multiple of it, so ranks cannot replicate whole heads"
+            )
         if self.model.num_attention_layers and self.ssm_state_bytes > self.attention_page_bytes:
             raise ValueError(
                 f"RankLayout: block_size {self.model.block_size} gives an attention page of "
@@ -151,11 +164,21 @@ class RankLayout:
                     f"{model.attention.layout} is not"
                 )
 
+    def _kv_heads(self) -> int:
+        """The model's KV heads (0 without attention layers)."""
+        attention = self.model.attention
+        return attention.num_kv_heads if attention is not None and self.model.num_attention_layers else 0
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this rank holds: its share, or one replicated head once TP exceeds the head count."""
+        return max(1, self._kv_heads() // self.tp_size) if self._kv_heads() else 0
+
     def _shard_units(self) -> dict[str, int]:
+        """Counts TP must divide, by name: the SSM's (KV heads may instead be replicated, checked apart)."""
         units: dict[str, int] = {}
-        if self.model.num_attention_layers:
-            assert self.model.attention is not None
-            units["attention num_kv_heads"] = self.model.attention.num_kv_heads
+        if (heads := self._kv_heads()) >= self.tp_size:
+            units["attention num_kv_heads"] = heads
         if self.model.num_ssm_layers:
             assert self.model.ssm is not None
             units.update({f"{self.model.ssm.family} {k}": v for k, v in self.model.ssm.shard_units.items()})
@@ -238,7 +261,7 @@ class RankLayout:
         """One KV head of one attention page of this rank (head-outer blocks are runs of these)."""
         if self.model.attention is None:
             return 0
-        return int(self.attention_schema.sizes[0]) // (self.model.attention.num_kv_heads // self.tp_size)
+        return int(self.attention_schema.sizes[0]) // self.kv_heads_per_rank
 
     def locate(
         self, kind: LayerKind, slots: np.ndarray, units: np.ndarray, offsets: np.ndarray

@@ -74,7 +74,7 @@ def stage(
         raise ValueError("stage: a run starts before its side's base address")
     if not len(plan):
         return StagedPlan(1, src_offset, dst_offset, max(1, chunk_bytes))
-    row = math.gcd(*np.unique(np.concatenate([src_offset, dst_offset, plan.length])).tolist())
+    row = int(np.gcd.reduce(np.concatenate([src_offset, dst_offset, plan.length])))
     if chunk_bytes < row:
         raise ValueError(f"chunk_bytes {chunk_bytes} is smaller than one row of this plan ({row} B)")
     src_starts, dst_starts = split_runs(plan.length, row, src_offset, dst_offset)
@@ -93,15 +93,15 @@ class PathCosts:
     Direct: ``descriptors * descriptor_us + nbytes / link_gbps``. Staged: ``chunks * chunk_ms +
     nbytes / staged_gbps``, where ``staged_gbps`` is the pipelined rate of gather, WRITE and scatter together
     and ``chunk_ms`` what each chunk adds (its synchronisation and notification round trip). The defaults are
-    fitted to one H200, two processes, NIXL 1.5.1 over UCX cuda_ipc (``docs/benchmarks.md``): 7.3 us per
-    descriptor, a contiguous 512 MiB WRITE in 0.73 ms, and the staged 512 MiB request in 2.9 ms with 256 MiB
-    chunks and 6.9 ms with 64 MiB ones.
+    fitted to one H200, two processes, NIXL 1.5.1 over UCX cuda_ipc (``docs/benchmarks.md``, timed from the
+    post): 7.7 us per descriptor (65,536 in 505 ms, 1,024 in 8.3 ms), a contiguous 512 MiB WRITE in 0.41 ms,
+    and the staged 512 MiB request in 2.5, 2.8 and 7.2 ms with 512, 256 and 64 MiB chunks (least squares).
     """
 
-    descriptor_us: float = 7.3
-    link_gbps: float = 735.0
-    chunk_ms: float = 0.67
-    staged_gbps: float = 349.0
+    descriptor_us: float = 7.7
+    link_gbps: float = 1345.0
+    chunk_ms: float = 0.68
+    staged_gbps: float = 325.0
 
     def __post_init__(self) -> None:
         for name in ("descriptor_us", "link_gbps", "chunk_ms", "staged_gbps"):

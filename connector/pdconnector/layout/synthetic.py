@@ -89,9 +89,10 @@ def tagged_shard(schema: PageSchema, tp_rank: int, region: int, tags: Any) -> An
     xp = _Backend.of(tags)
     tags = xp.words(tags)
     out = xp.empty_bytes(int(tags.shape[0]), schema.nbytes)
+    starts = schema.starts(tp_rank).tolist()
     for seg, (offset, size) in enumerate(zip(schema.offsets.tolist(), schema.sizes.tolist(), strict=True)):
         seed = (tags[:, None] * xp.word(_MIX[0])) ^ xp.word((region * 1031 + seg + 1) * _MIX[1])
-        x = seed ^ (xp.word_range(tp_rank * size, (tp_rank + 1) * size)[None, :] * xp.word(_MIX[2]))
+        x = seed ^ (xp.word_range(starts[seg], starts[seg] + size)[None, :] * xp.word(_MIX[2]))
         x ^= (x >> 29) & ((1 << 35) - 1)
         x *= xp.word(_MIX[3])
         x ^= (x >> 32) & ((1 << 32) - 1)

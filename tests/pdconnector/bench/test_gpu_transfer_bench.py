@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from pdconnector.bench import gpu_transfer_bench
+from pdconnector.layout import RankLayout, plan_transfer
 from pdconnector.layout.staging import PathCosts
 from pdconnector.transport import nixl_unavailable_reason
 
@@ -73,3 +74,20 @@ def test_the_checksum_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one
     assert gpu_transfer_bench.checksum(torch, buffer, rows, 8) != gpu_transfer_bench.checksum(
         torch, buffer, torch.tensor([1, 3, 2]), 8
     )
+
+
+def test_nemotron_3_super_at_tp4_moves_one_replicated_kv_head_per_rank_in_4224_token_blocks() -> None:
+    """The deployment the hybrid seed quotes: its per-rank layout, and the engine-wide volume report the bench
+    writes next to its measurements (one rank's planned bytes are the report's optimal share)."""
+    model = gpu_transfer_bench.MODELS["nemotron-3-super-120b-tp4"]
+    kv_model = model.kv_model()
+    assert kv_model.block_size == 4224
+    rank = RankLayout(kv_model, model.tp_size, 0, gpu_transfer_bench.pool_blocks(kv_model, 4, 16384))
+    assert rank.kv_heads_per_rank == 1
+    report = gpu_transfer_bench.volume_report(["nemotron-3-super-120b-tp4", "qwen3-32b-tp8"], [1024, 16384])
+    assert list(report) == ["nemotron-3-super-120b-tp4"]  # dense models have no SSM padding to report
+    short, long = report["nemotron-3-super-120b-tp4"]
+    assert short["naive"] > short["optimal"] and long["naive"] > long["optimal"]
+    blocks = gpu_transfer_bench.request_blocks(rank, 16384, scattered=True, seed=3)
+    plan = plan_transfer(rank, rank, blocks, blocks, num_tokens=16384)
+    assert model.tp_size * plan.nbytes == long["optimal"]

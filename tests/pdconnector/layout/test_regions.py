@@ -165,8 +165,13 @@ def test_invalid_descriptions_are_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         model_from_hf_config({**NEMOTRON_NANO_9B_V2, "torch_dtype": "int3"})
     model = model_from_hf_config(NEMOTRON_NANO_9B_V2)
-    with pytest.raises(ValueError, match=r"attention num_kv_heads \(8\) is not divisible by tp_size 16"):
-        RankLayout(model, 16, 0, 4)
+    with pytest.raises(ValueError, match=r"attention num_kv_heads \(8\) is not divisible by tp_size 3"):
+        RankLayout(model, 3, 0, 4)
+    dense = KVModel((LayerKind.ATTENTION,), 16, model.attention)
+    with pytest.raises(
+        ValueError, match=r"tp_size 12 is above the attention num_kv_heads \(8\) and not a multiple"
+    ):
+        RankLayout(dense, 12, 0, 4)
     mamba_only = KVModel((LayerKind.SSM,), 16, None, model.ssm)
     with pytest.raises(
         ValueError, match=r"mamba2 conv projection B units \(8\) is not divisible by tp_size 16"

@@ -111,11 +111,12 @@ def test_a_scattered_block_outer_request_becomes_one_row_per_block_in_few_chunks
 
 def test_the_cost_model_reproduces_the_h200_figures_it_was_fitted_to() -> None:
     costs = PathCosts()
-    assert costs.direct_ms(65_536, 512 * MiB) == pytest.approx(477, rel=0.02)  # layer-outer, scattered
-    assert costs.direct_ms(1_024, 512 * MiB) == pytest.approx(8.8, rel=0.15)  # block-outer, scattered
-    assert costs.direct_ms(1, 512 * MiB) == pytest.approx(0.73, rel=0.02)  # contiguous
-    assert costs.staged_ms(512 * MiB, 2) == pytest.approx(2.88, rel=0.02)
-    assert costs.staged_ms(512 * MiB, 8) == pytest.approx(6.9, rel=0.02)
+    assert costs.direct_ms(65_536, 512 * MiB) == pytest.approx(505.5, rel=0.02)  # layer-outer, scattered
+    assert costs.direct_ms(1_024, 512 * MiB) == pytest.approx(8.28, rel=0.02)  # block-outer, scattered
+    assert costs.direct_ms(1, 512 * MiB) == pytest.approx(0.407, rel=0.02)  # contiguous
+    assert costs.staged_ms(512 * MiB, 1) == pytest.approx(2.51, rel=0.1)
+    assert costs.staged_ms(512 * MiB, 2) == pytest.approx(2.81, rel=0.1)
+    assert costs.staged_ms(512 * MiB, 8) == pytest.approx(7.16, rel=0.02)
 
 
 def test_fragmented_requests_go_staged_and_contiguous_or_small_ones_direct() -> None:

@@ -93,6 +93,11 @@ NEMOTRON_H: Mapping[str, Any] = {
 }
 
 
+# Nemotron-3-Super-120B's attention (2 KV heads of 128) over the mixers above: at TP 4 and 8 every rank holds
+# one replicated KV head next to its shard of the SSM state.
+NEMOTRON_H_TWO_KV_HEADS: Mapping[str, Any] = {**NEMOTRON_H, "num_key_value_heads": 2}
+
+
 class FlashInferConstraints:
     """What of FlashInfer's backend class the cache build consults, restated from
     ``vllm/v1/attention/backends/flashinfer.py`` because the ``flashinfer`` package (which that module
@@ -185,6 +190,11 @@ def model_layers(hf_config: Mapping[str, Any]) -> list[Layer]:
     ]
 
 
+def _kv_heads_per_rank(hf_config: Mapping[str, Any], tp_size: int) -> int:
+    # Qwen3Attention / NemotronHAttention: above the KV head count every rank holds one replicated head.
+    return max(1, hf_config["num_key_value_heads"] // tp_size)
+
+
 def _attention_spec(
     hf_config: Mapping[str, Any], tp_size: int, block_size: int, backend: Backend
 ) -> AttentionSpec:
@@ -192,7 +202,7 @@ def _attention_spec(
     # get_kv_cache_spec).
     spec = FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=hf_config["num_key_value_heads"] // tp_size,
+        num_kv_heads=_kv_heads_per_rank(hf_config, tp_size),
         head_size=hf_config["head_dim"],
         dtype=torch.bfloat16,
     )
@@ -445,8 +455,10 @@ def scattered_request(cache: RankCache, num_tokens: int, seed: int) -> Request:
 
 def _attention_tags(cache: RankCache, layer: Layer, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[token, local head, channel] tags of K and V: f(layer, global kv head, position, K/V, channel)."""
-    heads = cache.hf_config["num_key_value_heads"] // cache.tp_size
-    global_heads = (cache.tp_rank * heads + torch.arange(heads))[None, :, None]
+    heads = _kv_heads_per_rank(cache.hf_config, cache.tp_size)
+    # QKVParallelLinear: rank r loads KV shard r // replicas, replicas = tp / heads once TP exceeds them.
+    replicas = max(1, cache.tp_size // cache.hf_config["num_key_value_heads"])
+    global_heads = (cache.tp_rank // replicas * heads + torch.arange(heads))[None, :, None]
     positions, channels = (
         torch.arange(num_tokens)[:, None, None],
         torch.arange(cache.hf_config["head_dim"])[None, None, :],

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from tests.pdconnector.vllm.cuda_caches import (
     BACKENDS,
     NEMOTRON_H,
+    NEMOTRON_H_TWO_KV_HEADS,
     PREFILL_FILL,
     QWEN3_32B,
     SENTINEL,
@@ -66,6 +67,9 @@ class Pair:
 
 SAME_TP_ONE_HEAD, SAME_TP_FOUR_HEADS = Pair(8, 8, 5), Pair(2, 2, 1)
 TP2_TO_TP8, TP8_TO_TP2 = Pair(2, 8, 5), Pair(8, 2, 1)
+# Above the model's 8 KV heads ranks replicate them: decode rank 5 of TP 16 holds head 2, as rank 4 does.
+SAME_TP_REPLICATED, TP16_TO_TP4, TP4_TO_TP16 = Pair(16, 16, 5), Pair(16, 4, 1), Pair(4, 16, 5)
+REPLICATED_PAIRS = [SAME_TP_REPLICATED, TP16_TO_TP4, TP4_TO_TP16]
 
 SelectLayout = Callable[[str], None]
 
@@ -147,7 +151,9 @@ def written_outside(decode: RankCache, request: Request) -> int:
     return int((decode.raw != SENTINEL).sum())
 
 
-@pytest.mark.parametrize("pair", [SAME_TP_ONE_HEAD, SAME_TP_FOUR_HEADS, TP2_TO_TP8, TP8_TO_TP2], ids=str)
+@pytest.mark.parametrize(
+    "pair", [SAME_TP_ONE_HEAD, SAME_TP_FOUR_HEADS, TP2_TO_TP8, TP8_TO_TP2, *REPLICATED_PAIRS], ids=str
+)
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC"])
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN", "FLASHINFER"])
 def test_dense_request_lands_on_every_layer_head_and_token_and_nowhere_else(
@@ -172,6 +178,34 @@ def test_hybrid_request_lands_with_its_conv_and_temporal_state_and_no_padding_is
     assert decode.rank_layout().ssm_padding_bytes > 0  # the padding the check below covers exists
     assert arrived(decode, request) == []
     assert written_outside(decode, request) == 0
+
+
+@pytest.mark.parametrize("pair", [Pair(4, 4, 1), Pair(8, 8, 5)], ids=str)
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+def test_a_hybrid_with_fewer_kv_heads_than_ranks_moves_the_replicated_head_with_the_ssm_shard(
+    kv_cache_layout: SelectLayout, backend: str, layout: str, pair: Pair
+) -> None:
+    kv_cache_layout(layout)
+    decode, request = transfer(
+        NEMOTRON_H_TWO_KV_HEADS, backend, pair, num_blocks=NUM_BLOCKS, num_tokens=HYBRID_TOKENS
+    )
+    assert decode.rank_layout().kv_heads_per_rank == 1
+    assert arrived(decode, request) == []
+    assert written_outside(decode, request) == 0
+
+
+def test_hybrid_engines_whose_tp_changes_the_block_size_are_refused_by_name() -> None:
+    """With replicated KV heads the attention page stops shrinking with TP while the SSM state still does, so
+    vLLM picks a different block size per TP; such engines cannot pair."""
+    with pytest.raises(ValueError, match="prefill and decode models differ in block_size"):
+        transfer(
+            NEMOTRON_H_TWO_KV_HEADS,
+            "FLASH_ATTN",
+            Pair(8, 2, 1),
+            num_blocks=NUM_BLOCKS,
+            num_tokens=HYBRID_TOKENS,
+        )
 
 
 def test_flashinfer_splits_the_large_hybrid_block_into_kernel_blocks_and_rank_layout_reads_them_off_the_views(
