@@ -21,7 +21,8 @@ from tests.pdconnector.worker.engines import MODELS, EngineHost, RemoteEngine, r
 from tests.pdconnector.worker.scenarios import Pair, push_both_orders, push_then_pull
 
 NIXL_CASES = [
-    ("nixl", model, p, d) for model in ("dense", "mamba2") for p, d in ((1, 1), (1, 2), (2, 1), (2, 4))
+    *(("nixl", model, p, d) for model in ("dense", "mamba2") for p, d in ((1, 1), (1, 2), (2, 1), (2, 4))),
+    ("nixl", "dense_two_heads", 4, 1),  # replicated heads: two of the four writers only notify
 ]
 MOCK_CASES = [
     ("mock", "dense", 2, 4),

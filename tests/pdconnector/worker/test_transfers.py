@@ -23,6 +23,7 @@ TPS = (1, 2, 4)
 MATRIX = [
     *((model, p, d) for model in ("dense", "mamba2", "gdn") for p, d in itertools.product(TPS, TPS)),
     *(("mamba1", tp, tp) for tp in TPS),
+    *(("dense_two_heads", p, d) for p, d in ((4, 4), (4, 1), (1, 4), (4, 2), (2, 4))),
 ]
 IDS = [f"{m}-P{p}-D{d}" for m, p, d in MATRIX]
 BLOCKS = (24, 40)  # prefill and decode pools differ in size
