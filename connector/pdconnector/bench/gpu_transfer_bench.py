@@ -337,18 +337,29 @@ class Bench:
 
     def staged(self, plan_of: Callable[[], Any], src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
         """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
-        torch = self.torch
+        torch, device = self.torch, self.args.device
 
-        def prepared() -> tuple[Any, list[Any]]:
-            """The request's rows and, per chunk, its gather index on the GPU: what the transfer thread
-            computes per request before the first gather."""
-            rows = stage(
+        def rows_of_request() -> Any:
+            return stage(
                 plan_of(), src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=chunk_bytes
             )
-            chunks = [rows.chunk(k)[0] for k in range(rows.num_chunks)]
-            return rows, [torch.as_tensor(c, device=self.args.device) for c in chunks]
 
-        staged, _ = prepared()
+        staged = rows_of_request()
+        # The gather index goes up through pinned memory asynchronously, on the stream the gathers run on: a
+        # pageable upload would block the thread until the copy is done. Both buffers are reused per request;
+        # the previous request's upload has finished once its gathers were synchronised.
+        upload = torch.empty(staged.src_rows.size, dtype=torch.int64, pin_memory=device == "cuda")
+        index = torch.empty(staged.src_rows.size, dtype=torch.int64, device=device)
+
+        def prepared() -> list[Any]:
+            """Per chunk, the request's gather index on the GPU: what the transfer thread computes per request
+            before the first gather."""
+            rows = rows_of_request()
+            count, per_chunk = int(rows.src_rows.size), rows.rows_per_chunk
+            upload.numpy()[:count] = rows.src_rows
+            index[:count].copy_(upload[:count], non_blocking=True)
+            return [index[k * per_chunk : min(count, (k + 1) * per_chunk)] for k in range(rows.num_chunks)]
+
         row = staged.row_bytes
         self._command("zero")
         scatter = [(staged.chunk(k)[1], row) for k in range(staged.num_chunks)]
@@ -360,7 +371,7 @@ class Bench:
             in_flight: list[Any] = [None, None]
             scattered: list[float] = []
             planning = time.thread_time()
-            _, gathers = prepared()
+            gathers = prepared()
             prepare_s, launch_s = time.thread_time() - planning, 0.0
             start = time.monotonic()
             for k, rows in enumerate(gathers):

@@ -74,8 +74,8 @@ MODELS: dict[str, KVModel] = {
         attention=_ATTENTION,
         ssm=SsmSpec.gdn(num_k_heads=4, num_v_heads=8, head_k_dim=4, head_v_dim=4, **_SSM_COMMON),
     ),
-    # Two KV heads: at TP 4 each rank holds a replica of one, and of the prefill ranks writing into a decode rank
-    # only the first holding a head sends it.
+    # Two KV heads: at TP 4 each rank holds a replica of one, and of the prefill ranks writing into a decode
+    # rank only the first holding a head sends it.
     "dense_two_heads": KVModel(
         (A, A, A), block_size=16, attention=AttentionSpec(num_kv_heads=2, head_dim=8, dtype_bytes=2)
     ),
