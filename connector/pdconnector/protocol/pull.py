@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pdconnector.layout import targets_for
 from pdconnector.protocol.deadlines import DeadlineQueue
 from pdconnector.protocol.messages import AbortMessage, ReadDoneMessage
-from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
+from pdconnector.protocol.pairing import PrefillBlocks
+from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.protocol.timeline import Milestone, Timeline
 
 

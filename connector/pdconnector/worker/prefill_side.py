@@ -22,13 +22,13 @@ from pdconnector.protocol.messages import (
     RegistrationMessage,
     encode,
 )
+from pdconnector.protocol.pairing import PrefillBlocks
 from pdconnector.protocol.pull import PullHolds, Released
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
     Closed,
     Event,
     NotifyDecode,
-    PrefillBlocks,
     RendezvousLimits,
     RendezvousTable,
     StartWrite,

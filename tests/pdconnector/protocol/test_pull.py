@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 from pdconnector.protocol.messages import AbortMessage, ProtocolError, ReadDoneMessage, decode, encode
+from pdconnector.protocol.pairing import PrefillBlocks
 from pdconnector.protocol.pull import PullHolds
-from pdconnector.protocol.rendezvous import Outcome, PrefillBlocks
+from pdconnector.protocol.rendezvous import Outcome
 
 BLOCKS = PrefillBlocks("tx-1", ((1, 2),), 20)
 

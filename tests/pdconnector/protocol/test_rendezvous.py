@@ -2,6 +2,7 @@ from typing import TypeVar
 
 import pytest
 from pdconnector.protocol.messages import AbortMessage, FailureReason
+from pdconnector.protocol.pairing import PrefillBlocks, paired_blocks
 from pdconnector.protocol.params import EngineRole
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
@@ -9,12 +10,10 @@ from pdconnector.protocol.rendezvous import (
     Event,
     NotifyDecode,
     Outcome,
-    PrefillBlocks,
     RendezvousLimits,
     RendezvousTable,
     StartWrite,
     WriteKey,
-    paired_blocks,
 )
 
 LIMITS = RendezvousLimits(

@@ -21,17 +21,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from pdconnector.protocol.messages import AbortMessage, RegistrationMessage
+from pdconnector.protocol.pairing import PrefillBlocks, paired_blocks
 from pdconnector.protocol.rendezvous import (
     AbandonWrite,
     Closed,
     Event,
     NotifyDecode,
-    PrefillBlocks,
     RendezvousLimits,
     RendezvousTable,
     StartWrite,
     WriteKey,
-    paired_blocks,
 )
 
 TRANSFER_IDS = [f"tx-{index}" for index in range(6)]
