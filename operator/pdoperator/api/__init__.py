@@ -20,9 +20,6 @@ from pdoperator.api.model import (
     SINGULAR,
     VERSION,
     Architecture,
-    Condition,
-    ConditionStatus,
-    ConditionType,
     ConnectorImpl,
     ConvLayout,
     DType,
@@ -37,12 +34,9 @@ from pdoperator.api.model import (
     NetworkSpec,
     PDService,
     PDServiceSpec,
-    PDServiceStatus,
-    Phase,
     PVCSource,
     RoleResources,
     RoleSpec,
-    RoleStatus,
     RouterSpec,
     RoutingPolicy,
     Runtime,
@@ -56,6 +50,14 @@ from pdoperator.api.model import (
     TransportSpec,
 )
 from pdoperator.api.parse import parse_pdservice
+from pdoperator.api.status import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    PDServiceStatus,
+    Phase,
+    RoleStatus,
+)
 from pdoperator.api.validation import MANAGED_FLAGS, RESERVED_ENV, validate_spec
 
 __all__ = [

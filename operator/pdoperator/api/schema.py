@@ -19,8 +19,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
 
-from pdoperator.api.model import PDServiceSpec, PDServiceStatus
+from pdoperator.api.model import PDServiceSpec
 from pdoperator.api.rules import CEL_RULES
+from pdoperator.api.status import PDServiceStatus
 
 # Child names like <name>-prefill are DNS-1035 labels (Service names) and the
 # StatefulSet revision label <name>-prefill-<10-char hash> must fit in 63 characters.

@@ -22,7 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from pdoperator.api.model import Condition, ConditionStatus, ConditionType, PDService
+from pdoperator.api.model import PDService
+from pdoperator.api.status import Condition, ConditionStatus, ConditionType
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from pdoperator.api import SpecError, parse_pdservice
-from pdoperator.api.model import Condition, ConditionType, PDService
+from pdoperator.api.model import PDService
+from pdoperator.api.status import Condition, ConditionType
 from pdoperator.render import ComponentRole, RenderDefaults, child_name
 
 from .children import Action, Create, Patch, children_selector, describe, desired_children, plan

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdoperator.api.model import (
+from pdoperator.api.model import PDService
+from pdoperator.api.status import (
     Condition,
     ConditionStatus,
     ConditionType,
-    PDService,
     PDServiceStatus,
     Phase,
     RoleStatus,

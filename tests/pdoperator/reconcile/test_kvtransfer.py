@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdoperator.api.model import ConditionStatus
+from pdoperator.api.status import ConditionStatus
 from pdoperator.reconcile.kvtransfer import (
     RouterStatusError,
     TransferCounts,

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import yaml
-from pdoperator.api.model import ConditionStatus, PDService
+from pdoperator.api.model import PDService
+from pdoperator.api.status import ConditionStatus
 from pdoperator.reconcile.kinds import CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
 from pdoperator.reconcile.kube import KubeApiError
 from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts

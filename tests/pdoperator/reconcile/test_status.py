@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-from pdoperator.api.model import (
-    Condition,
-    ConditionStatus,
-    ConditionType,
-    PDService,
-    PDServiceSpec,
-    PDServiceStatus,
-    Phase,
-)
+from pdoperator.api.model import PDService, PDServiceSpec
+from pdoperator.api.status import Condition, ConditionStatus, ConditionType, PDServiceStatus, Phase
 from pdoperator.reconcile.status import healthy_status, invalid_status, role_rollout, status_patch
 from pdoperator.render import ComponentRole
 
