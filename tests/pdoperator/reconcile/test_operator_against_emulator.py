@@ -602,9 +602,14 @@ def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_livenes
         wait_children(env, "team-h", "inside")
         health = eventually(lambda: _get(f"http://127.0.0.1:{health_port}/healthz"), "the liveness endpoint")
         assert health == 200
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-            metrics = response.read().decode()
-        assert 'pd_operator_child_writes_total{action="create",kind="StatefulSet"} 2.0' in metrics
+        # the counter moves after the API answers, so the children can be seen a moment before it does
+        eventually(
+            lambda: (
+                'pd_operator_child_writes_total{action="create",kind="StatefulSet"} 2.0'
+                in _metrics(metrics_port)
+            ),
+            "two StatefulSet creations on /metrics",
+        )
         time.sleep(1)
         assert env.children("team-i", "outside") == {}
     finally:
@@ -614,6 +619,11 @@ def test_a_namespaced_operator_serves_only_its_namespaces_with_json_logs_livenes
     records = [json.loads(line) for line in lines]  # every line is a JSON object
     assert any(r.get("message", "").startswith("Handler 'reconcile' succeeded") for r in records)
     wait_children(env, "team-i", "outside")
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
 
 
 def _get(url: str) -> int | None:
