@@ -17,11 +17,12 @@ it (pull: READ). Figures, all medians over ``--repeat`` runs:
   the copy's time over the transfer's (1.0 = the transfer moves bytes as fast as a device copy).
 - ``plan_cpu_ms``, ``post_cpu_ms``: the initiating thread's CPU time to plan the request and build its
   descriptors, and to post them; the transfer times start at the post.
-- ``staged``: the scattered request gathered on the GPU into a registered staging buffer, moved in WRITEs of
-  each ``--chunk-mib`` size (two chunks in flight) and scattered by the target after each notification: what a
-  fragmented transfer costs when descriptors, not bytes, are the bottleneck. Its ``post_to_scattered_ms`` runs
-  to the target's last scatter; a chunk's half of the staging buffer is reused once the target said it
-  scattered it (over a pipe here, a notification in a connector).
+- ``staged``: the scattered request on the connector's staged path (``pdconnector.worker.staging``): gathered
+  on the GPU into a registered staging buffer (``gather_copy``), one WRITE of one descriptor into the
+  target's staging buffer, scattered there by the target (``scatter_copy`` of the ``received_plan`` a decode
+  rank computes from its own blocks) before it answers. ``post_to_scattered_ms`` runs from the gather's launch
+  to the end of the target's scatter; ``prepare_cpu_ms`` is the thread's CPU time to plan the request and
+  derive its copy, ``post_cpu_ms`` to launch the gather and post the WRITE (waits left out).
 - ``volume``: for the hybrid models, the bytes one request moves engine-wide, naive (whole HMA-padded pages,
   whole logical blocks) against optimal (what the planner moves; one rank's share is each case's ``nbytes``).
 - ``efa_model_ms``: the same descriptors and bytes on EFA, modelled as ``descriptors * --efa-descriptor-us +
@@ -62,8 +63,9 @@ from pdconnector.layout.known_models import (
     NEMOTRON_NANO_9B_V2,
     QWEN3_32B,
 )
-from pdconnector.layout.staging import PathCosts, stage
+from pdconnector.layout.staging import PathCosts, SlotCopy, gather_copy, received_plan, scatter_copy
 from pdconnector.transport import Device, MemoryRegion, TransferState, Transport, create_transport
+from pdconnector.worker.staging import RegionRows
 
 POOL_SLACK = 2  # pools hold twice the largest request, so scattered blocks have free blocks between them
 WARMUP = 2
@@ -107,6 +109,11 @@ class Pools:
         starts = np.cumsum([0, *self.layout.region_nbytes[:-1]])
         return [self.base + int(s) for s in starts]
 
+    def regions(self, memory: Memory) -> list[MemoryRegion]:
+        return [
+            memory.region_at(a, n) for a, n in zip(self.region_addrs, self.layout.region_nbytes, strict=True)
+        ]
+
 
 def pool_blocks(model: KVModel, tp_size: int, max_tokens: int) -> int:
     return POOL_SLACK * (-(-max_tokens // model.block_size) + len(RankLayout(model, tp_size, 0, 1).groups))
@@ -146,8 +153,10 @@ class Memory:
         return self.torch.zeros(nbytes, dtype=self.torch.uint8, device=self.device)
 
     def region(self, tensor: Any) -> MemoryRegion:
-        kind = Device.VRAM if self.device == "cuda" else Device.DRAM
-        return MemoryRegion(tensor.data_ptr(), tensor.numel(), kind, 0)
+        return self.region_at(tensor.data_ptr(), tensor.numel())
+
+    def region_at(self, addr: int, nbytes: int) -> MemoryRegion:
+        return MemoryRegion(addr, nbytes, Device.VRAM if self.device == "cuda" else Device.DRAM, 0)
 
     def synchronize(self) -> None:
         """NIXL reads and writes the buffers outside torch's streams: this stream's kernels must have finished
@@ -157,55 +166,46 @@ class Memory:
             self.torch.cuda.current_stream().synchronize()
 
 
-def rows_of(buffer: Any, row_bytes: int) -> Any:
-    """``buffer`` as rows of ``row_bytes`` (its tail shorter than a row left out)."""
-    return buffer[: buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)
-
-
-def checksum(torch: Any, buffer: Any, rows: Any, row_bytes: int) -> int:
-    """A position-weighted sum of the given rows, in order: equal on both sides only if every byte went to its
-    place."""
-    picked = rows_of(buffer, row_bytes).index_select(0, rows).to(torch.int64).sum(1)
-    return int((picked * torch.arange(1, picked.numel() + 1, device=picked.device)).sum())
+def checksum(torch: Any, data: Any) -> int:
+    """A position-weighted sum of ``data``'s bytes: equal for two buffers only if (nearly surely) every byte
+    is the same at the same place."""
+    weights = torch.arange(data.numel(), device=data.device) % 65521 + 1
+    return int((data.to(torch.int64) * weights).sum())
 
 
 def _target(conn: Connection, device: str, pool_bytes: int, staging_bytes: int) -> None:
-    """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; staged
-    chunks scattered into the pool after each one arrives."""
+    """The decode side: a pool and a staging buffer, registered; notifications timed as they arrive; a staged
+    request scattered from the staging buffer into the pool when its notification arrives."""
     memory = Memory(device)
     torch = memory.torch
     pool, staging = memory.zeros(pool_bytes), memory.zeros(staging_bytes)
     agent = create_transport("nixl", f"bench-target-{time.monotonic_ns()}")
     agent.register([memory.region(pool), memory.region(staging)])
     conn.send((agent.metadata(), pool.data_ptr(), staging.data_ptr()))
-    scatter: list[tuple[Any, int]] = []  # per chunk: destination row index, row bytes
-    chunk_bytes = staging_bytes // 2
+    scatter: tuple[RegionRows, SlotCopy] | None = None
     while True:
         if conn.poll():
             command, payload = conn.recv()
             if command == "stop":
                 break
-            if command == "scatter":  # the rows each staged chunk lands in, before any chunk is timed
-                chunk_bytes, chunks = payload
-                scatter = [(torch.as_tensor(rows, device=device), row_bytes) for rows, row_bytes in chunks]
+            if command == "scatter":  # the request's regions (in this pool) and copy, before it is timed
+                regions, copy = payload
+                scatter = RegionRows(regions), copy
                 conn.send("ready")
             elif command == "zero":
                 pool.zero_()
                 memory.synchronize()
                 conn.send("ready")
-            elif command == "checksum":
-                rows, row_bytes = payload
-                conn.send(checksum(torch, pool, torch.as_tensor(rows, device=device), row_bytes))
+            elif command == "checksum":  # the pool's bytes of a copy, gathered in the slot's order
+                regions, copy = payload
+                RegionRows(regions).gather(copy, staging)
+                conn.send(checksum(torch, staging[: copy.nbytes]))
             continue
         for _peer, message in agent.take_notifications():
             arrived = time.monotonic()
-            if message.startswith(b"chunk-"):
-                chunk = int(message.split(b"-")[1])
-                rows, row_bytes = scatter[chunk]
-                half = (chunk % 2) * chunk_bytes
-                rows_of(pool, row_bytes).index_copy_(
-                    0, rows, staging[half : half + rows.numel() * row_bytes].view(-1, row_bytes)
-                )
+            if message.startswith(b"staged-") and scatter is not None:
+                rows, copy = scatter
+                rows.scatter(copy, staging)
                 memory.synchronize()
                 conn.send((message.decode(), time.monotonic()))
             else:
@@ -233,7 +233,7 @@ class Case:
     post_cpu_ms: float  # the post call alone
     efa_model_ms: float
     verified: bool | None  # WRITE: the target's pool holds the planned bytes at the planned places
-    staged: list[dict[str, Any]] | None = None  # per --chunk-mib
+    staged: dict[str, Any] | None = None  # the scattered WRITE on the staged path
 
 
 class Bench:
@@ -247,7 +247,8 @@ class Bench:
             for spec, tp in self.models().values()
             for p in PLACEMENTS
         )
-        self.staging_bytes = 2 * max(args.chunk_mib) * 2**20
+        # one request whole: pools hold POOL_SLACK times the largest
+        self.staging_bytes = self.pool_bytes // POOL_SLACK + 2**20
         self.local = torch.randint(0, 256, (self.pool_bytes,), dtype=torch.uint8, device=args.device)
         self.local_staging = self.memory.zeros(self.staging_bytes)
         self.copy_dst = self.memory.zeros(self.pool_bytes)
@@ -335,85 +336,45 @@ class Bench:
             plan.nbytes,
         )
 
-    def staged(self, plan_of: Callable[[], Any], src: Pools, dst: Pools, chunk_bytes: int) -> dict[str, Any]:
-        """Gather on this GPU, WRITE contiguous chunks into the target's staging buffer, scatter there."""
-        torch, device = self.torch, self.args.device
-
-        def rows_of_request() -> Any:
-            return stage(
-                plan_of(), src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=chunk_bytes
-            )
-
-        staged = rows_of_request()
-        # The gather index goes up through pinned memory asynchronously, on the stream the gathers run on: a
-        # pageable upload would block the thread until the copy is done. Both buffers are reused per request;
-        # the previous request's upload has finished once its gathers were synchronised.
-        upload = torch.empty(staged.src_rows.size, dtype=torch.int64, pin_memory=device == "cuda")
-        index = torch.empty(staged.src_rows.size, dtype=torch.int64, device=device)
-
-        def prepared() -> list[Any]:
-            """Per chunk, the request's gather index on the GPU: what the transfer thread computes per request
-            before the first gather."""
-            rows = rows_of_request()
-            count, per_chunk = int(rows.src_rows.size), rows.rows_per_chunk
-            upload.numpy()[:count] = rows.src_rows
-            index[:count].copy_(upload[:count], non_blocking=True)
-            return [index[k * per_chunk : min(count, (k + 1) * per_chunk)] for k in range(rows.num_chunks)]
-
-        row = staged.row_bytes
+    def staged(
+        self, plan_of: Callable[[], Any], received_of: Callable[[], Any], src: Pools, dst: Pools
+    ) -> dict[str, Any]:
+        """Gather on this GPU into the staging buffer, one WRITE into the target's, scatter there."""
+        rows = RegionRows(src.regions(self.memory))
         self._command("zero")
-        scatter = [(staged.chunk(k)[1], row) for k in range(staged.num_chunks)]
-        if self._command("scatter", (chunk_bytes, scatter)) != "ready":
-            raise RuntimeError("target did not take the scatter index")
-        pool, half = rows_of(self.local, row), chunk_bytes
+        scatter = (dst.regions(self.memory), scatter_copy(received_of()))
+        if self._command("scatter", scatter) != "ready":
+            raise RuntimeError("target did not take the scatter copy")
         times, prepare_cpu, post_cpu = [], [], []
         for i in range(WARMUP + self.args.repeat):
-            in_flight: list[Any] = [None, None]
-            scattered: list[float] = []
+            tag = f"staged-{i}-{time.monotonic_ns()}"
             planning = time.thread_time()
-            gathers = prepared()
-            prepare_s, launch_s = time.thread_time() - planning, 0.0
-            start = time.monotonic()
-            for k, rows in enumerate(gathers):
-                slot = k % 2
-                if in_flight[slot] is not None:
-                    # The half is free again once its WRITE is done here and the target has scattered it
-                    # there.
-                    self._wait(in_flight[slot])
-                    scattered.append(self._notified(f"chunk-{k - 2}"))
-                launching = time.thread_time()
-                staging = self.local_staging[slot * half : slot * half + rows.numel() * row].view(-1, row)
-                torch.index_select(pool, 0, rows, out=staging)
-                launch_s += time.thread_time() - launching
-                self.memory.synchronize()
-                launching = time.thread_time()
-                nbytes = rows.numel() * row
-                local = np.array([[self.local_staging.data_ptr() + slot * half, nbytes, 0]], dtype=np.int64)
-                remote = np.array([[self.remote_staging + slot * half, nbytes, 0]], dtype=np.int64)
-                in_flight[slot] = self.agent.write(self.peer, local, remote, f"chunk-{k}".encode())
-                launch_s += time.thread_time() - launching
-            for handle in in_flight:
-                if handle is not None:
-                    self._wait(handle)
-            scattered += [self._notified(f"chunk-{k}") for k in range(max(0, len(gathers) - 2), len(gathers))]
-            last = max(scattered)
+            plan = plan_of()
+            copy = gather_copy(plan)
+            launching, start = time.thread_time(), time.monotonic()
+            rows.gather(copy, self.local_staging)
+            launched = time.thread_time()
+            self.memory.synchronize()
+            posting = time.thread_time()
+            local = np.array([[self.local_staging.data_ptr(), plan.nbytes, 0]], dtype=np.int64)
+            remote = np.array([[self.remote_staging, plan.nbytes, 0]], dtype=np.int64)
+            handle = self.agent.write(self.peer, local, remote, tag.encode())
+            posted = time.thread_time()
+            self._wait(handle)
+            scattered = self._notified(tag)
             if i >= WARMUP:
-                times.append(last - start)
-                prepare_cpu.append(prepare_s)
-                post_cpu.append(launch_s)
+                times.append(scattered - start)
+                prepare_cpu.append(launching - planning)
+                post_cpu.append(launched - launching + posted - posting)
         return {
             "post_to_scattered_ms": round(statistics.median(times) * 1e3, 3),
             "verified": self.verified(plan_of(), src, dst),
-            "chunks": staged.num_chunks,
             # What the cost model (fitted to an earlier H200 run) expects, next to what this run measured.
-            "model_ms": round(PathCosts().staged_ms(staged.nbytes, staged.num_chunks), 3),
-            "chunk_bytes": half,
-            "row_bytes": row,
-            # The transfer thread's own work, waits left out (a connector waits in its loop, this bench
-            # spins): plan, rows and gather index; then the gather launches and the posts.
+            "model_ms": round(PathCosts().staged_ms(plan.nbytes), 3),
+            "row_bytes": copy.row_bytes,
             "prepare_cpu_ms": round(statistics.median(prepare_cpu) * 1e3, 3),
             "post_cpu_ms": round(statistics.median(post_cpu) * 1e3, 3),
-            "staging_bytes_per_side": 2 * chunk_bytes,
+            "staging_bytes_per_side": self.staging_bytes,
         }
 
     def _command(self, command: str, payload: Any = None) -> Any:
@@ -423,15 +384,12 @@ class Bench:
         return self.conn.recv()
 
     def verified(self, plan: Any, src: Pools, dst: Pools) -> bool:
-        """Whether the target's pool holds, at the plan's destination, the bytes of its source here."""
-        rows = stage(plan, src.region_addrs, src.base, dst.region_addrs, dst.base, chunk_bytes=plan.nbytes)
-        mine = checksum(
-            self.torch,
-            self.local,
-            self.torch.as_tensor(rows.src_rows, device=self.args.device),
-            rows.row_bytes,
-        )
-        return mine == self._command("checksum", (rows.dst_rows, rows.row_bytes))
+        """Whether the target's pool holds, at the plan's destination, the bytes of its source here: both
+        sides gathered in the destination's order and summed."""
+        gather = gather_copy(plan)
+        RegionRows(src.regions(self.memory)).gather(gather, self.local_staging)
+        mine = checksum(self.torch, self.local_staging[: gather.nbytes])
+        return mine == self._command("checksum", (dst.regions(self.memory), scatter_copy(plan)))
 
     def copy_ms(self, nbytes: int) -> float:
         times = []
@@ -478,9 +436,13 @@ class Bench:
                             copy = self.copy_ms(nbytes)
                             staged = None
                             if scattered and operation == "write" and self.args.staged:
-                                staged = [
-                                    self.staged(plan_of, src, dst, mib * 2**20) for mib in self.args.chunk_mib
-                                ]
+
+                                def received_of(
+                                    d: Pools = dst, db: Any = d_blocks, n: int = tokens, p_tp: int = tp
+                                ) -> Any:
+                                    return received_plan(d.layout, p_tp, 0, db, num_tokens=n)
+
+                                staged = self.staged(plan_of, received_of, src, dst)
                             efa = self.efa.direct_ms(descriptors, nbytes)
                             case = Case(
                                 name,
@@ -537,7 +499,7 @@ HEADER = (
 
 def _line(c: Case) -> str:
     notified = f"{c.post_to_notified_ms:>9.3f}" if c.post_to_notified_ms is not None else f"{'-':>9}"
-    staged = f"{min(s['post_to_scattered_ms'] for s in c.staged):>10.3f}" if c.staged else f"{'-':>10}"
+    staged = f"{c.staged['post_to_scattered_ms']:>10.3f}" if c.staged else f"{'-':>10}"
     return (
         f"{c.model:<28}{c.placement:<12}{c.tokens:>7}  "
         f"{c.blocks:<11}{c.operation:<6}{c.descriptors:>7}{c.nbytes / 2**20:>8.1f}"
@@ -559,12 +521,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--models", type=lambda v: v.split(","), default=list(MODELS))
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument(
-        "--chunk-mib",
-        type=lambda v: [int(m) for m in v.split(",")],
-        default=[64, 256],
-        help="MiB per staged WRITE (each a run); staging holds two",
-    )
     parser.add_argument("--no-staged", dest="staged", action="store_false")
     parser.add_argument("--efa-descriptor-us", type=float, default=2.44)
     parser.add_argument("--efa-gbps", type=float, default=50.0, help="GB/s of EFA per GPU")

@@ -3,8 +3,8 @@
 ``model`` describes what a model stores, ``regions`` how one TP rank lays it out under vLLM's hybrid
 allocator, ``plan`` which byte runs a prefill rank writes into a decode rank (``descriptors``: the same as
 prepared descriptor lists and ids), ``accounting`` how many bytes that is compared with whole-page transfers,
-``staging`` the same runs as gathered rows in bounded chunks and the cost model that picks a path,
-``synthetic`` tagged pools for byte-exact transfer tests.
+``staging`` the same runs as the rows a staging slot gathers and scatters, and the cost model that picks a
+path, ``synthetic`` tagged pools for byte-exact transfer tests.
 """
 
 from pdconnector.layout.accounting import (

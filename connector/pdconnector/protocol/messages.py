@@ -84,6 +84,16 @@ class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
     attempt: Attempt
 
 
+class StagingOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Staging memory decode holds for one prefill rank's share of a transfer: that rank may WRITE its bytes
+    here, gathered in the destination's address order (``pdconnector.layout.staging``), instead of into the
+    blocks; decode scatters them before it counts the rank's completion."""
+
+    prefill_rank: TpRank
+    address: Address
+    nbytes: Count
+
+
 class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     """Decode rank -> prefill ranks: where to WRITE this transfer's KV.
 
@@ -99,7 +109,8 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     it the registration may still be written (0: prefill's default); decode keeps the blocks at least that
     long plus its fence, so a WRITE posted within the lifetime lands in them. ``doorbell_port``: the decode
     rank's doorbell on ``decode_host``, rung after every notification sent to it. ``placement``: where the
-    decode rank's block pages sit in its regions (``pdconnector.layout.BlockPlacement``). Fields at their
+    decode rank's block pages sit in its regions (``pdconnector.layout.BlockPlacement``). ``staging``: at most
+    one :class:`StagingOffer` per prefill rank, held for the registration's lifetime. Fields at their
     default are left out of the frame: a registration without a prefix hit reads the same to a peer that
     predates ``cached_blocks``, and one with a hit is refused by such a peer (unknown field) instead of
     written at the wrong offset.
@@ -122,12 +133,16 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
     lifetime_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_LIFETIME_MS)] = 0
     doorbell_port: DoorbellPort = 0
     placement: Placement = "layer_outer"
+    staging: Annotated[tuple[StagingOffer, ...], msgspec.Meta(max_length=MAX_TP_SIZE)] = ()
 
     def __post_init__(self) -> None:
         if self.decode_tp_rank >= self.decode_tp_size:
             raise ProtocolError(
                 "decode_tp_rank", f"{self.decode_tp_rank} is not below decode_tp_size {self.decode_tp_size}"
             )
+        offered = [offer.prefill_rank for offer in self.staging]
+        if len(set(offered)) != len(offered):
+            raise ProtocolError("staging", f"more than one offer for a prefill rank: {sorted(offered)}")
         for group_index, group in enumerate(self.block_ids):
             if group and max(group) >= self.num_blocks:
                 position = next(i for i, block in enumerate(group) if block >= self.num_blocks)
@@ -148,12 +163,14 @@ class RegistrationMessage(_Message, tag="register", omit_defaults=True):
                 )
 
 
-class CompletionMessage(_Message, tag="complete"):
-    """Prefill rank -> decode rank, as the WRITE's notification: this rank's share has landed."""
+class CompletionMessage(_Message, tag="complete", omit_defaults=True):
+    """Prefill rank -> decode rank, as the WRITE's notification: this rank's share has landed, in the blocks
+    or (``staged``) in the staging memory decode offered it."""
 
     prefill_rank: TpRank
     prefill_tp_size: TpSize
     bytes_written: Count
+    staged: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_rank >= self.prefill_tp_size:
@@ -283,3 +300,21 @@ def rejection_notice(data: bytes, error: ProtocolError, *, rank: int) -> Failure
         reason=FailureReason.INVALID_REGISTRATION,
         detail=str(error)[:MAX_DETAIL_CHARS],
     )
+
+
+def registration_frame(message: RegistrationMessage, limit: int) -> tuple[bytes, bool]:
+    """The registration's frame within a transport's notification limit (LIBFABRIC's is a few KiB), and
+    whether it had to leave out the inline agent metadata (prefill has it from the engine's side-channel
+    announce); a registration too large even without it is a :class:`ProtocolError` naming its blocks."""
+    frame = encode(message)
+    trimmed = len(frame) > limit and bool(message.agent_metadata)
+    if trimmed:
+        frame = encode(msgspec.structs.replace(message, agent_metadata=b""))
+    if len(frame) > limit:
+        blocks = sum(len(group) for group in message.block_ids)
+        raise ProtocolError(
+            "block_ids",
+            f"a registration of {blocks} blocks takes {len(frame)} bytes, over the transport's "
+            f"{limit}-byte notification limit",
+        )
+    return frame, trimmed

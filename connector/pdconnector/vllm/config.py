@@ -20,7 +20,11 @@ vLLM steps such an engine back to back while it waits for KV, a core's worth of 
 off), ``kv_cache_layout`` (the KV cache layout the connector asks vLLM for, default ``BLHNC``: a block's
 pages of every layer are one run, so a request costs one descriptor per block instead of one per
 layer per block; ``BHLNC`` keeps a heterogeneous-TP head slice of every layer in one run, for dense
-models; backends that accept neither get ``LBHNC``, and the engine logs why).
+models; backends that accept neither get ``LBHNC``, and the engine logs why), ``staging_mib`` (the
+rank's staging buffer for the staged path, ``pdconnector.worker.staging``; default 0: none, every
+transfer direct; taken from the device beside the KV cache, the engine logs what it costs in blocks),
+``staging_slots`` (transfers one buffer serves at once, default 2), ``transfer_path`` (``auto``: the cost
+model picks per request; ``direct`` or ``staged`` force one where the buffers allow it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from pdconnector.layout.staging import TransferPath
 from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 from pdconnector.protocol.params import ENGINE_ID_PATTERN, HOST_PATTERN, TransferMode
 
@@ -49,8 +54,14 @@ _KNOWN_KEYS: Final = frozenset(
         "log_timeline",
         "kv_cache_layout",
         "idle_step_wait_s",
+        "staging_mib",
+        "staging_slots",
+        "transfer_path",
     }
 )
+MAX_STAGING_MIB: Final = 1 << 16
+MAX_STAGING_SLOTS: Final = 64
+TRANSFER_PATHS: Final = ("auto", *(path.value for path in TransferPath))
 # vLLM's KVCacheLayout names the connector can move (pdconnector.vllm.kv_layout.SUPPORTED_LAYOUTS maps them).
 KV_CACHE_LAYOUTS: Final = ("BLHNC", "BHLNC", "BLNHC", "LBHNC", "LBNHC")
 DEFAULT_KV_CACHE_LAYOUT: Final = "BLHNC"
@@ -84,6 +95,9 @@ class ConnectorConfig:
     log_timeline: bool = False
     kv_cache_layout: str = DEFAULT_KV_CACHE_LAYOUT
     idle_step_wait_s: float = DEFAULT_IDLE_STEP_WAIT_S
+    staging_mib: int = 0
+    staging_slots: int = 2
+    transfer_path: TransferPath | None = None  # None: the cost model chooses
 
     @property
     def uses_mock_transport(self) -> bool:
@@ -176,7 +190,28 @@ def parse_connector_config(
         log_timeline=log_timeline,
         kv_cache_layout=kv_cache_layout,
         idle_step_wait_s=_idle_step_wait(extra),
+        staging_mib=_count(extra, "staging_mib", 0, 0, MAX_STAGING_MIB),
+        staging_slots=_count(extra, "staging_slots", 2, 1, MAX_STAGING_SLOTS),
+        transfer_path=_transfer_path(extra),
     )
+
+
+def _count(extra: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.{key}", f"expected an integer in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _transfer_path(extra: Mapping[str, Any]) -> TransferPath | None:
+    path = extra.get("transfer_path", "auto")
+    if path not in TRANSFER_PATHS:
+        raise ConnectorConfigError(
+            "kv_connector_extra_config.transfer_path", f"expected one of {list(TRANSFER_PATHS)}, got {path!r}"
+        )
+    return None if path == "auto" else TransferPath(path)
 
 
 def requested_kv_cache_layout(extra: Mapping[str, Any] | None) -> str:

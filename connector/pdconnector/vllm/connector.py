@@ -27,6 +27,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.request import RequestStatus
 
 from pdconnector.layout import BlockPlacement, ConvLayout
+from pdconnector.layout.staging import staging_cost_blocks
 from pdconnector.vllm.config import ConnectorConfig, parse_connector_config, requested_kv_cache_layout
 from pdconnector.vllm.kv_layout import (
     LayoutMismatch,
@@ -205,6 +206,18 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             layout.model.attention.layout if layout.model.attention else "no attention",
             layout.placement,
         )
+        if self.config.staging_mib:
+            staging_bytes = self.config.staging_mib * 2**20
+            log.info(
+                "PDConnector rank %d: staging buffer of %d MiB in %d slots on %s:%d, from the memory vLLM "
+                "leaves beside the KV cache; as KV cache it would hold %d blocks",
+                layout.tp_rank,
+                self.config.staging_mib,
+                self.config.staging_slots,
+                device.value,
+                regions[0].device_id,
+                staging_cost_blocks(staging_bytes, layout),
+            )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None:

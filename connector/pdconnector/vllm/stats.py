@@ -9,7 +9,8 @@ series (:class:`PDPromMetrics`).
 Only rank 0 counts transfers and their waits, so a TP-sharded transfer counts once. Every
 rank counts its bytes, because each moves its own shard, and its fence events (:data:`FENCE_EVENTS`:
 blocks released by the fence without the peer's answer, transfers the transport could not cancel,
-registrations sent without their inline metadata to fit the backend's notification limit).
+registrations sent without their inline metadata to fit the backend's notification limit) and staged-path
+events (:data:`STAGING_EVENTS`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ MAX_WAITS = 4096
 
 # Transfer-worker counters that say the fence had to act; exported as vllm:pd_kv_fence_events{event=...}.
 FENCE_EVENTS = ("fences_expired", "writes_stuck", "reads_stuck", "registrations_without_metadata")
+# ... and the staged path's: WRITEs gathered through a slot, requests too large for a slot, none free;
+# exported as vllm:pd_kv_staging_events{event=...}.
+STAGING_EVENTS = ("writes_staged", "staging_too_large", "staging_slots_busy")
+COUNTED_EVENTS = FENCE_EVENTS + STAGING_EVENTS
 
 
 class Direction(StrEnum):
@@ -85,7 +90,7 @@ class PDTransferStats(KVConnectorStats):
                 durations.append(seconds)
 
     def count_events(self, events: dict[str, int]) -> None:
-        """Fence events of one rank since the last count (names from :data:`FENCE_EVENTS`)."""
+        """Events of one rank since the last count (names from :data:`COUNTED_EVENTS`)."""
         for name, count in events.items():
             if count:
                 self.data["events"][name] = self.data["events"].get(name, 0) + count
@@ -188,6 +193,13 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "metadata.",
             labelnames=[*labelnames, "event"],
         )
+        self._staging_events = self._counter_cls(
+            name="vllm:pd_kv_staging_events",
+            documentation="The staged path: WRITEs gathered through a staging slot (writes_staged), "
+            "requests larger than a slot (staging_too_large) or finding none free (staging_slots_busy), "
+            "which went direct.",
+            labelnames=[*labelnames, "event"],
+        )
         self._stages = self._histogram_cls(
             name="vllm:pd_kv_stage_seconds",
             documentation="Seconds a transfer spent in each stage of its timeline "
@@ -204,7 +216,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
         if transfer_stats_data["bytes_received"]:
             self._bytes.labels(*labels).inc(transfer_stats_data["bytes_received"])
         for event, count in transfer_stats_data.get("events", {}).items():
-            self._fence_events.labels(*labels, event).inc(count)
+            counter = self._staging_events if event in STAGING_EVENTS else self._fence_events
+            counter.labels(*labels, event).inc(count)
         for direction, waits in transfer_stats_data["waits"].items():
             if waits:
                 histogram = self._waits.labels(*labels, direction)

@@ -26,11 +26,12 @@ from pdconnector.transport.factory import create_transport
 from pdconnector.transport.mock_faults import MockFaults
 from pdconnector.vllm.config import ConnectorConfig
 from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata
-from pdconnector.vllm.stats import FENCE_EVENTS, Direction, PDTransferStats
+from pdconnector.vllm.stats import COUNTED_EVENTS, Direction, PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import ResultKind
 from pdconnector.worker.identity import EngineInfo, RankInfo, agent_name
 from pdconnector.worker.side_channel import SideChannelClient
+from pdconnector.worker.staging import StagingConfig
 from pdconnector.worker.transfer_worker import TransferWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class WorkerSide:
             pull_lease_s=config.lease_s,
             fence_s=config.fence_s,
             heartbeat_dir=config.heartbeat_dir,
+            staging=StagingConfig(config.staging_mib * 2**20, config.staging_slots, config.transfer_path),
         )
         self._live: dict[str, _Live] = {}  # by transfer id, while the transfer is live
         self._stats = PDTransferStats()
@@ -228,9 +230,9 @@ class WorkerSide:
         None."""
         counters = self._worker.stats()
         self._stats.count_events(
-            {name: counters.get(name, 0) - self._events_seen.get(name, 0) for name in FENCE_EVENTS}
+            {name: counters.get(name, 0) - self._events_seen.get(name, 0) for name in COUNTED_EVENTS}
         )
-        self._events_seen = {name: counters.get(name, 0) for name in FENCE_EVENTS}
+        self._events_seen = {name: counters.get(name, 0) for name in COUNTED_EVENTS}
         return self._stats.take()
 
     def _counted(self, wait_s: float) -> float | None:

@@ -24,6 +24,7 @@ from enum import StrEnum
 import numpy as np
 
 from pdconnector.layout import RankLayout
+from pdconnector.layout.staging import PathCosts, TransferPath
 from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, encode
 from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.transport.base import (
@@ -36,6 +37,7 @@ from pdconnector.transport.base import (
 )
 from pdconnector.worker.doorbell import Ringer
 from pdconnector.worker.identity import RankInfo, fingerprint, layout_summary
+from pdconnector.worker.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class WorkerContext:
     """Args:
     layout: this rank's KV layout; ``regions``: its memory regions in ``layout.regions`` order (one device).
     on_result: called (on the worker thread) after every reported result, to wake whoever drains them.
+    staging: the rank's staging buffer (None: every transfer goes direct); path: the path every transfer
+    takes (None: the cost model chooses per request).
     """
 
     def __init__(
@@ -76,8 +80,14 @@ class WorkerContext:
         regions: Sequence[MemoryRegion],
         *,
         on_result: Callable[[], None] | None = None,
+        staging: StagingBuffer | None = None,
+        path: TransferPath | None = None,
+        costs: PathCosts | None = None,
     ) -> None:
         self.layout = layout
+        self.staging = staging
+        self.path = path
+        self.costs = costs or PathCosts()
         # registrations carry it, the rendezvous compares it
         self.layout_fingerprint = fingerprint(layout_summary(layout.model))
         # the local side of every descriptor

@@ -20,9 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-
-import msgspec
+from dataclasses import dataclass, field
 
 from pdconnector.layout import plan_transfer, writers_for
 from pdconnector.protocol.completion import AbortWriters, CompletionTracker, TransferFailure
@@ -37,6 +35,7 @@ from pdconnector.protocol.messages import (
     ReadDoneMessage,
     RegistrationMessage,
     encode,
+    registration_frame,
 )
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import Outcome
@@ -47,6 +46,7 @@ from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
 from pdconnector.worker.peers import PeerRegistry
 from pdconnector.worker.side_channel import PeerGone, SideChannelClient
+from pdconnector.worker.staging import StagedShare, offer_slot, scatter_staged
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class _PushWait:
     timeline: Timeline
     probe: Future[EngineInfo] | None = None  # is the writers' engine still there?
     next_probe: float = 0.0
+    staged: dict[int, StagedShare] = field(default_factory=dict)  # by writer: the slot share it was offered
 
 
 @dataclass
@@ -276,7 +277,17 @@ class DecodeSide:
             self._end_read(transfer_id, FailureReason.CANCELLED, detail, now)
 
     def on_message(self, message: CompletionMessage | FailureMessage, now: float) -> None:
-        """A notification meant for decode (a prefill rank's completion or failure)."""
+        """A notification meant for decode (a prefill rank's completion or failure); a staged share is
+        scattered into the blocks before its completion counts."""
+        if isinstance(message, CompletionMessage) and message.staged:
+            waiting = self._pushes.get(message.transfer_id)
+            if waiting is None or waiting.attempt != message.attempt:
+                return  # stale: its attempt was replaced or ended, and nothing of it is scattered
+            try:
+                scatter_staged(self._context.staging, message, waiting.staged)
+            except (ValueError, RuntimeError) as error:
+                detail = f"staged share not scattered: {error}"
+                self._tracker.cancel(message.transfer_id, FailureReason.WRITE_FAILED, detail, now)
         self._tracker.on_message(message, now)
 
     def poll_handshakes(self, now: float) -> bool:
@@ -364,6 +375,7 @@ class DecodeSide:
         for abort in polled.aborts:
             self._abort_writers(abort)
         for received in polled.finished:
+            self._give_back_slot(received.transfer_id)
             stages = self._received(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
             result = TransferResult(
@@ -376,6 +388,7 @@ class DecodeSide:
             )
             self._context.report(result)
         for failure in polled.failed:
+            self._give_back_slot(failure.transfer_id)
             self._pushes.pop(failure.transfer_id, None)
             if failure.unconfirmed:
                 self._context.count("fences_expired")
@@ -413,6 +426,17 @@ class DecodeSide:
             return
         own = self._context.own
         try:
+            staged = offer_slot(
+                self._context.staging,
+                self.layout,
+                transfer_id=command.transfer_id,
+                prefill_tp_size=p_tp,
+                writers=list(writers),
+                blocks=command.block_ids,
+                num_tokens=command.num_tokens,  # the tokens after the cached blocks, as prefill plans them
+                path=self._context.path,
+                costs=self._context.costs,
+            )
             message = RegistrationMessage(
                 transfer_id=command.transfer_id,
                 attempt=command.attempt,
@@ -433,17 +457,20 @@ class DecodeSide:
                 placement=self.layout.placement.value,
                 lifetime_ms=int((deadline - now + REGISTRATION_GRACE_S) * 1000),
                 doorbell_port=own.doorbell_port,
+                staging=tuple(share.offer for share in staged.values()),
             )
             frame = self._fit(message)
             self._tracker.expect(command.transfer_id, command.attempt, writers, deadline)
         except ProtocolError as error:
-            self._fail(command.transfer_id, FailureReason.INVALID_REGISTRATION, str(error))
+            self._fail_registration(command.transfer_id, FailureReason.INVALID_REGISTRATION, str(error))
             return
         except ValueError as error:
-            self._fail(command.transfer_id, FailureReason.CAPACITY, str(error))
+            self._fail_registration(command.transfer_id, FailureReason.CAPACITY, str(error))
             return
         timeline.mark(Milestone.ASKED, now)
-        self._pushes[command.transfer_id] = _PushWait(command.attempt, writers, command.prefill, timeline)
+        self._pushes[command.transfer_id] = _PushWait(
+            command.attempt, writers, command.prefill, timeline, staged=staged
+        )
         self._context.count("registrations_sent", len(writers))
         for agent in writers.values():
             if not self._context.send_frame(agent, frame):
@@ -452,22 +479,20 @@ class DecodeSide:
                 self._tracker.cancel(command.transfer_id, FailureReason.WRITE_FAILED, detail, now)
                 return
 
+    def _fail_registration(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
+        """A registration that was never sent: nobody can write into what it would have offered."""
+        if transfer_id not in self._pushes:
+            self._give_back_slot(transfer_id)
+        self._fail(transfer_id, reason, detail)
+
+    def _give_back_slot(self, transfer_id: str) -> None:
+        if self._context.staging is not None:
+            self._context.staging.give_back(transfer_id)
+
     def _fit(self, message: RegistrationMessage) -> bytes:
-        """The registration's frame within the transport's notification limit (LIBFABRIC's is a few KiB):
-        without the inline agent metadata if need be (prefill has it from this engine's side-channel
-        announce), else refused."""
-        limit = self._context.transport.notification_limit
-        frame = encode(message)
-        if len(frame) > limit and message.agent_metadata:
-            frame = encode(msgspec.structs.replace(message, agent_metadata=b""))
+        frame, trimmed = registration_frame(message, self._context.transport.notification_limit)
+        if trimmed:
             self._context.count("registrations_without_metadata")
-        if len(frame) > limit:
-            blocks = sum(len(group) for group in message.block_ids)
-            raise ProtocolError(
-                "block_ids",
-                f"a registration of {blocks} blocks takes {len(frame)} bytes, over the transport's "
-                f"{limit}-byte notification limit",
-            )
         return frame
 
     def _abort_writers(self, abort: AbortWriters) -> None:

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import logging
 
-from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, plan_transfer
+import numpy as np
+
+from pdconnector.layout import BlockPlacement, LayerKind, RankLayout, TransferPlan, plan_transfer
+from pdconnector.layout.staging import TransferPath, choose_path, gather_copy
 from pdconnector.protocol.messages import (
     AbortMessage,
     CompletionMessage,
     ReadDoneMessage,
     RegistrationMessage,
+    StagingOffer,
     encode,
 )
 from pdconnector.protocol.pairing import PrefillBlocks
@@ -154,6 +158,7 @@ class PrefillSide:
             del self._writes[key]
             self._stuck.pop(key, None)
             self._context.release(handle)
+            self._give_back_slot(key)
             progressed = True
             if status.state is TransferState.DONE:
                 self._context.ring(handle.peer)  # the WRITE's completion notification is on its way to decode
@@ -205,6 +210,7 @@ class PrefillSide:
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
         if self._context.cancel(handle):
             del self._writes[key]
+            self._give_back_slot(key)
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
         self._stuck[key] = now
         self._context.count("writes_stuck")
@@ -245,12 +251,16 @@ class PrefillSide:
                 registration.block_ids,
                 num_tokens=event.prefill.num_tokens,
             )
-            local, remote = plan.to_descriptors(
-                self._context.region_addrs,
-                registration.region_base_addresses,
-                src_device_id=self._context.device_id,
-                dst_device_id=registration.device_id,
-            )
+            offer = self._staging_offer(plan, registration, key)
+            if offer is None:
+                local, remote = plan.to_descriptors(
+                    self._context.region_addrs,
+                    registration.region_base_addresses,
+                    src_device_id=self._context.device_id,
+                    dst_device_id=registration.device_id,
+                )
+            else:
+                local, remote = self._gathered(plan, offer, registration.device_id, key)
             notification = encode(
                 CompletionMessage(
                     transfer_id=key.transfer_id,
@@ -258,15 +268,59 @@ class PrefillSide:
                     prefill_rank=self.layout.tp_rank,
                     prefill_tp_size=self.layout.tp_size,
                     bytes_written=plan.nbytes,
+                    staged=offer is not None,
                 )
             )
             self._writes[key] = self._context.transport.write(
                 registration.agent_name, local, remote, notification
             )
             self._context.count("writes_posted")
-        except (ValueError, TransportError) as error:
+        except (ValueError, RuntimeError, TransportError) as error:
+            self._give_back_slot(key)
             return self._table.write_failed(key, f"cannot post WRITE: {error}", now)
         return []
+
+    def _staging_offer(
+        self, plan: TransferPlan, registration: RegistrationMessage, key: WriteKey
+    ) -> StagingOffer | None:
+        """Decode's offer for this rank when the request goes staged (a slot of this rank's buffer then held
+        by ``key``), None when it goes direct: no buffer or no offer, too large for either slot, the cost
+        model or the configured path says direct, or every slot is busy."""
+        staging, rank = self._context.staging, self.layout.tp_rank
+        offer = next((o for o in registration.staging if o.prefill_rank == rank), None)
+        if staging is None or offer is None or not len(plan) or self._context.path is TransferPath.DIRECT:
+            return None
+        room = min(staging.slot_bytes, offer.nbytes)
+        if plan.nbytes > room:
+            self._context.count("staging_too_large")
+            return None
+        if self._context.path is None:
+            choice = choose_path(len(plan), plan.nbytes, room, self._context.costs)
+            if choice.path is TransferPath.DIRECT:
+                return None
+        if staging.take(key) is None:
+            self._context.count("staging_slots_busy")
+            return None
+        return offer
+
+    def _gathered(
+        self, plan: TransferPlan, offer: StagingOffer, device_id: int, key: WriteKey
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Gather the plan's runs into ``key``'s slot; returns the descriptor pair that moves it into the
+        offer."""
+        staging = self._context.staging
+        slot = staging.held(key) if staging is not None else None
+        if staging is None or slot is None:
+            raise RuntimeError(f"transfer {key.transfer_id}: no staging slot held")
+        staging.gather(gather_copy(plan), slot.addr)
+        self._context.count("writes_staged")
+        local = np.array([[slot.addr, plan.nbytes, self._context.device_id]], dtype=np.int64)
+        remote = np.array([[offer.address, plan.nbytes, device_id]], dtype=np.int64)
+        return local, remote
+
+    def _give_back_slot(self, key: WriteKey) -> None:
+        if self._context.staging is not None:
+            self._context.staging.give_back(key)
 
     def _report_released(self, released: Released | None) -> None:
         if released is not None:

@@ -67,6 +67,7 @@ from pdconnector.worker.liveness import Heartbeat
 from pdconnector.worker.peers import PeerRegistry
 from pdconnector.worker.prefill_side import PrefillSide
 from pdconnector.worker.side_channel import SideChannelClient
+from pdconnector.worker.staging import StagingBuffer, StagingConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class WorkerConfig:
     # it). At 50 ms an idle two-rank engine measured 1.6-2.2% of a core, past the 2% budget; at 100 ms ~1%.
     idle_poll_max_s: float = 0.1
     start_timeout_s: float = 60.0
+    staging: StagingConfig = field(default_factory=StagingConfig)  # the staged path (off without nbytes)
 
 
 # --- the inbox (engine thread -> worker thread): the transfer commands and these ----------------------------
@@ -168,7 +170,15 @@ class TransferWorker:
         self._thread = threading.Thread(
             target=self._run, name=f"transfer-worker-{config.engine_id}-{layout.tp_rank}", daemon=True
         )
-        self._context = WorkerContext(layout, regions, on_result=on_result)
+        staging = StagingBuffer(regions, config.staging) if config.staging.nbytes else None
+        self._context = WorkerContext(
+            layout,
+            regions,
+            on_result=on_result,
+            staging=staging,
+            path=config.staging.path,
+            costs=config.staging.costs,
+        )
         self.layout_fingerprint = self._context.layout_fingerprint
         # Everything below belongs to the worker thread.
         self._peers = PeerRegistry(self._context)
@@ -308,8 +318,11 @@ class TransferWorker:
 
     def stats(self) -> dict[str, int]:
         """Event counters (registrations received, writes/reads posted, notifications refused, ...), for
-        metrics and tests."""
-        return self._context.stats()
+        metrics and tests; with a staging buffer, ``staging_slots_free`` too."""
+        stats = self._context.stats()
+        if self._context.staging is not None:
+            stats["staging_slots_free"] = self._context.staging.free_slots
+        return stats
 
     def fenced(self) -> int:
         """Failed transfers whose blocks this rank still holds because a peer may touch them (as of the
@@ -341,7 +354,8 @@ class TransferWorker:
                 self.config.host, self._wake, name=f"doorbell-{self.config.engine_id}-{self.layout.tp_rank}"
             )
             transport = self._transport_factory()
-            transport.register(self._regions)
+            staging = self._context.staging
+            transport.register([*self._regions, *([staging.region] if staging is not None else [])])
             own = RankInfo(
                 tp_rank=self.layout.tp_rank,
                 agent_name=transport.name,

@@ -365,6 +365,19 @@ class TransportSpec(ApiModel):
             )
         ),
     ] = TransportBackend.UCX
+    staging_mib: Annotated[
+        int,
+        Field(
+            description=(
+                "GPU memory per engine rank (MiB, beside the KV cache; the engine logs its worth in KV "
+                "blocks) for push's staged path: scattered blocks gathered, moved in one WRITE, scattered on "
+                "decode, when the cost model finds it cheaper than a descriptor per run. Two slots; larger "
+                "requests, pull and CPU engines go direct; 0: off."
+            ),
+            ge=0,
+            le=65536,
+        ),
+    ] = 1024
 
 
 class EngineSpec(ApiModel):

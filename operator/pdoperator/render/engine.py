@@ -105,8 +105,18 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
             "fence_s": fence_seconds(engine.transfer_timeout_seconds, TRANSFER_LIVENESS),
             "heartbeat_dir": HEARTBEAT_DIR,
             "kv_cache_layout": kv_cache_layout(spec),
+            # Only pushes stage, and the staged path's cost model is fitted to GPUs: host memory moves
+            # scattered runs well enough.
+            "staging_mib": staging_mib(spec, role),
         },
     }
+
+
+def staging_mib(spec: PDServiceSpec, role: ComponentRole) -> int:
+    """The staging buffer a role's ranks allocate: push mode on GPUs only."""
+    if spec.mode is not TransferMode.PUSH or engine_gpus(spec, role) == 0:
+        return 0
+    return spec.engine.transport.staging_mib
 
 
 def kv_cache_layout(spec: PDServiceSpec) -> str:

@@ -30,8 +30,6 @@ def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_
             "64",
             "--repeat",
             "1",
-            "--chunk-mib",
-            "1",
         ]
     )
     cases = json.loads((tmp_path / "gpu-transfer-bench.json").read_text())["cases"]
@@ -51,13 +49,14 @@ def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_
         assert (case["staged"] is not None) == (
             case["blocks"] == "scattered" and case["operation"] == "write"
         )
-    (staged,) = by_key["block_outer", "scattered", "write"]["staged"]
-    # 2 MiB in 1 MiB chunks: both staging halves used
-    assert staged["chunks"] == 2 and staged["post_to_scattered_ms"] > 0
-    # gathered, written and scattered: every byte where the direct WRITE put it
-    assert staged["verified"] is True
-    # the cost model next to the measurement; the EFA model is the direct path's cost on EFA figures
-    assert staged["model_ms"] == round(PathCosts().staged_ms(2 * 2**20, 2), 3)
+    for placement, row_bytes in (("block_outer", 64 * 2 * 128 * 2 * 16), ("layer_outer", 2 * 128 * 2 * 16)):
+        staged = by_key[placement, "scattered", "write"]["staged"]
+        assert staged["post_to_scattered_ms"] > 0
+        # gathered, written and scattered as the connector does: every byte where the direct WRITE put it
+        assert staged["verified"] is True
+        assert staged["row_bytes"] == row_bytes  # a block of every layer, or one layer's K and V of a block
+        # the cost model next to the measurement; the EFA model is the direct path's cost on EFA figures
+        assert staged["model_ms"] == round(PathCosts().staged_ms(2 * 2**20), 3)
     efa = PathCosts(descriptor_us=2.44, link_gbps=50.0)
     for case in cases:
         assert case["efa_model_ms"] == round(efa.direct_ms(case["descriptors"], case["nbytes"]), 3)
@@ -66,14 +65,11 @@ def test_the_bench_reports_every_case_with_descriptors_of_each_cache_layout(tmp_
 def test_the_checksum_tells_bytes_in_the_wrong_place_from_bytes_in_the_right_one() -> None:
     import torch  # noqa: PLC0415 (the bench's own dependency)
 
-    buffer = torch.arange(64, dtype=torch.uint8)
-    rows = torch.tensor([3, 1, 2])
-    assert gpu_transfer_bench.checksum(torch, buffer, rows, 8) == gpu_transfer_bench.checksum(
-        torch, buffer.clone(), rows, 8
-    )
-    assert gpu_transfer_bench.checksum(torch, buffer, rows, 8) != gpu_transfer_bench.checksum(
-        torch, buffer, torch.tensor([1, 3, 2]), 8
-    )
+    data = torch.arange(64, dtype=torch.uint8)
+    assert gpu_transfer_bench.checksum(torch, data) == gpu_transfer_bench.checksum(torch, data.clone())
+    swapped = data.clone()
+    swapped[[3, 9]] = swapped[[9, 3]]
+    assert gpu_transfer_bench.checksum(torch, data) != gpu_transfer_bench.checksum(torch, swapped)
 
 
 def test_nemotron_3_super_at_tp4_moves_one_replicated_kv_head_per_rank_in_4224_token_blocks() -> None:

@@ -68,8 +68,10 @@ def connector_config(
     mode: str = "push",
     timeout_s: float = 30.0,
     policy: str = "fail",
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` the operator renders for our connector (``pdoperator.render.engine``)."""
+    """The ``--kv-transfer-config`` the operator renders for our connector (``pdoperator.render.engine``),
+    with ``extra`` keys added to its ``kv_connector_extra_config``."""
     return {
         "kv_connector": "PDConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -82,6 +84,7 @@ def connector_config(
             "backends": ["UCX"],
             "side_channel_port": side_channel_port,
             "transfer_timeout_s": timeout_s,
+            **(extra or {}),
         },
     }
 

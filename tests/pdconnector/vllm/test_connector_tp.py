@@ -7,6 +7,10 @@ filled by both prefill ranks, one head each. The hybrid model's Mamba2 state spl
 its 8 heads and 1 of its 2 groups per rank): x, B and C of the DS conv state and the temporal state are
 sliced per rank. Two ``kv_both`` engines per model cover both directions with two start-ups.
 Disaggregated output must equal the decode engine's co-located output, in push and pull.
+
+These engines push through the staged path (``transfer_path: staged``): prefill gathers each request into a
+slot of its staging buffer, one WRITE per rank pair moves it into the slot decode offered, and decode
+scatters it into its blocks; the other vLLM suites push direct. Pull always reads direct.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 from pdconnector.protocol.params import TransferMode
 
-from tests.pdconnector.vllm.harness import launch_server, running_servers
+from tests.pdconnector.vllm.harness import launch_server, metric_sum, running_servers, scrape_metrics
 from tests.pdconnector.vllm.pd_engines import (
     BLOCK_SIZE,
     ENGINE_ENV,
@@ -33,6 +37,7 @@ from tests.pdconnector.vllm.pd_engines import (
 pytestmark = pytest.mark.slow
 
 PROMPT_LENGTHS = (1, BLOCK_SIZE + 1, 600)
+STAGED = {"staging_mib": 16, "transfer_path": "staged"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[M
         "tp1",
         model,
         engine_log_dir,
-        kv_transfer_config=connector_config("tp1", "kv_both", sc_1),
+        kv_transfer_config=connector_config("tp1", "kv_both", sc_1, extra=STAGED),
         env=ENGINE_ENV,
         port=http_1,
     )
@@ -57,7 +62,7 @@ def mixed_tp(request: pytest.FixtureRequest, engine_log_dir: Path) -> Iterator[M
         "tp2",
         model,
         engine_log_dir,
-        kv_transfer_config=connector_config("tp2", "kv_both", sc_2),
+        kv_transfer_config=connector_config("tp2", "kv_both", sc_2, extra=STAGED),
         env=ENGINE_ENV,
         port=http_2,
         extra_args=("--tensor-parallel-size", "2"),
@@ -76,5 +81,17 @@ def test_disaggregated_output_across_different_tp_sizes_equals_the_decode_engine
     mixed_tp: MixedTp, direction: str, mode: TransferMode
 ) -> None:
     pair: PDPair = getattr(mixed_tp, direction)
+    staged_before = staged_writes(pair)
     assert_disaggregated_equals_colocated(pair, mode, PROMPT_LENGTHS, first_seed=70)
     assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}
+    if mode is TransferMode.PUSH:
+        # both rank pairs of each prompt that moves KV (the multi-token ones) WRITE through a slot
+        assert staged_writes(pair) - staged_before >= 2 * (len(PROMPT_LENGTHS) - 1)
+    else:
+        assert staged_writes(pair) == staged_before
+
+
+def staged_writes(pair: PDPair) -> float:
+    return metric_sum(
+        scrape_metrics(pair.prefill.url), "vllm:pd_kv_staging_events", labels={"event": "writes_staged"}
+    )

@@ -42,11 +42,13 @@ from pdconnector.layout import (
     model_from_hf_config,
     write_tagged_blocks,
 )
+from pdconnector.layout.staging import TransferPath
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.worker import EngineTransfers, WorkerConfig
+from pdconnector.worker.staging import StagingConfig
 
 from tests.pdconnector.worker.vram import PoolMemory
 
@@ -111,6 +113,14 @@ def request_blocks(model: KVModel, num_blocks: int, num_tokens: int, seed: int) 
     return out
 
 
+def _staging_config(staging: StagingConfig | dict[str, Any] | None) -> StagingConfig:
+    """A staging config as given, or from its JSON form (``nbytes``, ``slots``, ``path``) across processes."""
+    if staging is None or isinstance(staging, StagingConfig):
+        return staging or StagingConfig()
+    path = staging.get("path")
+    return StagingConfig(staging["nbytes"], staging.get("slots", 2), TransferPath(path) if path else None)
+
+
 class Engine:
     """One engine: ``tp`` ranks, each with guarded pools and a transfer worker.
 
@@ -118,7 +128,8 @@ class Engine:
     pools, else the torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers
     its host pools as device ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU
     is; ``placement``: where every rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement`
-    value, as vLLM's KV cache layout decides)."""
+    value, as vLLM's KV cache layout decides); ``staging``: every rank's staging buffer and path
+    (:class:`~pdconnector.worker.staging.StagingConfig` or its JSON form)."""
 
     def __init__(
         self,
@@ -135,6 +146,7 @@ class Engine:
         first_device_id: int = 0,
         worker_options: dict[str, float] | None = None,
         placement: str = BlockPlacement.LAYER_OUTER.value,
+        staging: StagingConfig | dict[str, Any] | None = None,
     ) -> None:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
@@ -174,6 +186,7 @@ class Engine:
             limits=RendezvousLimits(**limits),
             pull_lease_s=limits.get("registration_lease_s", 30.0),
             fence_s=fence_s,
+            staging=_staging_config(staging),
             **(worker_options or {}),
         )
         self.transfers = EngineTransfers(

@@ -3,9 +3,9 @@ ranks as threads (one worker and one transport per rank), over real NIXL (UCX, h
 MockTransport.
 
 Matrix (the full TP x layout matrix runs in-process in test_transfers.py): NIXL: dense and hybrid Mamba2 (DS)
-at P1xD1, P1xD2, P2xD1, P2xD4; mock: dense P2xD4, Mamba2 P1xD2, GDN P4xD2, Mamba1 P2xD2. Each case: push with
-the registration first, push with the prefill first, then pull. Then, over NIXL: a killed peer process on
-either side, and the idle CPU of engine processes holding NIXL agents.
+at P1xD1, P1xD2, P2xD1, P2xD4, and a staged Mamba2 push at P2xD4; mock: dense P2xD4, Mamba2 P1xD2, GDN P4xD2,
+Mamba1 P2xD2. Each case: push with the registration first, push with the prefill first, then pull. Then, over
+NIXL: a killed peer process on either side, and the idle CPU of engine processes holding NIXL agents.
 """
 
 from __future__ import annotations
@@ -58,6 +58,32 @@ def test_engine_processes_move_every_byte_by_push_and_pull(
         decode.start()
         pair = Pair(prefill, decode, coords, model, (p_tp, d_tp), BLOCKS)
         push_then_pull(pair)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_engine_processes_stage_a_push_over_nixl_into_the_slot_decode_offered(
+    hosts: tuple[EngineHost, EngineHost],
+) -> None:
+    """Prefill gathers into its registered staging buffer, one WRITE per rank crosses NIXL into the slot
+    decode offered, decode scatters: the same bytes as the direct path, one descriptor per WRITE."""
+    if (reason := nixl_unavailable_reason()) is not None:
+        pytest.fail(f"NIXL must be importable here: {reason}")
+    staging = {"nbytes": 1 << 22, "path": "staged"}
+    prefill = hosts[0].create(
+        "prefill-staged", "mamba2", tp=2, num_blocks=BLOCKS[0], transport="nixl", staging=staging
+    )
+    decode = hosts[1].create(
+        "decode-staged", "mamba2", tp=4, num_blocks=BLOCKS[1], transport="nixl", staging=staging
+    )
+    try:
+        coords = prefill.start()
+        decode.start()
+        push_both_orders(Pair(prefill, decode, coords, "mamba2", (2, 4), BLOCKS))
+        stats = prefill.stats()
+        assert [s["writes_staged"] for s in stats] == [s["writes_posted"] for s in stats] == [4, 4]
+        assert all(s["staging_slots_free"] == 2 for s in decode.stats())
     finally:
         decode.close()
         prefill.close()

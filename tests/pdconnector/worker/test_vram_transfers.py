@@ -7,7 +7,8 @@ tensor per layer slot (vLLM's layer-outer LBHNC) or one tensor whose blocks hold
 BLHNC, the connector's default; head-outer BHLNC for the dense model), each between guard bytes that are never
 registered. Models: a dense Qwen3-32B and the hybrid Nemotron-H (NVIDIA-Nemotron-Nano-9B-v2: Mamba2 and
 attention layers, SSM pages padded to the attention page by vLLM's hybrid allocator). Requests of 1k and 16k
-tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1.
+tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1; layer-outer caches pushed
+through the staged path too (gathered into a staging slot on the GPU, one WRITE, scattered on the GPU).
 
 Checked on the device, never by copying pools to the host: every byte of every decode region equals the
 expectation (the prefill's tagged content at the request's blocks, the sentinel the pool was filled with
@@ -51,6 +52,9 @@ PAIRS = [
     for placement in (LAYER, BLOCK, *((HEAD,) if model.spec.num_ssm_layers == 0 and p_tp != d_tp else ()))
 ]
 PAIR_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-{placement.value}" for model, p_tp, d_tp, placement in PAIRS]
+# The staged path where descriptors cost most: layer-outer caches, one run per layer and block.
+STAGED_PAIRS = [(model, p_tp, d_tp, LAYER, "staged") for model in SUITE.models for p_tp, d_tp in TPS]
+STAGED_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-staged" for model, p_tp, d_tp, _, _ in STAGED_PAIRS]
 TOKEN_IDS = [f"{tokens // 1024}k" for tokens in SUITE.tokens]
 
 
@@ -68,10 +72,17 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineHost
 def pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -> Iterator[Pair]:
     """A started prefill and decode engine of one model and TP pair, serving every request of the tests using
     it."""
-    model, p_tp, d_tp, placement = request.param
-    tag = f"{model.name}-p{p_tp}d{d_tp}-{placement.value}"
+    model, p_tp, d_tp, placement, *path = request.param
+    tag = f"{model.name}-p{p_tp}d{d_tp}-{placement.value}{'-staged' if path else ''}"
     config, (p_blocks, d_blocks) = dict(model.config), model.num_blocks
-    options = {"transport": "nixl", "device": SUITE.device, "placement": placement.value}
+    options: dict[str, Any] = {"transport": "nixl", "device": SUITE.device, "placement": placement.value}
+    if path:
+        # two slots per rank (a TP-1 prefill writes two decode ranks at once), each holding the largest
+        # request whole as one TP-1 rank holds it, its state blocks included
+        largest = RankLayout(model.spec, 1, 0, 1)
+        blocks = -(-max(SUITE.tokens) // model.spec.block_size) + len(largest.groups)
+        slot = blocks * largest.num_slots * largest.page_bytes
+        options["staging"] = {"nbytes": 2 * slot, "slots": 2, "path": "staged"}
     prefill = hosts[0].create(f"prefill-{tag}", config, tp=p_tp, num_blocks=p_blocks, **options)
     decode = hosts[1].create(f"decode-{tag}", config, tp=d_tp, num_blocks=d_blocks, **options)
     try:
@@ -205,6 +216,20 @@ def test_push_writes_every_byte_of_a_scattered_request_and_nothing_else(
     pair: Pair, tokens: int, record_property: Any
 ) -> None:
     _move(pair, "push", tokens, record_property)
+
+
+@pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)
+@pytest.mark.parametrize("pair", STAGED_PAIRS, indirect=True, ids=STAGED_IDS)
+def test_a_staged_push_gathers_moves_and_scatters_every_byte_of_a_scattered_request_and_nothing_else(
+    pair: Pair, tokens: int, record_property: Any
+) -> None:
+    """Prefill gathers into its staging slot on the GPU, one WRITE per rank pair crosses into decode's slot,
+    decode scatters on the GPU before it reports: the direct push's checks, one descriptor per WRITE."""
+    staged_before = _counts(pair.prefill, "writes_staged")
+    _move(pair, "push", tokens, record_property)
+    writes = [a - b for a, b in zip(_counts(pair.prefill, "writes_staged"), staged_before, strict=True)]
+    assert writes == [max(1, pair.tps[1] // pair.tps[0])] * pair.tps[0]
+    assert all(free == 2 for free in _counts(pair.decode, "staging_slots_free"))
 
 
 @pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)

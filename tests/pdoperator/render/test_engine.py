@@ -193,8 +193,20 @@ def test_builtin_connector_is_loaded_from_our_module_with_producer_and_consumer_
                 "fence_s": 96.0,
                 "heartbeat_dir": "/tmp/pdconnector-heartbeat",
                 "kv_cache_layout": "BLHNC",
+                "staging_mib": 1024,
             },
         }
+
+
+def test_push_engines_on_gpus_get_the_staging_buffer_the_spec_names_and_others_none(make_pds):
+    def staging(pds: Any, role: str) -> int:
+        return kv_config(pds, role)["kv_connector_extra_config"]["staging_mib"]
+
+    assert staging(make_pds({"engine": {"transport": {"stagingMib": 256}}}), "decode") == 256
+    assert staging(make_pds({"engine": {"transport": {"stagingMib": 0}}}), "prefill") == 0
+    assert staging(make_pds({"mode": "pull"}), "prefill") == 0  # pull reads direct
+    cpu = make_pds({"prefill": {"resources": {"gpus": 0}}})
+    assert (staging(cpu, "prefill"), staging(cpu, "decode")) == (0, 1024)
 
 
 def test_engines_ask_for_a_block_outermost_cache_and_head_outermost_across_dense_tp_sizes(make_pds):
