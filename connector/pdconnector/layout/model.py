@@ -307,6 +307,12 @@ class KVModel:
         return bool(self.num_attention_layers and self.num_ssm_layers)
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank of a TP-``tp_size`` engine holds (vLLM's rule): its share, or one replicated head
+    once TP exceeds the head count."""
+    return max(1, num_kv_heads // tp_size)
+
+
 def hybrid_block_size(
     attention: AttentionSpec,
     ssm: SsmSpec,
@@ -324,7 +330,7 @@ def hybrid_block_size(
     alignment = max(kernel_alignment, min_block_size)
     ssm_bytes = sum(s.units // tp_size * s.unit_bytes for s in ssm.segments)
     heads = attention.num_kv_heads
-    attention_bytes = attention.bytes_per_token // heads * max(1, heads // tp_size)
+    attention_bytes = attention.bytes_per_token // heads * kv_heads_per_rank(heads, tp_size)
     return alignment * -(-ssm_bytes // (alignment * attention_bytes))
 
 

@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from pdconnector.layout.model import AttentionLayout, KVModel, LayerKind, Segment
+from pdconnector.layout.model import AttentionLayout, KVModel, LayerKind, Segment, kv_heads_per_rank
 
 
 class BlockPlacement(StrEnum):
@@ -172,7 +172,7 @@ class RankLayout:
     @property
     def kv_heads_per_rank(self) -> int:
         """KV heads this rank holds: its share, or one replicated head once TP exceeds the head count."""
-        return max(1, self._kv_heads() // self.tp_size) if self._kv_heads() else 0
+        return kv_heads_per_rank(self._kv_heads(), self.tp_size) if self._kv_heads() else 0
 
     def _shard_units(self) -> dict[str, int]:
         """Counts TP must divide, by name: the SSM's (KV heads may instead be replicated, checked apart)."""

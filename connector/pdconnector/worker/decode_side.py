@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from pdconnector.layout import plan_transfer, writers_for
 from pdconnector.protocol.completion import AbortWriters, CompletionTracker, TransferFailure
@@ -37,61 +35,18 @@ from pdconnector.protocol.messages import (
     encode,
     registration_frame,
 )
-from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle, TransferState, TransportError
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
+from pdconnector.worker.decode_transfers import Abandoning, Handshaking, PushWait, Reading
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
 from pdconnector.worker.peers import PeerRegistry
 from pdconnector.worker.side_channel import PeerGone, SideChannelClient
-from pdconnector.worker.staging import StagedShare, offer_slot, scatter_staged
+from pdconnector.worker.staging import offer_slot, scatter_staged
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Handshaking:
-    """A decode command waiting for the prefill engine's side-channel info."""
-
-    command: ExpectPush | ReadBlocks
-    deadline: float
-    info: Future[EngineInfo]
-    timeline: Timeline
-
-
-@dataclass
-class _Abandoning:
-    """A transfer given up before anything was registered: its abort waits for the prefill engine's agents."""
-
-    command: AbandonTransfer
-    deadline: float
-    info: Future[EngineInfo]
-
-
-@dataclass
-class _PushWait:
-    attempt: int
-    writers: dict[int, str]  # prefill rank -> agent name, for aborts
-    prefill: PrefillCoordinates
-    timeline: Timeline
-    probe: Future[EngineInfo] | None = None  # is the writers' engine still there?
-    next_probe: float = 0.0
-    staged: dict[int, StagedShare] = field(default_factory=dict)  # by writer: the slot share it was offered
-
-
-@dataclass
-class _Reading:
-    command: ReadBlocks
-    deadline: float
-    handles: dict[int, TransferHandle]  # source prefill rank -> READ in flight
-    agents: dict[int, str]
-    timeline: Timeline
-    nbytes: int = 0
-    ending: tuple[FailureReason, str] | None = (
-        None  # failed: waiting for the READs left to end or be cancelled
-    )
 
 
 class DecodeSide:
@@ -126,10 +81,10 @@ class DecodeSide:
         self._tracker = CompletionTracker(fence_s=fence_s)
         self._gone_grace_s = gone_grace_s
         self._probe_interval_s = probe_interval_s
-        self._handshaking: dict[str, _Handshaking] = {}
-        self._abandoning: dict[str, _Abandoning] = {}
-        self._pushes: dict[str, _PushWait] = {}
-        self._reads: dict[str, _Reading] = {}
+        self._handshaking: dict[str, Handshaking] = {}
+        self._abandoning: dict[str, Abandoning] = {}
+        self._pushes: dict[str, PushWait] = {}
+        self._reads: dict[str, Reading] = {}
         self._failed_reads = (
             0  # reads failed and waiting for their READs to end or be cancelled (``ending`` set)
         )
@@ -185,7 +140,7 @@ class DecodeSide:
         future.add_done_callback(lambda _: self._wake())
         timeline = Timeline()
         timeline.mark(Milestone.REQUESTED, issued_at)
-        self._handshaking[transfer_id] = _Handshaking(command, deadline, future, timeline)
+        self._handshaking[transfer_id] = Handshaking(command, deadline, future, timeline)
 
     def abandon(self, command: AbandonTransfer, deadline: float) -> None:
         """Tell the prefill ranks this rank would have received from that it never will (no result: nothing
@@ -194,7 +149,7 @@ class DecodeSide:
             return
         future = self._side_channel.lookup(command.prefill)
         future.add_done_callback(lambda _: self._wake())
-        self._abandoning[command.transfer_id] = _Abandoning(command, deadline, future)
+        self._abandoning[command.transfer_id] = Abandoning(command, deadline, future)
 
     def poll_probes(self, now: float) -> bool:
         """Fenced pushes whose prefill engine turned out gone (refused, or another incarnation answers) end
@@ -404,7 +359,7 @@ class DecodeSide:
     # --- push: registration ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _received(waiting: _PushWait | _Reading | None, now: float) -> dict[str, float]:
+    def _received(waiting: PushWait | Reading | None, now: float) -> dict[str, float]:
         if waiting is None:
             return {}
         waiting.timeline.mark(Milestone.RECEIVED, now)
@@ -468,7 +423,7 @@ class DecodeSide:
             self._fail_registration(command.transfer_id, FailureReason.CAPACITY, str(error))
             return
         timeline.mark(Milestone.ASKED, now)
-        self._pushes[command.transfer_id] = _PushWait(
+        self._pushes[command.transfer_id] = PushWait(
             command.attempt, writers, command.prefill, timeline, staged=staged
         )
         self._context.count("registrations_sent", len(writers))
@@ -521,7 +476,7 @@ class DecodeSide:
     ) -> None:
         rank, d_tp = self.layout.tp_rank, self.layout.tp_size
         timeline.mark(Milestone.ASKED, now)
-        reading = _Reading(command, deadline, {}, {}, timeline)
+        reading = Reading(command, deadline, {}, {}, timeline)
         self._reads[command.transfer_id] = reading
         sources = writers_for(rank, engine.tp_size, d_tp)
         # Every source rank holds the blocks for this READ: all of them are told if it fails, posted or not.

@@ -3,6 +3,8 @@ or :class:`EngineProcess`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,20 @@ class Pair:
     tps: tuple[int, int]
     blocks: tuple[int, int]  # pool sizes
     placement: BlockPlacement = BlockPlacement.LAYER_OUTER  # both engines'
+
+
+@contextlib.contextmanager
+def started(
+    prefill: Any, decode: Any, model: str, tps: tuple[int, int], blocks: tuple[int, int]
+) -> Iterator[Pair]:
+    """Both engines started (decode is handed prefill's coordinates), both closed on the way out."""
+    try:
+        coords = prefill.start()
+        decode.start()
+        yield Pair(prefill, decode, coords, model, tps, blocks)
+    finally:
+        decode.close()
+        prefill.close()
 
 
 def push_both_orders(pair: Pair) -> None:

@@ -20,6 +20,7 @@ from tests.pdconnector.worker.scenarios import (
     assert_sent,
     push_after_a_prefix_hit,
     push_both_orders,
+    started,
 )
 
 BLOCKS = (24, 40)
@@ -63,14 +64,8 @@ def engines(
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     model, p_tp, d_tp, placement = request.param
-    prefill, decode = engines(model, p_tp, d_tp, placement=placement)
-    try:
-        coords = prefill.start()
-        decode.start()
-        yield Pair(prefill, decode, coords, model, (p_tp, d_tp), BLOCKS)
-    finally:
-        decode.close()
-        prefill.close()
+    with started(*engines(model, p_tp, d_tp, placement=placement), model, (p_tp, d_tp), BLOCKS) as both:
+        yield both
 
 
 def stat(engine: Engine, name: str) -> list[int]:
@@ -101,12 +96,6 @@ def push(pair: Pair, transfer_id: str, num_tokens: int, seed: int) -> dict[str, 
     return {"dst": dst, "src": src, "num_tokens": num_tokens}
 
 
-def started(prefill: Engine, decode: Engine, model: str, tps: tuple[int, int]) -> Pair:
-    coords = prefill.start()
-    decode.start()
-    return Pair(prefill, decode, coords, model, tps, BLOCKS)
-
-
 @pytest.mark.parametrize(
     ("prefill_staging", "decode_staging", "staged"),
     [
@@ -128,8 +117,7 @@ def test_the_cost_model_and_both_sides_buffers_decide_the_path_and_bytes_land_ei
         prefill_staging=prefill_staging,
         decode_staging=decode_staging,
     )
-    try:
-        pair = started(prefill, decode, "dense", (2, 2))
+    with started(prefill, decode, "dense", (2, 2), BLOCKS) as pair:
         received = [
             push(pair, f"tx-path-{i}", MODELS["dense"].block_size * 3 - 1, seed=10 * i) for i in range(2)
         ]
@@ -143,16 +131,12 @@ def test_the_cost_model_and_both_sides_buffers_decide_the_path_and_bytes_land_ei
             assert decode.wait_stat(
                 name="staging_slots_free", value=decode_staging.slots, timeout_s=TIMEOUT_S
             )
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_request_larger_than_a_slot_goes_direct_and_a_busy_buffer_sends_the_next_one_direct() -> None:
     small = StagingConfig(nbytes=2 * 4096, slots=1, path=TransferPath.STAGED)  # one slot of 8 KiB
     prefill, decode = engines("dense", 1, 1, prefill_staging=STAGED, decode_staging=small)
-    try:
-        pair = started(prefill, decode, "dense", (1, 1))
+    with started(prefill, decode, "dense", (1, 1), BLOCKS) as pair:
         tokens = MODELS["dense"].block_size
         received = [push(pair, "tx-large", tokens * 4, seed=1)]
         assert_received(decode, "tx-large", 1)
@@ -179,15 +163,11 @@ def test_a_request_larger_than_a_slot_goes_direct_and_a_busy_buffer_sends_the_ne
         assert stat(prefill, "writes_staged") == [1]
         assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}
         assert decode.wait_stat(name="staging_slots_free", value=1, timeout_s=TIMEOUT_S)
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_transfer_that_fails_gives_its_slots_back_once_its_writers_are_quiet() -> None:
     prefill, decode = engines("dense", 2, 1)
-    try:
-        pair = started(prefill, decode, "dense", (2, 1))
+    with started(prefill, decode, "dense", (2, 1), BLOCKS) as pair:
         spec = MODELS["dense"]
         dst = request_blocks(spec, BLOCKS[1], spec.block_size, seed=5)
         decode.expect_push(
@@ -208,6 +188,3 @@ def test_a_transfer_that_fails_gives_its_slots_back_once_its_writers_are_quiet()
         assert_received(decode, "tx-after", 1)
         assert decode.check(received=received) == {"wrong_bytes": 0, "guard_bytes": 0}
         assert prefill.wait_stat(name="staging_slots_free", value=STAGED.slots, timeout_s=TIMEOUT_S)
-    finally:
-        decode.close()
-        prefill.close()

@@ -17,6 +17,7 @@ from tests.pdconnector.worker.scenarios import (
     push_after_a_prefix_hit,
     push_both_orders,
     push_then_pull,
+    started,
 )
 
 TPS = (1, 2, 4)
@@ -50,13 +51,8 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         "prefill-0", model, tp=p_tp, num_blocks=BLOCKS[0], transport="mock", placement=p_placement
     )
     decode = Engine("decode-0", model, tp=d_tp, num_blocks=BLOCKS[1], transport="mock", placement=d_placement)
-    try:
-        coords = prefill.start()
-        decode.start()
-        yield Pair(prefill, decode, coords, model, (p_tp, d_tp), BLOCKS)
-    finally:
-        decode.close()
-        prefill.close()
+    with started(prefill, decode, model, (p_tp, d_tp), BLOCKS) as both:
+        yield both
 
 
 @pytest.mark.parametrize("pair", MATRIX, indirect=True, ids=IDS)
