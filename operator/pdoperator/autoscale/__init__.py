@@ -1,0 +1,1 @@
+"""Autoscaling: the planner that sizes prefill and decode together (``planner``)."""
