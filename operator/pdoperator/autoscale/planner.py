@@ -159,8 +159,9 @@ def need(policy: Policy, sample: Sample, role: Role) -> Need:
 
 
 def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: float) -> Decision:
-    """The replicas each role should have at ``now`` given the samples so far (any order, older ones ignored)
-    and what the roles have; the reason names the signal and window behind each change."""
+    """The replicas each role should have at ``now`` given the samples so far (any order) and what the roles
+    have; the reason names the signal and window behind each change. Samples older than the scale-down window
+    only say that the window is covered: keep one such sample, or no role ever scales down."""
     recent = sorted(
         (s for s in history if now - policy.scale_down_window_s <= s.at <= now), key=lambda s: s.at
     )
