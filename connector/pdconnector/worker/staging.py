@@ -3,10 +3,9 @@
 A fragmented request costs a descriptor per run (``pdconnector.layout.staging``); on the staged path the
 source gathers its runs into a slot of its own buffer, one WRITE moves the slot into a slot the destination
 offered in its registration, and the destination scatters it into its blocks before it reports the request
-received. A
-slot belongs to one transfer from the moment it is taken until its holder gives it back: prefill once its
-WRITE ended, decode once the transfer is reported (received, or failed after the fence), so a peer never
-writes into a slot that holds something else.
+received. A slot belongs to one transfer from the moment it is taken until its holder gives it back: prefill
+once its WRITE ended, decode once the transfer is reported (received, or failed after the fence), so a peer
+never writes into a slot that holds something else.
 
 The copies run on the buffer's device through torch (imported only when a rank stages): one indexed copy per
 KV region the request touches, on a stream of their own that is synchronised before the copy returns, so a
