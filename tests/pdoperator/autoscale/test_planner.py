@@ -4,6 +4,7 @@ settles instead of flapping."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -136,15 +137,7 @@ def test_a_drop_scales_down_only_after_the_scale_down_window() -> None:
 
 
 def test_the_ratio_range_raises_the_role_that_falls_short_instead_of_starving_the_other() -> None:
-    policy = Policy(
-        RoleBounds(1, 8),
-        RoleBounds(1, 8),
-        TARGETS,
-        ratio_min=0.5,
-        ratio_max=1.0,
-        scale_up_window_s=0.0,
-        scale_down_window_s=DOWN_S,
-    )
+    policy = dataclasses.replace(POLICY, ratio_min=0.5, ratio_max=1.0, scale_up_window_s=0.0)
     current = Replicas(2, 2)
     # decode needs 6 (TPOT 3x), prefill is fine: prefill rises to 3 to keep at least 0.5 prefill per decode
     history = steady(current, 500.0, ttft_s=0.5, tpot_s=0.15, since=300.0)
