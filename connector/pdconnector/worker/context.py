@@ -17,14 +17,13 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
 
 from pdconnector.layout import RankLayout
-from pdconnector.layout.staging import PathCosts, TransferPath
 from pdconnector.protocol.messages import AbortMessage, FailureMessage, FailureReason, encode
 from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.transport.base import (
@@ -70,8 +69,8 @@ class WorkerContext:
     """Args:
     layout: this rank's KV layout; ``regions``: its memory regions in ``layout.regions`` order (one device).
     on_result: called (on the worker thread) after every reported result, to wake whoever drains them.
-    staging: the rank's staging buffer (None: every transfer goes direct); path: the path every transfer
-    takes (None: the cost model chooses per request).
+    staging: the rank's staging buffer, with the path and costs that choose it (None: every transfer goes
+    direct).
     """
 
     def __init__(
@@ -81,13 +80,9 @@ class WorkerContext:
         *,
         on_result: Callable[[], None] | None = None,
         staging: StagingBuffer | None = None,
-        path: TransferPath | None = None,
-        costs: PathCosts | None = None,
     ) -> None:
         self.layout = layout
         self.staging = staging
-        self.path = path
-        self.costs = costs or PathCosts()
         # registrations carry it, the rendezvous compares it
         self.layout_fingerprint = fingerprint(layout_summary(layout.model))
         # the local side of every descriptor
@@ -146,6 +141,11 @@ class WorkerContext:
             return dict(self._counters)
 
     # --- the transport (worker thread) ----------------------------------------------------------------------
+
+    def give_back_slot(self, holder: Hashable) -> None:
+        """Free the staging slot ``holder`` holds, if any (no buffer: nothing to do)."""
+        if self.staging is not None:
+            self.staging.give_back(holder)
 
     def send(self, agent: str, message: FailureMessage | AbortMessage) -> bool:
         return self.send_frame(agent, encode(message))

@@ -330,7 +330,7 @@ class DecodeSide:
         for abort in polled.aborts:
             self._abort_writers(abort)
         for received in polled.finished:
-            self._give_back_slot(received.transfer_id)
+            self._context.give_back_slot(received.transfer_id)
             stages = self._received(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
             result = TransferResult(
@@ -343,7 +343,7 @@ class DecodeSide:
             )
             self._context.report(result)
         for failure in polled.failed:
-            self._give_back_slot(failure.transfer_id)
+            self._context.give_back_slot(failure.transfer_id)
             self._pushes.pop(failure.transfer_id, None)
             if failure.unconfirmed:
                 self._context.count("fences_expired")
@@ -389,8 +389,6 @@ class DecodeSide:
                 writers=list(writers),
                 blocks=command.block_ids,
                 num_tokens=command.num_tokens,  # the tokens after the cached blocks, as prefill plans them
-                path=self._context.path,
-                costs=self._context.costs,
             )
             message = RegistrationMessage(
                 transfer_id=command.transfer_id,
@@ -437,12 +435,8 @@ class DecodeSide:
     def _fail_registration(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         """A registration that was never sent: nobody can write into what it would have offered."""
         if transfer_id not in self._pushes:
-            self._give_back_slot(transfer_id)
+            self._context.give_back_slot(transfer_id)
         self._fail(transfer_id, reason, detail)
-
-    def _give_back_slot(self, transfer_id: str) -> None:
-        if self._context.staging is not None:
-            self._context.staging.give_back(transfer_id)
 
     def _fit(self, message: RegistrationMessage) -> bytes:
         frame, trimmed = registration_frame(message, self._context.transport.notification_limit)

@@ -158,7 +158,7 @@ class PrefillSide:
             del self._writes[key]
             self._stuck.pop(key, None)
             self._context.release(handle)
-            self._give_back_slot(key)
+            self._context.give_back_slot(key)
             progressed = True
             if status.state is TransferState.DONE:
                 self._context.ring(handle.peer)  # the WRITE's completion notification is on its way to decode
@@ -210,7 +210,7 @@ class PrefillSide:
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
         if self._context.cancel(handle):
             del self._writes[key]
-            self._give_back_slot(key)
+            self._context.give_back_slot(key)
             return self._table.write_failed(key, "WRITE cancelled after its deadline", now)
         self._stuck[key] = now
         self._context.count("writes_stuck")
@@ -276,7 +276,7 @@ class PrefillSide:
             )
             self._context.count("writes_posted")
         except (ValueError, RuntimeError, TransportError) as error:
-            self._give_back_slot(key)
+            self._context.give_back_slot(key)
             return self._table.write_failed(key, f"cannot post WRITE: {error}", now)
         return []
 
@@ -288,14 +288,14 @@ class PrefillSide:
         model or the configured path says direct, or every slot is busy."""
         staging, rank = self._context.staging, self.layout.tp_rank
         offer = next((o for o in registration.staging if o.prefill_rank == rank), None)
-        if staging is None or offer is None or not len(plan) or self._context.path is TransferPath.DIRECT:
+        if staging is None or offer is None or not len(plan) or staging.config.path is TransferPath.DIRECT:
             return None
         room = min(staging.slot_bytes, offer.nbytes)
         if plan.nbytes > room:
             self._context.count("staging_too_large")
             return None
-        if self._context.path is None:
-            choice = choose_path(len(plan), plan.nbytes, room, self._context.costs)
+        if staging.config.path is None:
+            choice = choose_path(len(plan), plan.nbytes, room, staging.config.costs)
             if choice.path is TransferPath.DIRECT:
                 return None
         if staging.take(key) is None:
@@ -317,10 +317,6 @@ class PrefillSide:
         local = np.array([[slot.addr, plan.nbytes, self._context.device_id]], dtype=np.int64)
         remote = np.array([[offer.address, plan.nbytes, device_id]], dtype=np.int64)
         return local, remote
-
-    def _give_back_slot(self, key: WriteKey) -> None:
-        if self._context.staging is not None:
-            self._context.staging.give_back(key)
 
     def _report_released(self, released: Released | None) -> None:
         if released is not None:

@@ -134,6 +134,7 @@ class StagingBuffer:
     def __init__(self, regions: Sequence[MemoryRegion], config: StagingConfig) -> None:
         if not config.nbytes:
             raise ValueError("a staging buffer needs staging nbytes > 0")
+        self.config = config  # its path and costs too: they matter only where a buffer exists
         self._rows = RegionRows(regions)
         torch, device = self._rows.torch, self._rows.device
         self._torch = torch
@@ -243,15 +244,14 @@ def offer_slot(
     writers: Sequence[int],
     blocks: Sequence[Sequence[int]],
     num_tokens: int,
-    path: TransferPath | None,
-    costs: PathCosts,
 ) -> dict[int, StagedShare]:
     """Per writer (prefill rank of a TP-``prefill_tp_size`` engine), the share of a slot for ``transfer_id``
     a registration offers; empty without a buffer, a free slot, or a writer whose bytes the cost model would
     stage (judged by this side's runs, a lower bound on the writer's descriptors), so a slot is not held for
     transfers that go direct."""
-    if staging is None or path is TransferPath.DIRECT or not writers:
+    if staging is None or staging.config.path is TransferPath.DIRECT or not writers:
         return {}
+    path, costs = staging.config.path, staging.config.costs
     share = staging.slot_bytes // len(writers) // SLOT_ALIGNMENT * SLOT_ALIGNMENT
     plans = {
         rank: received_plan(layout, prefill_tp_size, rank, blocks, num_tokens=num_tokens) for rank in writers

@@ -171,14 +171,7 @@ class TransferWorker:
             target=self._run, name=f"transfer-worker-{config.engine_id}-{layout.tp_rank}", daemon=True
         )
         staging = StagingBuffer(regions, config.staging) if config.staging.nbytes else None
-        self._context = WorkerContext(
-            layout,
-            regions,
-            on_result=on_result,
-            staging=staging,
-            path=config.staging.path,
-            costs=config.staging.costs,
-        )
+        self._context = WorkerContext(layout, regions, on_result=on_result, staging=staging)
         self.layout_fingerprint = self._context.layout_fingerprint
         # Everything below belongs to the worker thread.
         self._peers = PeerRegistry(self._context)
