@@ -20,14 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+
+from pdconnector.protocol.params import EngineRole
 
 _RATIO_SLACK = 1e-9  # float ratios compared with this much room
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 @dataclass(frozen=True)
@@ -112,8 +108,8 @@ class Replicas:
     prefill: int
     decode: int
 
-    def of(self, role: Role) -> int:
-        return self.prefill if role is Role.PREFILL else self.decode
+    def of(self, role: EngineRole) -> int:
+        return self.prefill if role is EngineRole.PREFILL else self.decode
 
 
 @dataclass(frozen=True)
@@ -131,10 +127,10 @@ class Decision:
     reason: str
 
 
-def need(policy: Policy, sample: Sample, role: Role) -> Need:
+def need(policy: Policy, sample: Sample, role: EngineRole) -> Need:
     """Engines ``role`` needs at ``sample``, from its worst signal."""
     targets = policy.targets
-    if role is Role.PREFILL:
+    if role is EngineRole.PREFILL:
         engines = sample.prefill_replicas
         signals = [
             ("ttft", sample.ttft_s, targets.ttft_s),
@@ -170,9 +166,9 @@ def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: floa
     # the scale-down window is covered once a sample that old exists
     covered = any(s.at <= now - policy.scale_down_window_s for s in history)
     up_window = [s for s in recent if s.at >= now - policy.scale_up_window_s] or recent[-1:]
-    wanted: dict[Role, int] = {}
+    wanted: dict[EngineRole, int] = {}
     reasons: list[str] = []
-    for role in Role:
+    for role in EngineRole:
         have = current.of(role)
         up = min((need(policy, s, role) for s in up_window), key=lambda n: n.replicas)
         down = max((need(policy, s, role) for s in recent), key=lambda n: n.replicas)
@@ -190,7 +186,7 @@ def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: floa
             )
         else:
             wanted[role] = have
-    needs = Replicas(wanted[Role.PREFILL], wanted[Role.DECODE])
+    needs = Replicas(wanted[EngineRole.PREFILL], wanted[EngineRole.DECODE])
     return _fit(policy, needs, "; ".join(reasons) or "within targets: holding")
 
 

@@ -11,11 +11,11 @@ import math
 import pytest
 from hypothesis import given, reject, settings
 from hypothesis import strategies as st
+from pdconnector.protocol.params import EngineRole
 from pdoperator.autoscale.planner import (
     Decision,
     Policy,
     Replicas,
-    Role,
     RoleBounds,
     Sample,
     Targets,
@@ -153,11 +153,11 @@ def test_utilisation_targets_count_per_engine_and_the_worst_signal_decides() -> 
     targets = Targets(ttft_s=1.0, waiting_per_prefill=2.0, running_per_decode=16.0)
     policy = Policy(RoleBounds(1, 16), RoleBounds(1, 16), targets, 0.1, 10.0, 0.0, DOWN_S)
     sample = Sample(0.0, 4, 2, ttft_s=0.5, prefill_waiting=24.0, decode_running=40.0)
-    assert need(policy, sample, Role.PREFILL).replicas == 12  # 6 waiting per engine: 3x
-    assert need(policy, sample, Role.PREFILL).signal == "waiting prompts"
-    assert need(policy, sample, Role.DECODE).replicas == 3  # 20 running per engine: 1.25x of 2 engines
+    assert need(policy, sample, EngineRole.PREFILL).replicas == 12  # 6 waiting per engine: 3x
+    assert need(policy, sample, EngineRole.PREFILL).signal == "waiting prompts"
+    assert need(policy, sample, EngineRole.DECODE).replicas == 3  # 20 running per engine: 1.25x of 2 engines
     idle = Sample(0.0, 0, 0, ttft_s=None, prefill_waiting=3.0)
-    assert need(policy, idle, Role.PREFILL).replicas == 1  # demand with nothing serving starts one
+    assert need(policy, idle, EngineRole.PREFILL).replicas == 1  # demand with nothing serving starts one
 
 
 def closed_loop(
