@@ -78,10 +78,12 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
         self.pool.replace(backend_specs(config, {}))
+        self.metrics.show_pool(self.pool.all())
 
     def apply_config(self, config: RouterConfig) -> None:
         self.config = config
         self.pool.replace(backend_specs(config, self.addresses.addresses))
+        self.metrics.show_pool(self.pool.all())
         if self.dispatcher is not None:
             self.dispatcher.settings = dispatch_settings(config, self.options)
             policy = _POLICIES[config.policy]
@@ -92,6 +94,7 @@ class Router:
             extra={
                 "prefill": len(config.prefill.backends),
                 "decode": len(config.decode.backends),
+                "draining": [b.name for b in self.pool.all() if b.spec.draining],
                 "mode": config.mode,
             },
         )

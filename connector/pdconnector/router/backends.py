@@ -21,6 +21,7 @@ class BackendSpec:
     compat_hash: str | None = None
     side_channel_port: int | None = None
     tp_size: int = 1
+    draining: bool = False  # out of the pool: no new request, those it holds finish
 
     @property
     def base_url(self) -> str:
@@ -48,6 +49,8 @@ class Backend:
     consecutive_failures: int = 0
     last_error: str | None = None
     served: int = 0
+    # prefill only: requests whose KV this engine holds for a decode leg that has not started yet
+    kv_held: int = 0
     advertised_compat: str | None = None  # what the engine itself reports on /health, when it does
 
     @property
@@ -75,7 +78,9 @@ class Backend:
             "engine_id": self.spec.engine_id,
             "compat_hash": self.compat_hash,
             "healthy": self.healthy,
+            "draining": self.spec.draining,
             "outstanding": self.outstanding,
+            "kv_held": self.kv_held,
             "served": self.served,
             "last_error": self.last_error,
         }
@@ -92,14 +97,11 @@ class BackendPool:
         for spec in specs:
             key = f"{spec.role.value}/{spec.name}"
             known = self._backends.get(key)
-            if known is not None and known.spec == spec:
+            if known is not None:
+                # The same instance (maybe a new address, coordinates or draining state): requests in flight
+                # hold this object, so it stays, counters and all; health is re-checked on the next probe.
+                known.spec = spec
                 fresh[key] = known
-            elif known is not None:
-                # Same instance, new address or coordinates: keep counters, health is re-checked on the next
-                # probe.
-                fresh[key] = Backend(
-                    spec=spec, healthy=known.healthy, outstanding=known.outstanding, served=known.served
-                )
             else:
                 fresh[key] = Backend(spec=spec)
         self._backends = fresh
@@ -113,5 +115,9 @@ class BackendPool:
     def healthy(self, role: EngineRole) -> list[Backend]:
         return [b for b in self.by_role(role) if b.healthy]
 
+    def serving(self, role: EngineRole) -> list[Backend]:
+        """Healthy backends that take new requests (not draining)."""
+        return [b for b in self.healthy(role) if not b.spec.draining]
+
     def is_ready(self) -> bool:
-        return bool(self.healthy(EngineRole.PREFILL)) and bool(self.healthy(EngineRole.DECODE))
+        return bool(self.serving(EngineRole.PREFILL)) and bool(self.serving(EngineRole.DECODE))

@@ -44,6 +44,13 @@ class EngineBackend(_ConfigModel):
     engine_id: Annotated[
         str, Field(min_length=1, description="The engine id the pod's KV connector runs with.")
     ]
+    draining: Annotated[
+        bool,
+        Field(
+            description="Out of the pool: no new request goes to it, those it holds finish (the operator "
+            "removes it once idle)."
+        ),
+    ] = False
 
 
 class RoleBackends(_ConfigModel):

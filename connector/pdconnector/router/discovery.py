@@ -44,6 +44,7 @@ def _role_specs(
             compat_hash=compat_hash,
             side_channel_port=backends.side_channel_port if role is EngineRole.PREFILL else None,
             tp_size=backends.tp_size,
+            draining=entry.draining,
         )
         for entry in backends.backends
     ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdconnector.router.backends import Backend
 
 LATENCY_BUCKETS = (
     0.001,
@@ -72,6 +75,18 @@ class RouterMetrics:
             ["role", "backend"],
             registry=self.registry,
         )
+        self.kv_held = Gauge(
+            "pd_router_backend_kv_held",
+            "Requests whose KV a prefill backend holds for a decode leg that has not started",
+            ["role", "backend"],
+            registry=self.registry,
+        )
+        self.draining = Gauge(
+            "pd_router_backend_draining",
+            "1 while a backend is out of the pool, finishing what it holds (scale-down)",
+            ["role", "backend"],
+            registry=self.registry,
+        )
         self.leg_errors = Counter(
             "pd_router_leg_errors", "Failed prefill or decode legs", ["role", "kind"], registry=self.registry
         )
@@ -90,6 +105,12 @@ class RouterMetrics:
             ["role"],
             registry=self.registry,
         )
+
+    def show_pool(self, backends: Iterable[Backend]) -> None:
+        """Every configured backend's draining state (backends no longer configured are dropped)."""
+        self.draining.clear()
+        for backend in backends:
+            self.draining.labels(backend.spec.role.value, backend.name).set(int(backend.spec.draining))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -94,6 +94,7 @@ class Exchange:
     transfer_id: str = ""
     failed: set[str] = field(default_factory=set)
     pending_prefill: asyncio.Task[Any] | None = None
+    kv_holder: Backend | None = None  # the prefill whose KV this request's decode has not taken yet
     # role -> seconds to the answer (decode: to its first byte)
     legs: dict[str, float] = field(default_factory=dict)
 
@@ -195,6 +196,20 @@ class Dispatcher:
     def _leave(self, backend: Backend) -> None:
         backend.outstanding -= 1
         self.metrics.in_flight.labels(backend.spec.role.value, backend.name).dec()
+
+    def _hold_kv(self, exchange: Exchange, prefill: Backend) -> None:
+        """Count the request against ``prefill`` until its decode leg starts (the KV arrived or was read): a
+        draining prefill is removed only when none is left."""
+        self._release_kv(exchange)
+        exchange.kv_holder = prefill
+        prefill.kv_held += 1
+        self.metrics.kv_held.labels(prefill.spec.role.value, prefill.name).inc()
+
+    def _release_kv(self, exchange: Exchange) -> None:
+        if (holder := exchange.kv_holder) is not None:
+            exchange.kv_holder = None
+            holder.kv_held -= 1
+            self.metrics.kv_held.labels(holder.spec.role.value, holder.name).dec()
 
     @contextlib.contextmanager
     def _occupy(self, backend: Backend) -> Iterator[None]:
@@ -345,6 +360,7 @@ class Dispatcher:
                 exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
             else:
                 exchange.prefill = self._pick(EngineRole.PREFILL, exchange)
+            self._hold_kv(exchange, exchange.prefill)
             return await self._prefill_leg(
                 exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
             )
@@ -370,12 +386,15 @@ class Dispatcher:
                 exchange.decode = self._pick(EngineRole.DECODE, exchange, partner=exchange.prefill)
             return await self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
 
-        return await self._with_retries(EngineRole.DECODE, exchange, run_decode)
+        started = await self._with_retries(EngineRole.DECODE, exchange, run_decode)
+        self._release_kv(exchange)
+        return started
 
     async def _concurrent(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
         for _ in range(self.settings.max_attempts):
             exchange.decode = self._pick(EngineRole.DECODE, exchange)
             exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
+            self._hold_kv(exchange, exchange.prefill)
             exchange.transfer_id = mint_transfer_id()
             decode_params = push_decode_leg_params(
                 exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
@@ -406,6 +425,7 @@ class Dispatcher:
                     continue
                 raise
             exchange.pending_prefill = None if prefill.done() else prefill
+            self._release_kv(exchange)
             return started
         raise self._exhausted("prefill/decode pair")
 
@@ -459,6 +479,7 @@ class Dispatcher:
             started.backend.served += 1
             return response
         finally:
+            self._release_kv(exchange)
             if started is not None:
                 self._finish_stream(started)
             await cancel_and_wait(exchange.pending_prefill)

@@ -49,9 +49,9 @@ def peer_role(role: EngineRole) -> EngineRole:
 def candidates(
     pool: BackendPool, role: EngineRole, refused: Collection[str], partner: Backend | None = None
 ) -> list[Backend]:
-    """Healthy backends of ``role`` that did not refuse this request (by name) and can pair with
-    ``partner``."""
-    found = [b for b in pool.healthy(role) if b.name not in refused]
+    """Healthy, not draining backends of ``role`` that did not refuse this request (by name) and can pair
+    with ``partner``."""
+    found = [b for b in pool.serving(role) if b.name not in refused]
     return [b for b in found if partner is None or b.compatible_with(partner)]
 
 
@@ -82,6 +82,8 @@ def _reasons(
     for backend in sorted(pool.by_role(role), key=lambda b: b.name):
         if not backend.healthy:
             why = f"ejected ({backend.consecutive_failures} failure(s) in a row, last: {backend.last_error})"
+        elif backend.spec.draining:
+            why = "draining (scaled down: it finishes what it holds, takes nothing new)"
         elif backend.name in refused:
             why = "refused this request's connection"
         elif partner is not None and not backend.compatible_with(partner):

@@ -65,6 +65,13 @@ PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
         "priority": 1,
     },
     {
+        "name": "Scaling",
+        "type": "string",
+        "jsonPath": ".status.autoscaling.reason",
+        "description": "Why the roles have these counts (spec.autoscaling).",
+        "priority": 1,
+    },
+    {
         "name": "Endpoint",
         "type": "string",
         "jsonPath": ".status.routerEndpoint",

@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 from pdconnector.layout.model import ConvLayout, SsmFamily
 from pdconnector.protocol.params import TransferMode
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+
+from pdoperator.api.autoscaling import AutoscalingSpec
+from pdoperator.api.base import ApiModel
 
 GROUP = "inference.pdoperator.dev"
 VERSION = "v1alpha1"
@@ -29,18 +31,6 @@ SHORT_NAMES = ("pds",)
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_ENGINE_PORT = 8000
 DEFAULT_ROUTER_PORT = 8000
-
-
-class ApiModel(BaseModel):
-    """Base for every API object: camelCase aliases, unknown fields rejected."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_enum_values=False,
-        validate_default=True,
-    )
 
 
 # ---------------------------------------------------------------- enums
@@ -592,6 +582,13 @@ class PDServiceSpec(ApiModel):
     monitoring: Annotated[MonitoringSpec, Field(description="Metrics scraping of engines and router.")] = (
         Field(default_factory=MonitoringSpec)
     )
+    autoscaling: Annotated[
+        AutoscalingSpec | None,
+        Field(
+            description="Replica counts of both roles sized from latency and queue targets; unset: the roles "
+            "run spec.prefill.replicas and spec.decode.replicas."
+        ),
+    ] = None
 
 
 class PDService(BaseModel):
@@ -604,3 +601,9 @@ class PDService(BaseModel):
     spec: PDServiceSpec
     generation: int = 1
     uid: str = ""
+    # Engines of each role the router sends new requests to, by role ("prefill", "decode"); the role's
+    # higher ordinals drain. Not the user's: the autoscaler's observed state. Absent: every replica serves.
+    serving: dict[str, int] = {}
+
+    def serving_replicas(self, role: str, replicas: int) -> int:
+        return min(self.serving.get(role, replicas), replicas)

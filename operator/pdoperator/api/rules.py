@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pdoperator.api.autoscaling import AutoscalingEngine, AutoscalingSpec, RatioRange, ReplicaRange
 from pdoperator.api.model import (
     Architecture,
     ConnectorImpl,
@@ -104,6 +105,101 @@ def _no_speculative_decoding_rule(role: str) -> CelRule:
         holds=lambda spec: _no_speculative_args(spec, getattr(spec, role)),
     )
 
+
+_LATENCY_TARGETS = "has(self.targets.ttftMilliseconds) || has(self.targets.tpotMilliseconds)"
+
+AUTOSCALING_RULES: tuple[CelRule, ...] = (
+    CelRule(
+        name="autoscaling-replica-range-ordered",
+        owner=ReplicaRange,
+        cel="self.minReplicas <= self.maxReplicas",
+        message="must be at most maxReplicas",
+        field_path=".minReplicas",
+        holds=lambda bounds: bounds.min_replicas <= bounds.max_replicas,
+    ),
+    CelRule(
+        name="autoscaling-ratio-range-ordered",
+        owner=RatioRange,
+        cel="self.minPercent <= self.maxPercent",
+        message="must be at most maxPercent",
+        field_path=".minPercent",
+        holds=lambda ratio: ratio.min_percent <= ratio.max_percent,
+    ),
+    CelRule(
+        name="autoscaling-prefill-target",
+        owner=AutoscalingSpec,
+        cel="has(self.targets.ttftMilliseconds) || has(self.targets.waitingRequestsPerPrefill)",
+        message="needs a prefill target: ttftMilliseconds or waitingRequestsPerPrefill",
+        field_path=".targets",
+        reason=Reason.REQUIRED,
+        holds=lambda scaling: (
+            scaling.targets.ttft_milliseconds is not None
+            or scaling.targets.waiting_requests_per_prefill is not None
+        ),
+    ),
+    CelRule(
+        name="autoscaling-decode-target",
+        owner=AutoscalingSpec,
+        cel="has(self.targets.tpotMilliseconds) || has(self.targets.runningRequestsPerDecode)",
+        message="needs a decode target: tpotMilliseconds or runningRequestsPerDecode",
+        field_path=".targets",
+        reason=Reason.REQUIRED,
+        holds=lambda scaling: (
+            scaling.targets.tpot_milliseconds is not None
+            or scaling.targets.running_requests_per_decode is not None
+        ),
+    ),
+    CelRule(
+        name="autoscaling-hpa-per-pod-targets",
+        owner=AutoscalingSpec,
+        cel=f"self.engine != 'hpa' || !({_LATENCY_TARGETS})",
+        message="ttftMilliseconds and tpotMilliseconds need engine builtin or keda (an HPA averages per-pod "
+        "metrics: use waitingRequestsPerPrefill and runningRequestsPerDecode)",
+        field_path=".targets",
+        reason=Reason.FORBIDDEN,
+        holds=lambda scaling: (
+            scaling.engine != AutoscalingEngine.HPA
+            or (scaling.targets.ttft_milliseconds is None and scaling.targets.tpot_milliseconds is None)
+        ),
+    ),
+    CelRule(
+        name="autoscaling-keda-requires-prometheus",
+        owner=AutoscalingSpec,
+        cel="self.engine != 'keda' || has(self.prometheus)",
+        message="required when engine is keda (its triggers query Prometheus)",
+        field_path=".prometheus",
+        reason=Reason.REQUIRED,
+        holds=lambda scaling: scaling.engine != AutoscalingEngine.KEDA or scaling.prometheus is not None,
+    ),
+    CelRule(
+        name="autoscaling-prometheus-only-keda",
+        owner=AutoscalingSpec,
+        cel="self.engine == 'keda' || !has(self.prometheus)",
+        message="may only be set when engine is keda",
+        field_path=".prometheus",
+        reason=Reason.FORBIDDEN,
+        holds=lambda scaling: scaling.engine == AutoscalingEngine.KEDA or scaling.prometheus is None,
+    ),
+    CelRule(
+        name="autoscaling-ratio-only-builtin",
+        owner=AutoscalingSpec,
+        cel="self.engine == 'builtin' || !has(self.prefillPerDecode)",
+        message="may only be set when engine is builtin (per-role HPA or KEDA objects cannot keep a ratio)",
+        field_path=".prefillPerDecode",
+        reason=Reason.FORBIDDEN,
+        holds=lambda scaling: (
+            scaling.engine == AutoscalingEngine.BUILTIN or scaling.prefill_per_decode is None
+        ),
+    ),
+    CelRule(
+        name="autoscaling-windows-ordered",
+        owner=AutoscalingSpec,
+        cel="self.scaleUpWindowSeconds <= self.scaleDownWindowSeconds",
+        message="must be at most scaleDownWindowSeconds (scale up fast, down slowly)",
+        field_path=".scaleUpWindowSeconds",
+        holds=lambda scaling: scaling.scale_up_window_seconds <= scaling.scale_down_window_seconds,
+    ),
+)
 
 CEL_RULES: tuple[CelRule, ...] = (
     # ------------------------------------------------------------ spec: model shape vs. TP
@@ -265,6 +361,20 @@ CEL_RULES: tuple[CelRule, ...] = (
         ),
     ),
     CelRule(
+        name="fixed-prefill-engine-id-autoscaled-single-replica",
+        owner=PDServiceSpec,
+        cel="!has(self.engine.prefillEngineId) || !has(self.autoscaling) || "
+        "self.autoscaling.prefill.maxReplicas <= 1",
+        message="must be at most 1 when spec.engine.prefillEngineId is set (prefill pods sharing one engine "
+        "id would alias each other)",
+        field_path=".autoscaling.prefill.maxReplicas",
+        holds=lambda spec: (
+            spec.engine.prefill_engine_id is None
+            or spec.autoscaling is None
+            or spec.autoscaling.prefill.max_replicas <= 1
+        ),
+    ),
+    CelRule(
         name="fixed-prefill-engine-id-single-replica",
         owner=PDServiceSpec,
         cel="!has(self.engine.prefillEngineId) || self.prefill.replicas <= 1",
@@ -378,6 +488,7 @@ CEL_RULES: tuple[CelRule, ...] = (
         field_path=".path",
         holds=lambda pvc: ".." not in pvc.path.split("/"),
     ),
+    *AUTOSCALING_RULES,
     # ------------------------------------------------------------ roles
     CelRule(
         name="gpus-cover-tensor-parallel-size",

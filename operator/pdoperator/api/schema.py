@@ -37,6 +37,8 @@ _KEPT_KEYWORDS = (
     "default",
     "minimum",
     "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
     "minLength",
     "maxLength",
     "pattern",
@@ -98,6 +100,11 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any], where: str) -> tuple[di
         referenced = {key: value for key, value in defs[ref_name].items() if key not in _DROPPED_KEYWORDS}
         # The field's own description and default win over the referenced type's.
         node = {**referenced, **node}
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema 2020 puts the bound in exclusiveMinimum; OpenAPI v3.0 (the CRD's dialect) flags minimum.
+        if exclusive in node and not isinstance(node[exclusive], bool):
+            node[bound] = node.pop(exclusive)
+            node[exclusive] = True
     if node.get("additionalProperties") is True:
         node.pop("additionalProperties")
         node["x-kubernetes-preserve-unknown-fields"] = True

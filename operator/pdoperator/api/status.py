@@ -67,6 +67,43 @@ class RoleStatus(StatusModel):
     summary: Annotated[str, Field(description="ready/desired, shown by kubectl get.")] = "0/0"
 
 
+class RoleScaleStatus(StatusModel):
+    """How many engines of one role run, and how many of them take new requests."""
+
+    replicas: Annotated[int, Field(description="Engines the role's StatefulSet runs.", ge=0)] = 0
+    serving: Annotated[
+        int,
+        Field(
+            description="Engines the router sends new requests to (the lowest ordinals); the others drain "
+            "and are removed once idle.",
+            ge=0,
+        ),
+    ] = 0
+
+
+class AutoscalingStatus(StatusModel):
+    """What spec.autoscaling decided last, and why."""
+
+    prefill: Annotated[RoleScaleStatus, Field(description="Prefill engines.")] = Field(
+        default_factory=RoleScaleStatus
+    )
+    decode: Annotated[RoleScaleStatus, Field(description="Decode engines.")] = Field(
+        default_factory=RoleScaleStatus
+    )
+    reason: Annotated[str, Field(description="Why the roles have these counts.", max_length=4096)] = ""
+    last_scale_time: Annotated[
+        str | None,
+        Field(description="When a count last changed (RFC 3339).", json_schema_extra={"format": "date-time"}),
+    ] = None
+    draining_since: Annotated[
+        str | None,
+        Field(
+            description="Since when engines have been draining (RFC 3339); unset while none drains.",
+            json_schema_extra={"format": "date-time"},
+        ),
+    ] = None
+
+
 class PDServiceStatus(StatusModel):
     """Observed state, written by the operator."""
 
@@ -81,6 +118,9 @@ class PDServiceStatus(StatusModel):
     router: Annotated[RoleStatus, Field(description="Router replicas.")] = Field(default_factory=RoleStatus)
     router_endpoint: Annotated[
         str | None, Field(description="In-cluster URL of the router's OpenAI API.")
+    ] = None
+    autoscaling: Annotated[
+        AutoscalingStatus | None, Field(description="The autoscaler's last decision (spec.autoscaling).")
     ] = None
     conditions: Annotated[
         list[Condition],

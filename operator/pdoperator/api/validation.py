@@ -16,10 +16,12 @@ from decimal import Decimal
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel
 
+from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.errors import FieldError, path_key
 from pdoperator.api.model import DNS_SUBDOMAIN, PDServiceSpec, RoleResources, RoleSpec, Runtime
 from pdoperator.api.rules import CEL_RULES, CelRule
 from pdoperator.api.schema import DNS_1035_LABEL, MAX_NAME_LENGTH
+from pdoperator.autoscale.policy import policy_of
 
 DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -267,6 +269,27 @@ def _check_hugepages(text: str) -> list[FieldError]:
     return []
 
 
+def _check_autoscaling(spec: PDServiceSpec, found: list[FieldError]) -> list[FieldError]:
+    """Bounds and ratio range must admit a replica pair (CEL cannot search them); checked once the rules on
+    spec.autoscaling hold, so one mistake is reported once."""
+    if spec.autoscaling is None or any(e.path.startswith("spec.autoscaling") for e in found):
+        return []
+    if spec.autoscaling.engine is not AutoscalingEngine.BUILTIN:
+        # The API is settled; the per-role HPA and ScaledObject children are not rendered yet, and accepting
+        # the spec would leave the roles unscaled without a word.
+        return [
+            FieldError(
+                "spec.autoscaling.engine",
+                f"{spec.autoscaling.engine} is not rendered by this operator version yet: use builtin",
+            )
+        ]
+    try:
+        policy_of(spec.autoscaling)
+    except ValueError as e:
+        return [FieldError("spec.autoscaling", str(e))]
+    return []
+
+
 def validate_metadata(name: str, namespace: str) -> list[FieldError]:
     """Problems with the object's name and namespace (child objects derive their names from them)."""
     return _check_name(name) + _check_namespace(namespace)
@@ -285,6 +308,7 @@ def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
         errors += _check_labels(f"spec.{role}.nodeSelector", role_spec.node_selector)
         errors += _check_resources(role, role_spec.resources, hugepages_requested)
     errors += _check_hugepages(spec.network.efa.hugepages)
+    errors += _check_autoscaling(spec, errors)
     for index, peer in enumerate(spec.monitoring.scrapers):
         for field, labels in (("namespaceLabels", peer.namespace_labels), ("podLabels", peer.pod_labels)):
             errors += _check_labels(f"spec.monitoring.scrapers[{index}].{field}", labels or {})

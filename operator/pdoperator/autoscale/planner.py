@@ -72,8 +72,10 @@ class Policy:
     tolerance: float = 0.1
 
     def __post_init__(self) -> None:
-        if not 0 < self.ratio_min <= self.ratio_max:
-            raise ValueError(f"ratio range [{self.ratio_min}, {self.ratio_max}]: need 0 < min <= max")
+        if not (0 <= self.ratio_min <= self.ratio_max and self.ratio_max > 0):
+            raise ValueError(
+                f"ratio range [{self.ratio_min}, {self.ratio_max}]: need 0 <= min <= max, max > 0"
+            )
         if not 0 <= self.scale_up_window_s <= self.scale_down_window_s:
             raise ValueError(
                 f"windows: scale-up {self.scale_up_window_s} s must be >= 0 and at most scale-down "

@@ -23,6 +23,9 @@ ROUTER_TTFT = "pd_router_ttft_seconds"
 ENGINE_TPOT = "vllm:request_time_per_output_token_seconds"
 ENGINE_WAITING = "vllm:num_requests_waiting"
 ENGINE_RUNNING = "vllm:num_requests_running"
+ROUTER_IN_FLIGHT = "pd_router_backend_in_flight"
+ROUTER_KV_HELD = "pd_router_backend_kv_held"
+ROUTER_DRAINING = "pd_router_backend_draining"
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,42 @@ def gauge(text: str, name: str) -> float:
         for sample in family.samples
         if sample.name == name
     )
+
+
+@dataclass(frozen=True)
+class BackendLoad:
+    """What the router says of one engine: out of its pool or not, and the requests still on it (legs in
+    flight, and prefill KV that decode has not taken yet)."""
+
+    draining: bool
+    requests: float
+
+
+def router_backends(text: str) -> dict[str, BackendLoad]:
+    """Per engine (pod name), the router's view, from its ``/metrics`` text."""
+    per_backend: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in (ROUTER_IN_FLIGHT, ROUTER_KV_HELD, ROUTER_DRAINING):
+            for sample in family.samples:
+                if sample.name == family.name and "backend" in sample.labels:
+                    values = per_backend.setdefault(sample.labels["backend"], {})
+                    values[family.name] = values.get(family.name, 0.0) + sample.value
+    return {
+        name: BackendLoad(
+            draining=values.get(ROUTER_DRAINING, 0.0) > 0,
+            requests=values.get(ROUTER_IN_FLIGHT, 0.0) + values.get(ROUTER_KV_HELD, 0.0),
+        )
+        for name, values in per_backend.items()
+    }
+
+
+def is_idle(load: BackendLoad | None, engine: EngineReading | None) -> bool:
+    """A draining engine may go: the router took it out of its pool and nothing is left on it, there or in
+    the engine itself (which also counts other routers' requests). An engine that does not answer holds
+    nothing that could still complete."""
+    if load is None or not load.draining or load.requests > 0:
+        return False
+    return engine is None or engine.waiting + engine.running == 0
 
 
 def engine_reading(text: str) -> EngineReading:

@@ -25,6 +25,7 @@ import prometheus_client
 from pdoperator.reconcile.handlers import HandlerSettings, record_event, register
 from pdoperator.reconcile.kube import KubernetesApi
 from pdoperator.reconcile.kvtransfer import service_dns_resolver, template_resolver
+from pdoperator.reconcile.metrics_source import service_dns_metrics_urls, template_metrics_urls
 from pdoperator.reconcile.reconciler import Reconciler
 from pdoperator.render import OPERATOR_VERSION, RenderDefaults
 
@@ -85,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="router /status URL with {name}, {namespace}, {port} (default: the router Service's DNS name)",
     )
     parser.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=HandlerSettings.autoscale_interval_seconds,
+        metavar="SECONDS",
+        help="how often the autoscaler reads the metrics of each PDService with spec.autoscaling builtin",
+    )
+    parser.add_argument(
+        "--router-metrics-url",
+        metavar="TEMPLATE",
+        help="router /metrics URL with {name}, {namespace}, {port} (default: the router Service's DNS name); "
+        "with --engine-metrics-url",
+    )
+    parser.add_argument(
+        "--engine-metrics-url",
+        metavar="TEMPLATE",
+        help="engine /metrics URL with {name}, {namespace}, {port}, {role}, {ordinal}, {pod} (default: the "
+        "pod's DNS name)",
+    )
+    parser.add_argument(
         "--api-timeout",
         type=float,
         default=HandlerSettings.api_request_timeout_seconds,
@@ -109,15 +129,28 @@ def peering_priority(requested: int | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.kv_check_interval <= 0 or args.api_timeout <= 0:
-        print("pd-operator: --kv-check-interval and --api-timeout must be positive", file=sys.stderr)
+    if min(args.kv_check_interval, args.api_timeout, args.autoscale_interval) <= 0:
+        print(
+            "pd-operator: --kv-check-interval, --autoscale-interval and --api-timeout must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.router_metrics_url is None) != (args.engine_metrics_url is None):
+        print("pd-operator: --router-metrics-url and --engine-metrics-url go together", file=sys.stderr)
         return 2
     kopf.configure(verbose=args.verbose, log_format=LOG_FORMATS[args.log_format])
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
     defaults = render_defaults(args.cluster_domain, dict(os.environ))
     options = HandlerSettings(
-        kv_check_interval_seconds=args.kv_check_interval, api_request_timeout_seconds=args.api_timeout
+        kv_check_interval_seconds=args.kv_check_interval,
+        api_request_timeout_seconds=args.api_timeout,
+        autoscale_interval_seconds=args.autoscale_interval,
+    )
+    metrics_urls = (
+        template_metrics_urls(args.router_metrics_url, args.engine_metrics_url)
+        if args.router_metrics_url
+        else service_dns_metrics_urls(defaults.cluster_domain)
     )
     resolver = (
         template_resolver(args.router_status_url)
@@ -130,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pd-operator: no Kubernetes configuration (in-cluster or kubeconfig): {e}", file=sys.stderr)
         return 1
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(api, record_event, defaults), resolver, options)
+    register(registry, Reconciler(api, record_event, defaults), resolver, metrics_urls, options)
     logging.getLogger(__name__).info("pd-operator %s starting", OPERATOR_VERSION)
     kopf.run(
         registry=registry,

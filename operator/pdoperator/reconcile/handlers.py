@@ -8,6 +8,8 @@
 - ``child_changed``, on events of labelled StatefulSets, Deployments, Services and ConfigMaps: reconciles the
   owner (drift, status).
 - ``verify_kv_transfer``, a timer per PDService: reads the router's ``/status`` -> KVTransferVerified.
+- ``autoscale``, a timer per PDService: with spec.autoscaling builtin, reads the router's and the engines'
+  ``/metrics``, plans, and reconciles the roles to a new scale.
 - ``close_session``, at cleanup: closes the HTTP session of the router probes.
 """
 
@@ -23,12 +25,15 @@ import aiohttp
 import kopf
 
 from pdoperator.api.model import GROUP, KIND, PLURAL, VERSION, PDService
+from pdoperator.autoscale.rounds import Readings
+from pdoperator.autoscale.scale import Scale
 from pdoperator.render.names import LABEL_NAME, PRODUCT
 
 from . import metrics
 from .kinds import WATCHED_CHILD_KINDS
 from .kube import KubeApiError
 from .kvtransfer import RouterUrlResolver, TransferCounts, fetch_router_status
+from .metrics_source import MetricsUrls, read_metrics
 from .reconciler import InvalidSpecError, Reconciler
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -41,6 +46,8 @@ class HandlerSettings:
     api_request_timeout_seconds: float = 30.0
     watch_server_timeout_seconds: float = 300.0
     retry_delay_seconds: float = 5.0
+    autoscale_interval_seconds: float = 15.0
+    metrics_timeout_seconds: float = 3.0
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,6 +92,7 @@ def register(
     registry: kopf.OperatorRegistry,
     reconciler: Reconciler,
     resolve_router_url: RouterUrlResolver,
+    metrics_urls: MetricsUrls,
     options: HandlerSettings,
 ) -> None:
     sessions: list[aiohttp.ClientSession] = []
@@ -160,6 +168,22 @@ def register(
         )
         watch(child_changed)
 
+    _register_probes(
+        registry, reconciler, sessions, resolve_router_url, metrics_urls=metrics_urls, options=options
+    )
+
+
+def _register_probes(
+    registry: kopf.OperatorRegistry,
+    reconciler: Reconciler,
+    sessions: list[aiohttp.ClientSession],
+    resolve_router_url: RouterUrlResolver,
+    *,
+    metrics_urls: MetricsUrls,
+    options: HandlerSettings,
+) -> None:
+    """The timers that read the router and the engines: KV transfer verification and the autoscaler."""
+
     async def fetch(pds: PDService) -> TransferCounts:
         return await fetch_router_status(
             sessions[0], resolve_router_url(pds), options.router_status_timeout_seconds
@@ -178,3 +202,20 @@ def register(
             await reconciler.probe_kv_transfer(plain(body), fetch)
         except KubeApiError as e:
             kopf.warn(body, reason="KVTransferCheckFailed", message=str(e))
+
+    async def read(pds: PDService, scale: Scale) -> Readings:
+        return await read_metrics(sessions[0], metrics_urls, pds, scale, options.metrics_timeout_seconds)
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        id="autoscale",
+        interval=options.autoscale_interval_seconds,
+        registry=registry,
+    )
+    async def autoscale(body: kopf.Body, **_: Any) -> None:
+        try:
+            await reconciler.autoscale(plain(body), read)
+        except KubeApiError as e:
+            kopf.warn(body, reason="AutoscaleFailed", message=str(e))

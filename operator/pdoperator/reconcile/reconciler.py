@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from pdconnector.protocol.params import EngineRole
+
 from pdoperator.api import SpecError, parse_pdservice
+from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.model import PDService
-from pdoperator.api.status import Condition, ConditionType
+from pdoperator.api.status import AutoscalingStatus, Condition, ConditionType, PDServiceStatus
+from pdoperator.autoscale.policy import policy_of
+from pdoperator.autoscale.rounds import History, Readings, autoscale_round
+from pdoperator.autoscale.scale import Scale, bounded
 from pdoperator.render import ComponentRole, RenderDefaults, child_name
+from pdoperator.render.names import pod_name
 
 from .children import Action, Create, Patch, children_selector, describe, desired_children, plan
 from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
@@ -32,6 +39,14 @@ from .kvtransfer import (
     unreachable_verdict,
     verdict,
 )
+from .scaling import (
+    autoscaling_status,
+    drain_expired,
+    effective_scale,
+    live_statefulset_replicas,
+    scaled,
+    stored_scale,
+)
 from .status import AWAITING_ROUTER, healthy_status, invalid_status, parse_status, role_rollout, status_patch
 
 logger = logging.getLogger(__name__)
@@ -42,6 +57,11 @@ Key = tuple[str, str]
 class Trigger(StrEnum):
     SPEC = "spec"  # the PDService was created, changed, or the operator (re)started
     CHILD = "child"  # a child changed, was deleted, or reported new status
+    AUTOSCALE = "autoscale"  # the autoscaler decided a new scale
+
+
+# Reads one round of the router's and the engines' /metrics for the autoscaler.
+MetricsReader = Callable[[PDService, Scale], Coroutine[Any, Any, Readings]]
 
 
 class EventRecorder(Protocol):
@@ -90,6 +110,8 @@ class Reconciler:
         self._locks: dict[Key, asyncio.Lock] = {}
         self._pending: set[Key] = set()
         self._kv: dict[Key, _KVState] = {}
+        self._history: dict[Key, History] = {}  # the autoscaler's samples
+        self._decided: dict[Key, tuple[Scale, str]] = {}  # a new scale for the next reconcile to apply
         # resourceVersion of each child as the operator last wrote it: the watch echoes every write back.
         self._written: dict[tuple[str, str, str], str] = {}
 
@@ -136,6 +158,8 @@ class Reconciler:
             actions = plan([], live, uid)
             await self._apply(actions, key[0])
             self._kv.pop(key, None)
+            self._history.pop(key, None)
+            self._decided.pop(key, None)
         self._locks.pop(key, None)
         for action in actions:
             self._written.pop((action.kind.plural, key[0], action.name), None)
@@ -188,7 +212,60 @@ class Reconciler:
             await self.request(pds.namespace, pds.name)
         return changed
 
+    async def autoscale(self, body: dict[str, Any], read: MetricsReader) -> bool:
+        """One autoscaler round (spec.autoscaling.engine builtin): read the metrics, plan, and when the scale
+        changes reconcile the children to it; True when it changed."""
+        try:
+            pds = parse_pdservice(body)
+        except SpecError:
+            return False
+        scaling = pds.spec.autoscaling
+        stored = parse_status(body.get("status")).autoscaling
+        if scaling is None or scaling.engine is not AutoscalingEngine.BUILTIN or stored is None:
+            return False  # not ours to size, or not reconciled yet (that writes where the roles start)
+        key = (pds.namespace, pds.name)
+        policy = policy_of(scaling)
+        current = bounded(policy, stored_scale(stored))
+        readings = await read(pds, current)
+        decided = autoscale_round(
+            policy,
+            scaling.targets.percentile,
+            self._history.get(key, History()),
+            current,
+            readings,
+            pod_name=lambda role, ordinal: pod_name(pds, ComponentRole(role.value), ordinal),
+            drain_expired=drain_expired(stored, scaling.drain_timeout_seconds, self._clock()),
+        )
+        self._history[key] = decided.history
+        if decided.scale == current:
+            return False
+        self._decided[key] = (decided.scale, decided.reason)
+        await self.request(pds.namespace, pds.name)
+        return True
+
     # ---- the reconciliation
+
+    def _scale(
+        self, pds: PDService, previous: PDServiceStatus, live: dict[ResourceKind, list[dict[str, Any]]]
+    ) -> tuple[PDService, AutoscalingStatus | None, bool]:
+        """The PDService as its children are rendered under spec.autoscaling, the status of that scale, and
+        whether it is a new decision of the autoscaler's."""
+        key = (pds.namespace, pds.name)
+        decided = self._decided.pop(key, None)
+        fresh = decided is not None and pds.spec.autoscaling is not None
+        if not fresh:
+            live_replicas = {
+                role: live_statefulset_replicas(
+                    _find(live, STATEFULSETS, child_name(pds, ComponentRole(role)))
+                )
+                for role in EngineRole
+            }
+            decided = effective_scale(pds, previous.autoscaling, live_replicas)
+        if decided is None:
+            return pds, None, False
+        scale, reason = decided
+        status = autoscaling_status(scale, reason, previous.autoscaling, self._clock())
+        return scaled(pds, scale), status, fresh
 
     async def _reconcile(self, body: dict[str, Any], trigger: Trigger) -> ReconcileOutcome:
         meta = body["metadata"]
@@ -206,6 +283,7 @@ class Reconciler:
 
         live = await self._read_children(pds.namespace, pds.name)
         had_children = any(live.values())
+        pds, autoscaling, autoscaled = self._scale(pds, previous, live)
         actions = plan(desired_children(pds, self._defaults), live, pds.uid)
         applied = await self._apply(actions, pds.namespace)
         for kind, obj in applied:
@@ -213,6 +291,8 @@ class Reconciler:
             live[kind] = [o for o in live[kind] if o["metadata"]["name"] != name] + ([obj] if obj else [])
             if version := obj["metadata"].get("resourceVersion"):
                 self._written[(kind.plural, pds.namespace, name)] = version
+        if autoscaled:
+            trigger = Trigger.AUTOSCALE
         if actions:
             self._record_event(
                 body, "Normal", _reason(trigger, had_children), "; ".join(describe(a) for a in actions)
@@ -243,7 +323,7 @@ class Reconciler:
             kv_condition=kv,
             cluster_domain=self._defaults.cluster_domain,
             now=self._clock(),
-        )
+        ).model_copy(update={"autoscaling": autoscaling})
         return ReconcileOutcome(actions=actions, status_written=await self._write_status(body, status))
 
     def _kv_condition(self, key: Key, previous: Any, generation: int) -> Condition | None:
@@ -328,4 +408,6 @@ def _find(
 def _reason(trigger: Trigger, had_children: bool) -> str:
     if trigger is Trigger.CHILD:
         return "DriftCorrected"
+    if trigger is Trigger.AUTOSCALE:
+        return "Autoscaled"
     return "RolloutStarted" if had_children else "ChildrenCreated"

@@ -30,6 +30,7 @@ OWNED_STATUS_KEYS = (
     "decode",
     "router",
     "routerEndpoint",
+    "autoscaling",
     "conditions",
 )
 
@@ -228,8 +229,16 @@ def status_patch(stored: dict[str, Any] | None, computed: PDServiceStatus) -> di
     old = {k: v for k, v in (stored or {}).items() if k in OWNED_STATUS_KEYS}
     if old == new:
         return None
-    patch: dict[str, Any] = dict(new)
-    for key in old:
-        if key not in new:
-            patch[key] = None
-    return {"status": patch}
+    return {"status": _replacing(old, new)}
+
+
+def _replacing(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns ``old`` into ``new`` (keys gone from ``new``, at any depth, nulled)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        patch[key] = (
+            _replacing(before, value) if isinstance(value, dict) and isinstance(before, dict) else value
+        )
+    patch |= {key: None for key in old if key not in new}
+    return patch

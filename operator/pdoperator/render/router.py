@@ -42,6 +42,7 @@ def _role_backends(
 ) -> RoleBackends:
     spec = pds.spec
     rs = role_spec(spec, role)
+    serving = pds.serving_replicas(role.value, rs.replicas)
     return RoleBackends(
         service=service_dns_name(pds, role, defaults.cluster_domain),
         namespace=pds.namespace,
@@ -54,6 +55,7 @@ def _role_backends(
                 name=pod_name(pds, role, ordinal),
                 host=pod_dns_name(pds, role, ordinal, defaults.cluster_domain),
                 engine_id=engine_id(spec, role, pod_name(pds, role, ordinal), compat),
+                draining=ordinal >= serving,
             )
             for ordinal in range(rs.replicas)
         ],

@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 import pytest
-from pdoperator.api import API_VERSION, SpecError, parse_pdservice
+from pdoperator.api import API_VERSION, PDServiceSpec, SpecError, parse_pdservice, validate_spec
 
 DELETE = object()
 HYBRID = {"name": "m", "architecture": "hybrid-ssm"}
@@ -700,4 +700,38 @@ def test_all_problems_are_reported_together():
         "spec.ssm: required when spec.model.architecture is hybrid-ssm",
         "spec.prefill.env[0].name: HF_TOKEN is set by the operator; use "
         "spec.model.source.huggingFace.tokenSecretRef",
+    ]
+
+
+def test_autoscaling_bounds_that_no_ratio_admits_are_reported_on_spec_autoscaling():
+    spec = PDServiceSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "autoscaling": {
+                "prefill": {"minReplicas": 4, "maxReplicas": 4},
+                "decode": {"minReplicas": 1, "maxReplicas": 1},
+                "targets": {"ttftMilliseconds": 500, "tpotMilliseconds": 40},
+                "prefillPerDecode": {"minPercent": 50, "maxPercent": 200},
+            },
+        }
+    )
+    errors = validate_spec(spec, "m")
+    assert [e.path for e in errors] == ["spec.autoscaling"]
+    assert "keep the ratio" in errors[0].message
+
+
+def test_hpa_and_keda_scalers_are_refused_until_they_are_rendered():
+    spec = PDServiceSpec.model_validate(
+        {
+            "model": {"name": "m"},
+            "autoscaling": {
+                "engine": "hpa",
+                "prefill": {"maxReplicas": 2},
+                "decode": {"maxReplicas": 2},
+                "targets": {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 16},
+            },
+        }
+    )
+    assert [str(e) for e in validate_spec(spec, "m")] == [
+        "spec.autoscaling.engine: hpa is not rendered by this operator version yet: use builtin"
     ]

@@ -19,6 +19,17 @@ MOCK_ENGINE = {"runtime": "mock", "transport": {"backend": "mock"}}
 MAMBA2 = {"family": "mamba2"}
 # Mamba1 is served by the mock engine only (with the builtin connector); the TP rule is tested there.
 MAMBA1_MOCK = {"model": HYBRID, "ssm": {"family": "mamba1"}, "engine": MOCK_ENGINE}
+# Autoscaling: the smallest spec.autoscaling that is valid, and its variants.
+BOUNDS = {"prefill": {"maxReplicas": 4}, "decode": {"maxReplicas": 4}}
+LATENCY = {"ttftMilliseconds": 1000, "tpotMilliseconds": 50}
+PER_POD = {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 32}
+PROMETHEUS = {"serverAddress": "http://prometheus.monitoring.svc:9090"}
+
+
+def scaled(**autoscaling: Any) -> dict[str, Any]:
+    return {"model": MODEL, "autoscaling": {**BOUNDS, "targets": LATENCY, **autoscaling}}
+
+
 SPECULATIVE = '--speculative-config={"method":"ngram","num_speculative_tokens":2}'
 
 # rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
@@ -106,6 +117,49 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fixed-prefill-engine-id-single-replica": (
         {"model": MODEL, "engine": {"connector": "vllm", "prefillEngineId": "p"}, "prefill": {"replicas": 1}},
         {"model": MODEL, "engine": {"connector": "vllm", "prefillEngineId": "p"}, "prefill": {"replicas": 2}},
+    ),
+    "fixed-prefill-engine-id-autoscaled-single-replica": (
+        {
+            **scaled(prefill={"maxReplicas": 1}),
+            "engine": {"connector": "vllm", "prefillEngineId": "p"},
+        },
+        {**scaled(), "engine": {"connector": "vllm", "prefillEngineId": "p"}},
+    ),
+    "autoscaling-replica-range-ordered": (
+        scaled(decode={"minReplicas": 4, "maxReplicas": 4}),
+        scaled(decode={"minReplicas": 5, "maxReplicas": 4}),
+    ),
+    "autoscaling-ratio-range-ordered": (
+        scaled(prefillPerDecode={"minPercent": 50, "maxPercent": 200}),
+        scaled(prefillPerDecode={"minPercent": 250, "maxPercent": 200}),
+    ),
+    "autoscaling-prefill-target": (
+        scaled(targets={"waitingRequestsPerPrefill": 4, "tpotMilliseconds": 50}),
+        scaled(targets={"tpotMilliseconds": 50, "runningRequestsPerDecode": 32}),
+    ),
+    "autoscaling-decode-target": (
+        scaled(targets={"ttftMilliseconds": 1000, "runningRequestsPerDecode": 32}),
+        scaled(targets={"ttftMilliseconds": 1000, "waitingRequestsPerPrefill": 4}),
+    ),
+    "autoscaling-hpa-per-pod-targets": (
+        scaled(engine="hpa", targets=PER_POD),
+        scaled(engine="hpa", targets={**PER_POD, "ttftMilliseconds": 1000}),
+    ),
+    "autoscaling-keda-requires-prometheus": (
+        scaled(engine="keda", prometheus=PROMETHEUS),
+        scaled(engine="keda"),
+    ),
+    "autoscaling-prometheus-only-keda": (
+        scaled(engine="hpa", targets=PER_POD),
+        scaled(prometheus=PROMETHEUS),
+    ),
+    "autoscaling-ratio-only-builtin": (
+        scaled(prefillPerDecode={"minPercent": 50, "maxPercent": 200}),
+        scaled(engine="keda", prometheus=PROMETHEUS, prefillPerDecode={"minPercent": 50, "maxPercent": 200}),
+    ),
+    "autoscaling-windows-ordered": (
+        scaled(scaleUpWindowSeconds=60, scaleDownWindowSeconds=60),
+        scaled(scaleUpWindowSeconds=61, scaleDownWindowSeconds=60),
     ),
     "mock-transport-requires-mock-runtime": (
         {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},

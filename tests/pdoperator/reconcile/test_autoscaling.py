@@ -1,0 +1,200 @@
+"""spec.autoscaling through the reconciler: the autoscaler's rounds write the roles' replicas and the router's
+draining engines, and nothing else; a scale-down drains before it removes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from pdconnector.router.config import parse_router_config
+from pdoperator.api.model import PDService
+from pdoperator.autoscale.rounds import Readings
+from pdoperator.autoscale.scale import Scale
+from pdoperator.reconcile.kinds import CONFIGMAPS, PDSERVICES, STATEFULSETS
+
+from tests.pdoperator.reconcile.fake_api import FakeKubeApi, RecordedEvents
+from tests.pdoperator.reconcile.test_reconciler import EXAMPLE, reconciler
+
+AUTOSCALING = {
+    "prefill": {"minReplicas": 1, "maxReplicas": 4},
+    "decode": {"minReplicas": 1, "maxReplicas": 4},
+    "targets": {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 8},
+    "scaleUpWindowSeconds": 0,
+    "scaleDownWindowSeconds": 10,
+}
+
+
+def router_text(draining: Mapping[str, float] | None = None) -> str:
+    """The router's /metrics: no TTFT yet; ``draining``: engines out of its pool -> requests left on them."""
+    lines = [
+        "# TYPE pd_router_backend_draining gauge",
+        *(f'pd_router_backend_draining{{role="decode",backend="{name}"}} 1' for name in draining or {}),
+        "# TYPE pd_router_backend_in_flight gauge",
+        *(
+            f'pd_router_backend_in_flight{{role="decode",backend="{name}"}} {left}'
+            for name, left in (draining or {}).items()
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def engine_text(waiting: float = 0, running: float = 0) -> str:
+    return (
+        f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {waiting}\n"
+        f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {running}\n"
+    )
+
+
+class Metrics:
+    """A scripted metrics source: what each engine says, and the router's view of draining engines."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self.running_per_decode = 0.0
+        self.draining: dict[str, float] = {}
+        self.reads: list[Scale] = []
+
+    async def read(self, pds: PDService, scale: Scale) -> Readings:
+        self.reads.append(scale)
+        engines = {f"tiny-prefill-{i}": engine_text() for i in range(scale.prefill.replicas)}
+        engines |= {
+            f"tiny-decode-{i}": engine_text(
+                running=self.running_per_decode if i < scale.decode.serving else 0
+            )
+            for i in range(scale.decode.replicas)
+        }
+        return Readings(self.at, router_text(self.draining), engines)
+
+
+def scaled_service(api: FakeKubeApi) -> dict[str, Any]:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"].update(uid="uid-tiny", generation=1)
+    body["spec"]["autoscaling"] = AUTOSCALING
+    return api.put(PDSERVICES, body)
+
+
+def fresh(api: FakeKubeApi) -> dict[str, Any]:
+    return api.obj(PDSERVICES, "default", "tiny")
+
+
+def decode_backends(api: FakeKubeApi) -> list[tuple[str, bool]]:
+    config = parse_router_config(api.obj(CONFIGMAPS, "default", "tiny-router")["data"]["router.yaml"])
+    return [(b.name, b.draining) for b in config.decode.backends]
+
+
+def decode_replicas(api: FakeKubeApi) -> int:
+    return int(api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["replicas"])
+
+
+async def test_the_first_reconcile_records_where_the_roles_start() -> None:
+    api = FakeKubeApi()
+    await reconciler(api).reconcile(scaled_service(api))
+    scaling = fresh(api)["status"]["autoscaling"]
+    assert scaling["prefill"] == {"replicas": 1, "serving": 1}
+    assert scaling["decode"] == {"replicas": 1, "serving": 1}
+    assert scaling["reason"] == "starting at prefill 1, decode 1"
+
+
+async def test_a_load_step_scales_decode_up_and_a_steady_load_writes_nothing() -> None:
+    api, events = FakeKubeApi(), RecordedEvents()
+    subject = reconciler(api, events)
+    await subject.reconcile(scaled_service(api))
+    metrics = Metrics()
+    api.writes.clear()
+
+    metrics.running_per_decode = 24  # three engines' worth on one
+    assert await subject.autoscale(fresh(api), metrics.read)
+    assert sorted(api.writes) == [
+        ("patch", "ConfigMap", "tiny-router"),
+        ("patch", "PDService", "tiny/status"),
+        ("patch", "StatefulSet", "tiny-decode"),
+    ]
+    assert decode_replicas(api) == 3
+    assert decode_backends(api) == [(f"tiny-decode-{i}", False) for i in range(3)]
+    assert "decode 1 -> 3: running requests at 3.00x" in fresh(api)["status"]["autoscaling"]["reason"]
+    assert any(e[1] == "Autoscaled" for e in events.events)
+
+    api.writes.clear()
+    metrics.running_per_decode = 8  # the same load, spread over three
+    for second in range(1, 4):
+        metrics.at = float(second)
+        assert not await subject.autoscale(fresh(api), metrics.read)
+    assert api.writes == []
+
+
+async def test_a_scale_down_drains_the_highest_ordinals_before_the_statefulset_loses_them() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(scaled_service(api))
+    metrics = Metrics()
+    metrics.running_per_decode = 24
+    await subject.autoscale(fresh(api), metrics.read)
+    assert decode_replicas(api) == 3
+
+    metrics.running_per_decode = 2  # 6 requests on three engines: one engine's worth
+    metrics.at = 5.0
+    assert not await subject.autoscale(fresh(api), metrics.read), "not before the scale-down window"
+    api.writes.clear()
+    metrics.at = 20.0
+    assert await subject.autoscale(fresh(api), metrics.read)
+    # first step: out of the router's pool, still running
+    assert sorted(api.writes) == [
+        ("patch", "ConfigMap", "tiny-router"),
+        ("patch", "PDService", "tiny/status"),
+    ]
+    assert decode_backends(api) == [
+        ("tiny-decode-0", False),
+        ("tiny-decode-1", True),
+        ("tiny-decode-2", True),
+    ]
+    assert decode_replicas(api) == 3
+    status = fresh(api)["status"]["autoscaling"]
+    assert status["decode"] == {"replicas": 3, "serving": 1}
+    assert status["drainingSince"]
+
+    api.writes.clear()
+    metrics.at = 21.0
+    metrics.draining = {"tiny-decode-1": 0, "tiny-decode-2": 1}  # one request still on tiny-decode-2
+    assert not await subject.autoscale(fresh(api), metrics.read)
+    assert api.writes == []
+
+    metrics.at = 22.0
+    metrics.draining = {"tiny-decode-1": 0, "tiny-decode-2": 0}
+    assert await subject.autoscale(fresh(api), metrics.read)
+    assert sorted(api.writes) == [
+        ("patch", "ConfigMap", "tiny-router"),
+        ("patch", "PDService", "tiny/status"),
+        ("patch", "StatefulSet", "tiny-decode"),
+    ]
+    assert decode_replicas(api) == 1
+    assert decode_backends(api) == [("tiny-decode-0", False)]
+    status = fresh(api)["status"]["autoscaling"]
+    assert status["decode"] == {"replicas": 1, "serving": 1}
+    assert "drainingSince" not in status
+    assert "decode 3 -> 1 drained" in status["reason"]
+
+
+async def test_silent_metrics_hold_the_scale() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(scaled_service(api))
+    api.writes.clear()
+
+    async def silent(pds: PDService, scale: Scale) -> Readings:
+        return Readings(30.0, None, {})
+
+    for _ in range(3):
+        assert not await subject.autoscale(fresh(api), silent)
+    assert api.writes == []
+
+
+async def test_without_autoscaling_the_autoscaler_reads_nothing() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    body = yaml.safe_load(EXAMPLE.read_text())
+    await subject.reconcile(api.put(PDSERVICES, body))
+    metrics = Metrics()
+    assert not await subject.autoscale(fresh(api), metrics.read)
+    assert metrics.reads == []
+    assert "autoscaling" not in fresh(api)["status"]
