@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-TOOLS  := .cache/k8s-tools/bin/helm
+TOOLS  := .cache/k8s-tools/bin/helm .cache/keda-schema/package-lock.json
 
 .PHONY: demo test lint crd rbac golden clean
 
@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 # Real kubectl and helm binaries for the operator and chart tests.
-$(TOOLS): scripts/fetch-k8s-tools.sh
+.cache/k8s-tools/bin/helm: scripts/fetch-k8s-tools.sh
 	scripts/fetch-k8s-tools.sh
+
+# KEDA's ScaledObject schema for the render tests.
+.cache/keda-schema/package-lock.json: scripts/fetch-keda-schema.sh tests/k8s/keda/package-lock.json tests/k8s/keda/check.mjs
+	scripts/fetch-keda-schema.sh
 
 demo: $(STAMP)
 	$(BIN)/pdctl demo

@@ -68,6 +68,18 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
     Rule("", ("services", "configmaps"), MANAGE_CHILDREN, "headless and router Services, router ConfigMap"),
     Rule("networking.k8s.io", ("networkpolicies",), MANAGE_UNWATCHED_CHILDREN, "side-channel NetworkPolicy"),
     Rule("policy", ("poddisruptionbudgets",), MANAGE_UNWATCHED_CHILDREN, "PodDisruptionBudgets"),
+    Rule(
+        "autoscaling",
+        ("horizontalpodautoscalers",),
+        MANAGE_UNWATCHED_CHILDREN,
+        "per-role HorizontalPodAutoscalers (spec.autoscaling.engine hpa)",
+    ),
+    Rule(
+        "keda.sh",
+        ("scaledobjects",),
+        MANAGE_UNWATCHED_CHILDREN,
+        "per-role KEDA ScaledObjects (spec.autoscaling.engine keda)",
+    ),
     Rule("", ("events",), ("create",), "events about PDServices"),
     Rule(
         "kopf.dev",

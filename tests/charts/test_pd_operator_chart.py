@@ -164,6 +164,19 @@ def test_default_images_follow_the_app_version_and_reach_the_operator(helm: Path
     assert env["PD_OPERATOR_ENGINE_IMAGE"] == f"ghcr.io/pd-operator/pd-engine:{version}"
 
 
+def test_the_operator_knows_its_own_pods_so_engine_policies_can_admit_its_autoscaler(helm: Path) -> None:
+    (deployment,) = by_kind(render(helm), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    defaults = RenderDefaults(
+        operator_namespace="pd-system", operator_pod_labels=env["PD_OPERATOR_POD_LABELS"]["value"]
+    )
+    labels = defaults.operator_pods()
+    assert labels == deployment["spec"]["selector"]["matchLabels"]
+    assert labels.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_more_than_one_replica_turns_on_peering_with_a_peering_object_kopf_can_update(helm: Path) -> None:
     single_docs = render(helm)
     (single,) = by_kind(single_docs, "Deployment")

@@ -15,6 +15,15 @@ app.kubernetes.io/name: {{ include "pd-operator.name" . }}-controller
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The selector labels as k=v,k=v (PD_OPERATOR_POD_LABELS). */}}
+{{- define "pd-operator.selectorLabelList" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := include "pd-operator.selectorLabels" . | fromYaml -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "pd-operator.labels" -}}
 {{ include "pd-operator.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}

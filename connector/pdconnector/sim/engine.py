@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdconnector.protocol.params import (
@@ -29,11 +29,15 @@ from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.model import generate, kv_digest, prefill_chunks, token_at
 from pdconnector.sim.mover import ExportOutcome, KVMover, Receipt, TransferFailed
 from pdconnector.sim.pool import KVPool
+from pdconnector.sim.scheduler import LatencyModel, Scheduler
 
 # vLLM's --max-model-len of the tiny example (spec.model.maxModelLen): prompt plus output tokens of one
 # request.
 DEFAULT_MAX_MODEL_LEN = 2048
 
+
+# vLLM's default --max-num-seqs: requests one engine runs at once.
+DEFAULT_MAX_NUM_SEQS = 256
 
 # ``--role`` of a mock engine that serves whole requests itself (``EngineSettings.role`` None).
 COLOCATED = "both"
@@ -44,26 +48,14 @@ class RoleMismatch(ValueError):
 
 
 @dataclass(frozen=True)
-class LatencyModel:
-    prefill_s_per_token: float = 0.0
-    decode_s_per_token: float = 0.0
-
-    async def prefill(self, num_tokens: int) -> None:
-        if self.prefill_s_per_token > 0:
-            await asyncio.sleep(self.prefill_s_per_token * num_tokens)
-
-    async def decode_step(self) -> None:
-        # A zero-latency model still yields, so streams interleave with other requests as on a real engine.
-        await asyncio.sleep(self.decode_s_per_token)
-
-
-@dataclass(frozen=True)
 class EngineSettings:
     role: EngineRole | None  # None: co-located, no KV transfer
     engine_id: str
-    latency: LatencyModel = LatencyModel()
+    latency: LatencyModel = field(default_factory=LatencyModel)
     transfer_timeout_s: float = 30.0
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    kv_wait_s: float = 0.0  # how long a request waits for KV blocks when the pool is full
 
 
 @dataclass
@@ -95,6 +87,10 @@ class MockEngine:
         self.pool = pool
         self.mover = mover
         self.metrics = metrics
+        self.scheduler = Scheduler(settings.latency, settings.max_num_seqs, settings.kv_wait_s)
+        pool.on_free = self.scheduler.blocks_freed
+        metrics.requests_waiting.set_function(lambda: self.scheduler.waiting)
+        metrics.requests_running.set_function(lambda: self.scheduler.running)
 
     def _check_role(self, transfer: TransferRequest | None) -> None:
         if transfer is None:
@@ -108,7 +104,7 @@ class MockEngine:
     async def run(self, prompt: list[int], max_tokens: int, transfer: TransferRequest | None) -> Generation:
         """Start a request; the returned generation yields tokens lazily (close it when done, or to abort)."""
         self._check_role(transfer)
-        blocks = self.pool.allocate(len(prompt))
+        blocks = await self.scheduler.allocate(self.pool, len(prompt))
         free = functools.partial(self.pool.free, blocks)
         try:
             if transfer is not None and transfer.role is EngineRole.DECODE:
@@ -128,7 +124,7 @@ class MockEngine:
                     _received(receipt),
                     free,
                 )
-            await self.settings.latency.prefill(len(prompt))
+            await self.scheduler.prefill(len(prompt))
             for _ in prefill_chunks(self.pool, blocks, prompt):
                 # between chunks: other requests and health checks run, a cancellation lands
                 await asyncio.sleep(0)
@@ -208,13 +204,20 @@ class MockEngine:
         }
 
     async def _decode(self, blocks: list[int], num_tokens: int, max_tokens: int) -> AsyncGenerator[int, None]:
-        for step in range(max_tokens):
-            # Every step reads the prompt's KV again, as attention does: a byte landing late in these blocks
-            # shows.
-            token = token_at(kv_digest(self.pool.token_bytes(blocks, num_tokens)), step)
-            await self.settings.latency.decode_step()
-            self.metrics.generation_tokens.inc()
-            yield token
+        loop = asyncio.get_running_loop()
+        async with self.scheduler.generating():
+            first_at = loop.time()
+            for step in range(max_tokens):
+                # Every step reads the prompt's KV again, as attention does: a byte landing late in these
+                # blocks shows.
+                token = token_at(kv_digest(self.pool.token_bytes(blocks, num_tokens)), step)
+                await self.scheduler.decode_step()
+                self.metrics.generation_tokens.inc()
+                if step == 0:
+                    first_at = loop.time()
+                yield token
+            if max_tokens > 1:
+                self.metrics.time_per_output_token.observe((loop.time() - first_at) / (max_tokens - 1))
 
 
 async def _iterate(tokens: list[int]) -> AsyncGenerator[int, None]:

@@ -12,10 +12,17 @@ from aiohttp import web
 from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 from pdconnector.protocol.params import EngineRole
 from pdconnector.router.logs import configure_logging
-from pdconnector.sim.engine import COLOCATED, DEFAULT_MAX_MODEL_LEN, EngineSettings, LatencyModel, MockEngine
+from pdconnector.sim.engine import (
+    COLOCATED,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineSettings,
+    MockEngine,
+)
 from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.movers import create_mover, mover_unavailable_reason
 from pdconnector.sim.pool import KVDevice, KVPool, kv_device_unavailable_reason
+from pdconnector.sim.scheduler import LatencyModel
 from pdconnector.sim.server import create_engine_app
 
 log = logging.getLogger("pdconnector.sim")
@@ -55,8 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="most tokens one request spans, prompt plus output (vLLM's --max-model-len); longer requests "
         "get a 400",
     )
-    parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0)
-    parser.add_argument("--decode-seconds-per-token", type=float, default=0.0)
+    parser.add_argument(
+        "--prefill-seconds-per-token",
+        type=float,
+        default=0.0,
+        help="prefill compute per prompt token; one prompt at a time (an engine's prefill throughput)",
+    )
+    parser.add_argument("--decode-seconds-per-token", type=float, default=0.0, help="one decode step alone")
+    parser.add_argument(
+        "--batch-slowdown",
+        type=float,
+        default=0.0,
+        help="a decode step's extra time per other running request, as a fraction of one step",
+    )
+    parser.add_argument(
+        "--kv-wait",
+        type=float,
+        default=0.0,
+        help="seconds a request waits for KV blocks while the pool is full (vLLM keeps it waiting); 0: a 503 "
+        "at once",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="requests generating at once (vLLM's --max-num-seqs); more wait",
+    )
     parser.add_argument(
         "--transfer-timeout", type=float, default=30.0, help="seconds a decode leg waits for its KV"
     )
@@ -93,6 +124,15 @@ def _context_problem(max_model_len: int, num_blocks: int, block_size: int) -> st
     return None
 
 
+def _capacity_problem(args: argparse.Namespace) -> str | None:
+    if args.max_num_seqs < 1:
+        return f"--max-num-seqs {args.max_num_seqs}: must be at least 1"
+    for flag in ("prefill_seconds_per_token", "decode_seconds_per_token", "batch_slowdown", "kv_wait"):
+        if getattr(args, flag) < 0:
+            return f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format)
@@ -100,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_device = KVDevice(args.kv_device)
     # Checked before any memory is allocated, so a bad combination fails the same way on every machine.
     problem = _context_problem(args.max_model_len, args.num_blocks, args.block_size)
+    if problem is None:
+        problem = _capacity_problem(args)
     if problem is None and role is not None:
         problem = mover_unavailable_reason(args.transport, kv_device)
     if problem is None and (reason := kv_device_unavailable_reason(kv_device)) is not None:
@@ -124,9 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = EngineSettings(
         role=role,
         engine_id=args.engine_id,
-        latency=LatencyModel(args.prefill_seconds_per_token, args.decode_seconds_per_token),
+        latency=LatencyModel(
+            args.prefill_seconds_per_token, args.decode_seconds_per_token, args.batch_slowdown
+        ),
         transfer_timeout_s=args.transfer_timeout,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_wait_s=args.kv_wait,
     )
     engine = MockEngine(settings, pool, mover, EngineMetrics(pool, mover))
     log.info(

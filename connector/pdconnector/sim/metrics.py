@@ -1,12 +1,35 @@
 """The mock engine's Prometheus metrics: pool occupancy (so tests can prove no blocks leak), transfer, request
-and token counters."""
+and token counters, and the load and latency vLLM reports under its own names (what the autoscaler reads)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdconnector.sim.mover import KVMover
 from pdconnector.sim.pool import KVPool
+
+# vLLM's buckets of vllm:request_time_per_output_token_seconds.
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class EngineMetrics:
@@ -37,6 +60,19 @@ class EngineMetrics:
         # Stops growing when a request's client goes away: proof that the engine stopped working for it.
         self.generation_tokens = Counter(
             "pd_mock_generation_tokens", "Output tokens generated", registry=self.registry
+        )
+        # set by the engine from its scheduler
+        self.requests_waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=self.registry
+        )
+        self.requests_running = Gauge(
+            "vllm:num_requests_running", "Requests in prefill or generating", registry=self.registry
+        )
+        self.time_per_output_token = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: seconds between output tokens after the first",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
         )
         if mover is not None:
             agents = Gauge(

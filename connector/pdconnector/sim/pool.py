@@ -14,7 +14,7 @@ imported for CUDA pools only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
@@ -152,6 +152,7 @@ class KVPool:
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
         self._allocated: set[int] = set()
+        self.on_free: Callable[[], None] | None = None  # told whenever blocks return
 
     def _buffer(self, rank: int, page_bytes: int) -> PageBuffer:
         if self.device is KVDevice.CUDA:
@@ -179,6 +180,8 @@ class KVPool:
                 raise ValueError(f"block {block} is not allocated")
             self._allocated.remove(block)
             self._free.append(block)
+        if self.on_free is not None and blocks:
+            self.on_free()
 
     def read_pages(self, rank: int, region: int, blocks: Sequence[int]) -> np.ndarray:
         """Host copy of ``blocks``' pages in one region of one rank: shape ``(len(blocks), page_bytes)``."""

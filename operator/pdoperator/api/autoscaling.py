@@ -145,7 +145,12 @@ class AutoscalingSpec(ApiModel):
     ] = 300
     tolerance_percent: Annotated[
         int,
-        Field(description="A signal within this many percent of its target holds the replicas.", ge=0, le=99),
+        Field(
+            description="A signal within this many percent of its target holds the replicas (builtin; an "
+            "HPA, also KEDA's, uses the cluster's tolerance, 10 % unless its controller says otherwise).",
+            ge=0,
+            le=99,
+        ),
     ] = 10
     drain_timeout_seconds: Annotated[
         int,

@@ -106,6 +106,23 @@ def _no_speculative_decoding_rule(role: str) -> CelRule:
     )
 
 
+_HPA_MAX_WINDOW_S = 3600
+
+
+def _hpa_min_replicas_rule(role: str) -> CelRule:
+    """An hpa role keeps one engine (an HPA scales to zero only behind an alpha feature gate; KEDA does)."""
+    return CelRule(
+        name=f"autoscaling-hpa-{role}-min-replicas",
+        owner=AutoscalingSpec,
+        cel=f"self.engine != 'hpa' || self.{role}.minReplicas >= 1",
+        message="must be at least 1 when engine is hpa (use keda or builtin to scale to zero)",
+        field_path=f".{role}.minReplicas",
+        holds=lambda scaling: (
+            scaling.engine != AutoscalingEngine.HPA or getattr(scaling, role).min_replicas >= 1
+        ),
+    )
+
+
 _LATENCY_TARGETS = "has(self.targets.ttftMilliseconds) || has(self.targets.tpotMilliseconds)"
 
 AUTOSCALING_RULES: tuple[CelRule, ...] = (
@@ -199,6 +216,19 @@ AUTOSCALING_RULES: tuple[CelRule, ...] = (
         field_path=".scaleUpWindowSeconds",
         holds=lambda scaling: scaling.scale_up_window_seconds <= scaling.scale_down_window_seconds,
     ),
+    CelRule(
+        name="autoscaling-scaler-window-bound",
+        owner=AutoscalingSpec,
+        cel=f"self.engine == 'builtin' || self.scaleDownWindowSeconds <= {_HPA_MAX_WINDOW_S}",
+        message=f"must be at most {_HPA_MAX_WINDOW_S} when engine is hpa or keda (the longest stabilization "
+        "window of a HorizontalPodAutoscaler)",
+        field_path=".scaleDownWindowSeconds",
+        holds=lambda scaling: (
+            scaling.engine == AutoscalingEngine.BUILTIN
+            or scaling.scale_down_window_seconds <= _HPA_MAX_WINDOW_S
+        ),
+    ),
+    *(_hpa_min_replicas_rule(role) for role in ("prefill", "decode")),
 )
 
 CEL_RULES: tuple[CelRule, ...] = (

@@ -16,7 +16,6 @@ from decimal import Decimal
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel
 
-from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.errors import FieldError, path_key
 from pdoperator.api.model import DNS_SUBDOMAIN, PDServiceSpec, RoleResources, RoleSpec, Runtime
 from pdoperator.api.rules import CEL_RULES, CelRule
@@ -274,15 +273,6 @@ def _check_autoscaling(spec: PDServiceSpec, found: list[FieldError]) -> list[Fie
     spec.autoscaling hold, so one mistake is reported once."""
     if spec.autoscaling is None or any(e.path.startswith("spec.autoscaling") for e in found):
         return []
-    if spec.autoscaling.engine is not AutoscalingEngine.BUILTIN:
-        # The API is settled; the per-role HPA and ScaledObject children are not rendered yet, and accepting
-        # the spec would leave the roles unscaled without a word.
-        return [
-            FieldError(
-                "spec.autoscaling.engine",
-                f"{spec.autoscaling.engine} is not rendered by this operator version yet: use builtin",
-            )
-        ]
     try:
         policy_of(spec.autoscaling)
     except ValueError as e:

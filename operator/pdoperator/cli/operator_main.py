@@ -118,6 +118,7 @@ def render_defaults(cluster_domain: str | None, environ: Mapping[str, str]) -> R
     """Installation-wide rendering inputs: the Helm chart passes the default images through the
     environment."""
     defaults = RenderDefaults.from_environ(environ)
+    defaults.operator_pods()  # a malformed label list fails here, at start-up, not in every reconcile
     return defaults if cluster_domain is None else replace(defaults, cluster_domain=cluster_domain)
 
 
@@ -141,7 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose, log_format=LOG_FORMATS[args.log_format])
     if args.metrics_port:
         prometheus_client.start_http_server(args.metrics_port)
-    defaults = render_defaults(args.cluster_domain, dict(os.environ))
+    try:
+        defaults = render_defaults(args.cluster_domain, dict(os.environ))
+    except ValueError as error:
+        print(f"pd-operator: {error}", file=sys.stderr)
+        return 2
     options = HandlerSettings(
         kv_check_interval_seconds=args.kv_check_interval,
         api_request_timeout_seconds=args.api_timeout,

@@ -286,7 +286,9 @@ def plan_local_run(
     container = _container(by_kind["Deployment"][0])
     argv = [*container["command"], *container.get("args", [])]
     argv[argv.index("--config") + 1] = str(state_dir / ROUTER_CONFIG_FILE)
-    argv += ["--host", router_host, "--port", str(pds.spec.router.port), "--health-interval", "0.5"]
+    # health and config refreshes at a local pace: engines come and go within a second here
+    argv += ["--host", router_host, "--port", str(pds.spec.router.port)]
+    argv += ["--health-interval", "0.5", "--refresh-interval", "0.5"]
     router = LocalProcess(
         f"{pds.name}-router",
         ComponentRole.ROUTER,

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,49 +68,65 @@ def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
             f"{plan.namespace}/{plan.name} is already up (state in {state_dir}); run `pdctl down` first"
         )
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / ROUTER_CONFIG_FILE).write_text(plan.router_config)
-    started: list[RunningProcess] = []
+    _write_state(state_dir, [])
+    write_router_config(state_dir, plan.router_config)
+    engines = [local for local in plan.processes if local.role is not ComponentRole.ROUTER]
+    routers = [local for local in plan.processes if local.role is ComponentRole.ROUTER]
+    try:
+        # Engines boot side by side (a vLLM engine takes most of a minute), the router once they answer.
+        start(engines, state_dir)
+        start(routers, state_dir)
+    except BaseException:
+        down(state_dir)
+        raise
+    return read_state(state_dir)
 
-    def start(local: LocalProcess) -> Process:
+
+def write_router_config(state_dir: Path, text: str) -> None:
+    """Replace the router's config file in one step (the router reloads it when it changes, and must never
+    read half of it)."""
+    path = state_dir / ROUTER_CONFIG_FILE
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def start(processes: Sequence[LocalProcess], state_dir: Path) -> list[RunningProcess]:
+    """Start ``processes`` side by side, each recorded in the state file as it starts, and wait until each
+    answers /health (raises on the first that exits or stays silent past its startup timeout)."""
+    started = []
+    for local in processes:
         process = Process(
             local.name, list(local.argv), local.url, state_dir / f"{local.name}.log", env=dict(local.env)
         )
         process.start()
         assert process.popen is not None
-        started.append(
-            RunningProcess(
-                local.name,
-                process.popen.pid,
-                _start_ticks(process.popen.pid) or 0,
-                local.url,
-                str(process.log_path),
-            )
+        running = RunningProcess(
+            local.name,
+            process.popen.pid,
+            _start_ticks(process.popen.pid) or 0,
+            local.url,
+            str(process.log_path),
         )
-        _write_state(state_dir, started)
-        return process
-
-    engines = [local for local in plan.processes if local.role is not ComponentRole.ROUTER]
-    routers = [local for local in plan.processes if local.role is ComponentRole.ROUTER]
-    try:
-        # Engines boot side by side (a vLLM engine takes most of a minute), the router once they answer.
-        for local, process in [(local, start(local)) for local in engines]:
-            process.wait_healthy(local.startup_timeout_s)
-        for local in routers:
-            start(local).wait_healthy(local.startup_timeout_s)
-    except BaseException:
-        down(state_dir)
-        raise
-    return started
+        _write_state(state_dir, [*read_state(state_dir), running])
+        started.append((local, process, running))
+    for local, process, _ in started:
+        process.wait_healthy(local.startup_timeout_s)
+    return [running for _, _, running in started]
 
 
 def _write_state(state_dir: Path, processes: list[RunningProcess]) -> None:
     (state_dir / STATE_FILE).write_text(json.dumps({"processes": [asdict(p) for p in processes]}, indent=2))
 
 
-def down(state_dir: Path) -> list[str]:
-    """Stop every process the state file names (SIGTERM, then SIGKILL after a deadline); returns their
-    names."""
-    processes = [process for process in read_state(state_dir) if is_running(process)]
+def stop(state_dir: Path, names: Collection[str] | None = None) -> list[str]:
+    """Stop the processes the state file names (all, or those in ``names``): SIGTERM, then SIGKILL after a
+    deadline; they leave the state file. Returns the names of those that were running."""
+    if not (state_dir / STATE_FILE).exists():
+        return []
+    recorded = read_state(state_dir)
+    leaving = [process for process in recorded if names is None or process.name in names]
+    processes = [process for process in leaving if is_running(process)]
     for process in processes:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -120,6 +137,13 @@ def down(state_dir: Path) -> list[str]:
         if is_running(process):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+    _write_state(state_dir, [process for process in recorded if process not in leaving])
+    return [process.name for process in processes]
+
+
+def down(state_dir: Path) -> list[str]:
+    """Stop every process the state file names; returns their names."""
+    stopped = stop(state_dir)
     with contextlib.suppress(FileNotFoundError):
         (state_dir / STATE_FILE).unlink()
-    return [process.name for process in processes]
+    return stopped

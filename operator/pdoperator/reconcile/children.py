@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.model import PDService
 from pdoperator.render import RenderDefaults, owner_reference, render_pdservice
 from pdoperator.render.names import LABEL_INSTANCE, LABEL_NAME, PRODUCT
@@ -29,10 +30,13 @@ def children_selector(pds_name: str) -> str:
 
 
 def desired_children(pds: PDService, defaults: RenderDefaults) -> list[dict[str, Any]]:
+    scaling = pds.spec.autoscaling
+    scaled_by_others = scaling is not None and scaling.engine is not AutoscalingEngine.BUILTIN
     children = []
     for manifest in render_pdservice(pds, defaults):
         manifest.setdefault("metadata", {})["ownerReferences"] = [owner_reference(pds)]
-        children.append(with_last_applied(manifest))
+        unrecorded = [("spec", "replicas")] if scaled_by_others and manifest["kind"] == "StatefulSet" else []
+        children.append(with_last_applied(manifest, unrecorded))
     return children
 
 

@@ -69,11 +69,20 @@ def merge_patch(
     return patch
 
 
-def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
-    """``desired`` carrying its own compact JSON in the last-applied annotation."""
+def with_last_applied(desired: dict[str, Any], unrecorded: Sequence[tuple[str, ...]] = ()) -> dict[str, Any]:
+    """``desired`` carrying its own compact JSON in the last-applied annotation.
+
+    ``unrecorded`` names fields another controller owns once the child exists (the replicas of a StatefulSet
+    an HPA scales): rendered with the value they have, so a new child starts right and a live one needs no
+    write, and left out of the record, so their owner changing them never makes the operator write."""
     result = copy.deepcopy(desired)
+    record = copy.deepcopy(desired)
+    for *parents, key in unrecorded:
+        parent = _at(record, tuple(parents))
+        if isinstance(parent, dict):
+            parent.pop(key, None)
     annotations = result.setdefault("metadata", {}).setdefault("annotations", {})
-    annotations[LAST_APPLIED_ANNOTATION] = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    annotations[LAST_APPLIED_ANNOTATION] = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return result
 
 

@@ -13,6 +13,8 @@ class ResourceKind:
     version: str
     plural: str
     kind: str
+    # a kind from a CRD the cluster may lack (KEDA's): listing it there answers 404, read as no objects
+    optional: bool = False
 
     @property
     def api_version(self) -> str:
@@ -36,6 +38,10 @@ SERVICES = ResourceKind("", "v1", "services", "Service")
 CONFIGMAPS = ResourceKind("", "v1", "configmaps", "ConfigMap")
 NETWORKPOLICIES = ResourceKind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 PODDISRUPTIONBUDGETS = ResourceKind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+HORIZONTALPODAUTOSCALERS = ResourceKind(
+    "autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"
+)
+SCALEDOBJECTS = ResourceKind("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject", optional=True)
 
 # Every kind of child a PDService owns: the operator lists, creates, patches and deletes these.
 CHILD_KINDS: tuple[ResourceKind, ...] = (
@@ -45,6 +51,8 @@ CHILD_KINDS: tuple[ResourceKind, ...] = (
     SERVICES,
     DEPLOYMENTS,
     STATEFULSETS,
+    HORIZONTALPODAUTOSCALERS,
+    SCALEDOBJECTS,
 )
 # Children whose spec or content the operator restores when edited or deleted by hand (watched by label).
 WATCHED_CHILD_KINDS: tuple[ResourceKind, ...] = (STATEFULSETS, DEPLOYMENTS, SERVICES, CONFIGMAPS)

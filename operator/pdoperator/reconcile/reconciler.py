@@ -286,10 +286,10 @@ class Reconciler:
         pds, autoscaling, autoscaled = self._scale(pds, previous, live)
         actions = plan(desired_children(pds, self._defaults), live, pds.uid)
         applied = await self._apply(actions, pds.namespace)
-        for kind, obj in applied:
-            name = obj["metadata"]["name"]
+        for action, obj in zip(actions, applied, strict=True):
+            kind, name = action.kind, action.name
             live[kind] = [o for o in live[kind] if o["metadata"]["name"] != name] + ([obj] if obj else [])
-            if version := obj["metadata"].get("resourceVersion"):
+            if obj and (version := obj["metadata"].get("resourceVersion")):
                 self._written[(kind.plural, pds.namespace, name)] = version
         if autoscaled:
             trigger = Trigger.AUTOSCALE
@@ -335,13 +335,19 @@ class Reconciler:
 
     async def _read_children(self, namespace: str, name: str) -> dict[ResourceKind, list[dict[str, Any]]]:
         selector = children_selector(name)
-        lists = await asyncio.gather(*(self._api.list(kind, namespace, selector) for kind in CHILD_KINDS))
+        lists = await asyncio.gather(*(self._list(kind, namespace, selector) for kind in CHILD_KINDS))
         return dict(zip(CHILD_KINDS, lists, strict=True))
 
-    async def _apply(
-        self, actions: list[Action], namespace: str
-    ) -> list[tuple[ResourceKind, dict[str, Any]]]:
-        """Run the plan; returns the objects as the server answered (empty dict for deleted ones).
+    async def _list(self, kind: ResourceKind, namespace: str, selector: str) -> list[dict[str, Any]]:
+        try:
+            return await self._api.list(kind, namespace, selector)
+        except KubeApiError as e:
+            if e.status == 404 and kind.optional:  # its CRD is not installed: nothing of that kind exists
+                return []
+            raise
+
+    async def _apply(self, actions: list[Action], namespace: str) -> list[dict[str, Any]]:
+        """Run the plan; returns, per action, the object as the server answered (empty for a deletion).
 
         The writes touch distinct objects and Kubernetes tolerates any order (a StatefulSet may
         exist before its Service), so they run concurrently: a first rollout costs one round trip,
@@ -349,13 +355,13 @@ class Reconciler:
         """
         return list(await asyncio.gather(*(self._run(action, namespace) for action in actions)))
 
-    async def _run(self, action: Action, namespace: str) -> tuple[ResourceKind, dict[str, Any]]:
+    async def _run(self, action: Action, namespace: str) -> dict[str, Any]:
         if isinstance(action, Create):
-            return action.kind, await self._create(action.kind, namespace, action.body)
+            return await self._create(action.kind, namespace, action.body)
         if isinstance(action, Patch):
-            return action.kind, await self._patch(action, namespace)
+            return await self._patch(action, namespace)
         await self._api.delete(action.kind, namespace, action.name)
-        return action.kind, {}
+        return {}
 
     async def _create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -363,6 +369,13 @@ class Reconciler:
         except KubeApiError as e:
             if e.status == 409:  # created meanwhile (a stale read): its ADDED event brings the next reconcile
                 return {"metadata": {"name": body["metadata"]["name"]}}
+            if e.status == 404 and kind.optional:
+                raise KubeApiError(
+                    404,
+                    "NotFound",
+                    f"this cluster serves no {kind.kind} ({kind.api_version}): install the CRD that defines "
+                    "it or choose another spec.autoscaling.engine",
+                ) from e
             raise
 
     async def _patch(self, action: Patch, namespace: str) -> dict[str, Any]:

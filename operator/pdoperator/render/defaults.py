@@ -19,6 +19,8 @@ ENVIRONMENT = {
     "mock_engine_image": "PD_OPERATOR_MOCK_ENGINE_IMAGE",
     "engine_image": "PD_OPERATOR_ENGINE_IMAGE",
     "cluster_domain": "PD_OPERATOR_CLUSTER_DOMAIN",
+    "operator_namespace": "POD_NAMESPACE",
+    "operator_pod_labels": "PD_OPERATOR_POD_LABELS",
 }
 
 
@@ -51,6 +53,23 @@ class RenderDefaults:
     router_prefill_timeout_seconds: float = 120.0
     router_decode_first_token_timeout_seconds: float = 60.0
     router_max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Where the operator's own pods run and the labels they carry ("k=v,k=v"): the engines' NetworkPolicy
+    # admits them to the HTTP port when the autoscaler reads the engines' /metrics. Unset: not admitted.
+    operator_namespace: str = ""
+    operator_pod_labels: str = ""
+
+    def operator_pods(self) -> dict[str, str] | None:
+        """The operator's pod labels as a map; None when its namespace or labels are unknown."""
+        if not self.operator_namespace or not self.operator_pod_labels:
+            return None
+        labels = {}
+        for item in self.operator_pod_labels.split(","):
+            key, sep, value = item.strip().partition("=")
+            if not sep or not key:
+                variable = ENVIRONMENT["operator_pod_labels"]
+                raise ValueError(f"{variable}={self.operator_pod_labels!r}: expected k=v[,k=v...]")
+            labels[key] = value
+        return labels
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RenderDefaults:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.model import PDService
 
+from .defaults import RenderDefaults
 from .monitoring import scraper_peers
 from .names import (
     ENGINE_ROLES,
@@ -44,13 +46,27 @@ def _policy(
     }
 
 
-def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
+def _operator_peer(pds: PDService, defaults: RenderDefaults) -> dict[str, Any] | None:
+    """The operator's pods, when its builtin autoscaler reads the engines' /metrics and the installation says
+    where they run."""
+    scaling = pds.spec.autoscaling
+    labels = defaults.operator_pods()
+    if scaling is None or scaling.engine is not AutoscalingEngine.BUILTIN or labels is None:
+        return None
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": defaults.operator_namespace}},
+        "podSelector": {"matchLabels": labels},
+    }
+
+
+def render_engine_network_policy(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
     """Ingress of the engine pods.
 
     From this PDService's other engines every port is open: besides HTTP and the side
     channel, NIXL's UCX and TCP transports connect on ports they pick at run time (EFA
-    RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router and the
-    spec's metrics scrapers only the engines' HTTP port. Other traffic needs a policy of its own.
+    RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router, the
+    spec's metrics scrapers and, under the builtin autoscaler, the operator only the engines'
+    HTTP port. Other traffic needs a policy of its own.
     """
     http_only = [{"protocol": "TCP", "port": pds.spec.engine.port}]
     ingress: list[dict[str, Any]] = [
@@ -62,6 +78,8 @@ def render_engine_network_policy(pds: PDService) -> dict[str, Any]:
     ]
     if scrapers := scraper_peers(pds):
         ingress.append({"from": scrapers, "ports": http_only})
+    if operator := _operator_peer(pds, defaults):
+        ingress.append({"from": [operator], "ports": http_only})
     return _policy(pds, f"{pds.name}-engines", managed_labels(pds, "engines"), _engine_pods(pds), ingress)
 
 
@@ -77,5 +95,5 @@ def render_router_network_policy(pds: PDService) -> dict[str, Any]:
     )
 
 
-def render_network_policies(pds: PDService) -> list[dict[str, Any]]:
-    return [render_engine_network_policy(pds), render_router_network_policy(pds)]
+def render_network_policies(pds: PDService, defaults: RenderDefaults) -> list[dict[str, Any]]:
+    return [render_engine_network_policy(pds, defaults), render_router_network_policy(pds)]

@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from pdconnector.protocol.params import EngineRole
-from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine
+from pdconnector.sim.engine import EngineSettings, MockEngine
 from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.movers import create_mover
 from pdconnector.sim.pool import KVDevice, KVPool
+from pdconnector.sim.scheduler import LatencyModel
 from pdconnector.sim.server import create_engine_app
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -11,10 +11,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from pdconnector.protocol.params import EngineRole, TransferMode, mint_transfer_id, prefill_leg_params
-from pdconnector.sim.engine import EngineSettings, LatencyModel, MockEngine
+from pdconnector.sim.engine import EngineSettings, MockEngine
 from pdconnector.sim.metrics import EngineMetrics
 from pdconnector.sim.model import chat_prompt, reference_tokens, tokenize
 from pdconnector.sim.pool import KVPool
+from pdconnector.sim.scheduler import LatencyModel
 from pdconnector.sim.server import create_engine_app
 
 from tests.pdconnector.sim.engines import eventually, metrics, serving

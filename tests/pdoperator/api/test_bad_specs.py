@@ -720,18 +720,22 @@ def test_autoscaling_bounds_that_no_ratio_admits_are_reported_on_spec_autoscalin
     assert "keep the ratio" in errors[0].message
 
 
-def test_hpa_and_keda_scalers_are_refused_until_they_are_rendered():
+def test_an_hpa_role_must_keep_an_engine_and_its_window_fit_an_hpa():
     spec = PDServiceSpec.model_validate(
         {
             "model": {"name": "m"},
             "autoscaling": {
                 "engine": "hpa",
-                "prefill": {"maxReplicas": 2},
+                "prefill": {"minReplicas": 0, "maxReplicas": 2},
                 "decode": {"maxReplicas": 2},
                 "targets": {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 16},
+                "scaleDownWindowSeconds": 7200,
             },
         }
     )
     assert [str(e) for e in validate_spec(spec, "m")] == [
-        "spec.autoscaling.engine: hpa is not rendered by this operator version yet: use builtin"
+        "spec.autoscaling.scaleDownWindowSeconds: must be at most 3600 when engine is hpa or keda "
+        "(the longest stabilization window of a HorizontalPodAutoscaler)",
+        "spec.autoscaling.prefill.minReplicas: must be at least 1 when engine is hpa (use keda or builtin to "
+        "scale to zero)",
     ]

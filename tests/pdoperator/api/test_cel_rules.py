@@ -161,6 +161,18 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         scaled(scaleUpWindowSeconds=60, scaleDownWindowSeconds=60),
         scaled(scaleUpWindowSeconds=61, scaleDownWindowSeconds=60),
     ),
+    "autoscaling-scaler-window-bound": (
+        scaled(engine="keda", prometheus=PROMETHEUS, scaleDownWindowSeconds=3600),
+        scaled(engine="keda", prometheus=PROMETHEUS, scaleDownWindowSeconds=3601),
+    ),
+    "autoscaling-hpa-prefill-min-replicas": (
+        scaled(engine="keda", prometheus=PROMETHEUS, prefill={"minReplicas": 0, "maxReplicas": 2}),
+        scaled(engine="hpa", targets=PER_POD, prefill={"minReplicas": 0, "maxReplicas": 2}),
+    ),
+    "autoscaling-hpa-decode-min-replicas": (
+        scaled(engine="hpa", targets=PER_POD, decode={"minReplicas": 1, "maxReplicas": 2}),
+        scaled(engine="hpa", targets=PER_POD, decode={"minReplicas": 0, "maxReplicas": 2}),
+    ),
     "mock-transport-requires-mock-runtime": (
         {"model": MODEL, "engine": {"runtime": "mock", "transport": {"backend": "mock"}}},
         {"model": MODEL, "engine": {"runtime": "vllm", "transport": {"backend": "mock"}}},

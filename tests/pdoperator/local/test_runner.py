@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -116,3 +117,48 @@ def live_members(process_group: int) -> list[str]:
         if int(pgid) == process_group and state not in {"Z", "X"}:
             members.append(name.split("(", 1)[1])
     return members
+
+
+def test_up_autoscale_needs_spec_autoscaling_and_starts_nothing_without_it(state_dir):
+    result = pdctl("up", "--autoscale", "-f", str(TINY), "--state-dir", str(state_dir))
+    assert result.returncode != 0
+    assert "--autoscale needs spec.autoscaling" in result.stderr
+    assert read_state(state_dir) == []
+
+
+def test_up_autoscale_runs_in_the_foreground_and_sigterm_stops_everything_it_started(state_dir):
+    scaled = REPO / "examples" / "tiny-autoscaled.yaml"
+    command = [PDCTL, "up", "--autoscale", "-f", str(scaled), "--state-dir", str(state_dir)]
+    process = subprocess.Popen(
+        [*command, "--autoscale-interval", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("autoscaling;"):
+                break
+        running = read_state(state_dir)
+        assert [p.name for p in running] == [
+            "tiny-autoscaled-prefill-0",
+            "tiny-autoscaled-decode-0",
+            "tiny-autoscaled-router",
+        ], "".join(lines)
+        rounds = state_dir / "autoscale.jsonl"
+        deadline = time.monotonic() + 30
+        while (
+            time.monotonic() < deadline
+            and len(rounds.read_text().splitlines() if rounds.exists() else []) < 2
+        ):
+            time.sleep(0.2)
+        first = json.loads(rounds.read_text().splitlines()[0])
+        assert first["prefill"] == first["decode"] == {"replicas": 1, "serving": 1}
+        process.terminate()
+        assert process.wait(timeout=30) == 0
+        assert not any(is_running(p) for p in running)
+        assert not (state_dir / "state.json").exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

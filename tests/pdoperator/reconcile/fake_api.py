@@ -20,12 +20,14 @@ class FakeKubeApi:
         self.objects: dict[tuple[ResourceKind, str, str], dict[str, Any]] = {}
         self.writes: list[tuple[str, str, str]] = []  # (verb, kind, name[/subresource])
         self.reads = 0
+        self.uninstalled: set[ResourceKind] = set()  # kinds whose CRD the cluster lacks: 404 on every call
         self._revisions = itertools.count(1)
 
     # ---- KubeApi
 
     async def list(self, kind: ResourceKind, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         self.reads += 1
+        self._served(kind)
         return [
             copy.deepcopy(obj)
             for (k, ns, _), obj in self.objects.items()
@@ -42,6 +44,7 @@ class FakeKubeApi:
     async def create(self, kind: ResourceKind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         name = body["metadata"]["name"]
         self.writes.append(("create", kind.kind, name))
+        self._served(kind)
         if (kind, namespace, name) in self.objects:
             raise KubeApiError(409, "AlreadyExists", f"{name} exists")
         obj = copy.deepcopy(body)
@@ -83,6 +86,12 @@ class FakeKubeApi:
         return self.objects.pop((kind, namespace, name), None) is not None
 
     # ---- test helpers
+
+    def _served(self, kind: ResourceKind) -> None:
+        if kind in self.uninstalled:
+            raise KubeApiError(
+                404, "NotFound", f"the server could not find the requested resource ({kind.plural})"
+            )
 
     def put(self, kind: ResourceKind, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.setdefault("metadata", {})

@@ -6,12 +6,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 import yaml
 from pdconnector.router.config import parse_router_config
 from pdoperator.api.model import PDService
 from pdoperator.autoscale.rounds import Readings
 from pdoperator.autoscale.scale import Scale
-from pdoperator.reconcile.kinds import CONFIGMAPS, PDSERVICES, STATEFULSETS
+from pdoperator.reconcile.kinds import (
+    CONFIGMAPS,
+    HORIZONTALPODAUTOSCALERS,
+    PDSERVICES,
+    SCALEDOBJECTS,
+    STATEFULSETS,
+)
+from pdoperator.reconcile.kube import KubeApiError
 
 from tests.pdoperator.reconcile.fake_api import FakeKubeApi, RecordedEvents
 from tests.pdoperator.reconcile.test_reconciler import EXAMPLE, reconciler
@@ -67,10 +75,10 @@ class Metrics:
         return Readings(self.at, router_text(self.draining), engines)
 
 
-def scaled_service(api: FakeKubeApi) -> dict[str, Any]:
+def scaled_service(api: FakeKubeApi, **autoscaling: Any) -> dict[str, Any]:
     body = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"].update(uid="uid-tiny", generation=1)
-    body["spec"]["autoscaling"] = AUTOSCALING
+    body["spec"]["autoscaling"] = AUTOSCALING | autoscaling
     return api.put(PDSERVICES, body)
 
 
@@ -198,3 +206,60 @@ async def test_without_autoscaling_the_autoscaler_reads_nothing() -> None:
     assert not await subject.autoscale(fresh(api), metrics.read)
     assert metrics.reads == []
     assert "autoscaling" not in fresh(api)["status"]
+
+
+async def test_under_an_hpa_the_router_follows_the_replicas_it_sets_and_the_operator_never_writes_them() -> (
+    None
+):
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    await subject.reconcile(scaled_service(api, engine="hpa"))
+    assert set(name for (kind, _, name) in api.objects if kind == HORIZONTALPODAUTOSCALERS) == {
+        "tiny-prefill",
+        "tiny-decode",
+    }
+    assert fresh(api)["status"]["autoscaling"]["reason"] == "sized by a HorizontalPodAutoscaler per role"
+
+    api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["replicas"] = 3  # the HPA scaled it
+    api.writes.clear()
+    await subject.reconcile(fresh(api))
+    assert ("patch", "StatefulSet", "tiny-decode") not in api.writes
+    assert decode_replicas(api) == 3
+    assert decode_backends(api) == [(f"tiny-decode-{i}", False) for i in range(3)]
+    assert fresh(api)["status"]["autoscaling"]["decode"] == {"replicas": 3, "serving": 3}
+
+    metrics = Metrics()
+    assert not await subject.autoscale(fresh(api), metrics.read), "the builtin planner stays out"
+    assert metrics.reads == []
+
+
+async def test_switching_from_keda_to_builtin_deletes_the_scaled_objects() -> None:
+    api = FakeKubeApi()
+    subject = reconciler(api)
+    keda = {"engine": "keda", "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090"}}
+    await subject.reconcile(scaled_service(api, **keda))
+    assert {name for (kind, _, name) in api.objects if kind == SCALEDOBJECTS} == {
+        "tiny-prefill",
+        "tiny-decode",
+    }
+
+    body = fresh(api)
+    body["spec"]["autoscaling"] = AUTOSCALING
+    body["metadata"]["generation"] = 2
+    api.writes.clear()
+    await subject.reconcile(body)
+    assert ("delete", "ScaledObject", "tiny-prefill") in api.writes
+    assert not [key for key in api.objects if key[0] == SCALEDOBJECTS]
+
+
+async def test_a_cluster_without_keda_serves_every_other_engine_and_names_what_is_missing() -> None:
+    api = FakeKubeApi()
+    api.uninstalled.add(SCALEDOBJECTS)
+    subject = reconciler(api)
+    await subject.reconcile(scaled_service(api))  # builtin: the missing kind is read as no objects
+    assert decode_replicas(api) == 1
+
+    keda = {"engine": "keda", "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090"}}
+    body = scaled_service(api, **keda)
+    with pytest.raises(KubeApiError, match=r"serves no ScaledObject \(keda.sh/v1alpha1\): install the CRD"):
+        await subject.reconcile(body)

@@ -7,10 +7,8 @@ the operator made during the module against the RBAC rules.
 
 from __future__ import annotations
 
-import http.server
 import json
 import pathlib
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -25,6 +23,7 @@ from pdoperator.reconcile.diff import is_subset
 from pdoperator.render import RenderDefaults, render_pdservice
 from pdoperator.render.names import LABEL_COMPAT
 
+from tests.k8s.fake_http import FakeHttpServer
 from tests.k8s.harness import (
     Kubectl,
     OperatorProcess,
@@ -33,11 +32,11 @@ from tests.k8s.harness import (
     rbac_attributes,
     writes_by_operator,
 )
+from tests.k8s.operator_env import operator_on_emulator, watching_pdservices
 from tests.k8s.server import EmulatedCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
-CRD = REPO / "crds" / "pdservices.inference.pdoperator.dev.yaml"
 PDS = "inference.pdoperator.dev/v1alpha1/pdservices"
 STS = "apps/v1/statefulsets"
 DEPLOY = "apps/v1/deployments"
@@ -57,34 +56,20 @@ class FakeRouterStatus:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], tuple[int, int]] = {}
-        owner = self
+        self.server = FakeHttpServer(self.answer)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                parts = self.path.strip("/").split("/")
-                key = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
-                if key not in owner.counts:
-                    self.send_error(404)
-                    return
-                verified, unverified = owner.counts[key]
-                body = json.dumps(
-                    {"mode": "push", "transfers": {"verified": verified, "unverified": unverified}}
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+    def answer(self, path: str) -> tuple[str, str] | None:
+        parts = path.strip("/").split("/")
+        key = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
+        if key not in self.counts:
+            return None
+        verified, unverified = self.counts[key]
+        transfers = {"verified": verified, "unverified": unverified}
+        return "application/json", json.dumps({"mode": "push", "transfers": transfers})
 
     @property
     def url_template(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/{{namespace}}/{{name}}/status"
+        return self.server.base_url + "/{namespace}/{name}/status"
 
 
 @dataclass
@@ -130,35 +115,10 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("operator")
     router = FakeRouterStatus()
-    router.thread.start()
-    with EmulatedCluster() as cluster:
-        kubeconfig = cluster.write_kubeconfig(tmp / "kubeconfig")
-        cli = Kubectl(kubectl, kubeconfig)
-        cli.run("apply", "--validate=false", "-f", str(CRD))
-        operator = OperatorProcess(
-            kubeconfig,
-            tmp / "operator.log",
-            ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"],
-        )
-        operator.start()
-        try:
-            eventually(lambda: _watching_pdservices(cluster), "the operator to watch PDServices", timeout=30)
-            yield Env(cluster, cli, operator, router)
-        finally:
-            code = operator.stop()
-            router.server.shutdown()
-            print(operator.log()[-6000:])  # shown by pytest when a test failed
-    assert code == 0, f"the operator exited with {code}"
-    assert "failed with an exception" not in operator.log(), "a handler raised (see the log above)"
-
-
-def _watching_pdservices(cluster: EmulatedCluster) -> bool:
-    return any(
-        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices")
-        for r in cluster.requests()
-    )
+    args = ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"]
+    with router.server, operator_on_emulator(kubectl, tmp_path_factory.mktemp("operator"), args) as running:
+        yield Env(*running, router)
 
 
 def tiny(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
@@ -540,7 +500,7 @@ def test_a_restarted_operator_writes_nothing_and_duplicates_nothing(env: Env) ->
     mark = env.request_count()
     env.operator.start()
     eventually(
-        lambda: _watching_pdservices_since(env, mark),
+        lambda: watching_pdservices(env.cluster, mark),
         "the restarted operator to watch PDServices",
         timeout=30,
     )
@@ -554,13 +514,6 @@ def test_a_restarted_operator_writes_nothing_and_duplicates_nothing(env: Env) ->
     assert {
         r: sorted(o["metadata"]["uid"] for o in env.cluster.objects(r)) for r in (*CHILD_RESOURCES, PDS)
     } == objects_before
-
-
-def _watching_pdservices_since(env: Env, mark: int) -> bool:
-    return any(
-        is_operator_request(r) and r.params.get("watch") == "true" and r.url.path.endswith("/pdservices")
-        for r in env.cluster.requests()[mark:]
-    )
 
 
 def test_deleting_a_pdservice_completes_its_delete_handler_and_removes_the_children(env: Env) -> None:
@@ -703,7 +656,7 @@ def restart(env: Env) -> None:
     mark = env.request_count()
     env.operator.start()
     eventually(
-        lambda: _watching_pdservices_since(env, mark), "the operator to watch PDServices again", timeout=30
+        lambda: watching_pdservices(env.cluster, mark), "the operator to watch PDServices again", timeout=30
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pdoperator.api.model import PDService
 from pdoperator.api.status import ConditionStatus
-from pdoperator.reconcile.kinds import CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
+from pdoperator.reconcile.kinds import CHILD_KINDS, CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
 from pdoperator.reconcile.kube import KubeApiError
 from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts
 from pdoperator.reconcile.reconciler import InvalidSpecError, Reconciler
@@ -189,7 +189,7 @@ async def test_child_events_arriving_during_a_reconcile_collapse_into_one_follow
     api.reads = 0
     results = await asyncio.gather(*(subject.request("default", "tiny") for _ in range(10)))
     assert sum(r is not None for r in results) == 2  # the first one, and one for all that arrived meanwhile
-    assert api.reads == 2 * (1 + 6)  # each: one GET of the PDService, one list per child kind
+    assert api.reads == 2 * (1 + len(CHILD_KINDS))  # each: one GET of the PDService, one list per child kind
 
 
 async def test_delete_children_removes_only_what_this_pdservice_controls() -> None:

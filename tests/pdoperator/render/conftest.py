@@ -104,6 +104,36 @@ VARIANTS: dict[str, dict[str, Any]] = {
             },
         },
     ),
+    "autoscaled-hpa": merge(
+        GPU_SPEC,
+        {
+            "autoscaling": {
+                "engine": "hpa",
+                "prefill": {"minReplicas": 1, "maxReplicas": 4},
+                "decode": {"minReplicas": 2, "maxReplicas": 8},
+                "targets": {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 32},
+                "scaleUpWindowSeconds": 15,
+                "scaleDownWindowSeconds": 600,
+            }
+        },
+    ),
+    "autoscaled-keda": merge(
+        GPU_SPEC,
+        {
+            "autoscaling": {
+                "engine": "keda",
+                "prefill": {"minReplicas": 0, "maxReplicas": 4},
+                "decode": {"minReplicas": 1, "maxReplicas": 8},
+                "targets": {
+                    "percentile": 95,
+                    "ttftMilliseconds": 800,
+                    "tpotMilliseconds": 40,
+                    "waitingRequestsPerPrefill": 4,
+                },
+                "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090"},
+            }
+        },
+    ),
 }
 
 

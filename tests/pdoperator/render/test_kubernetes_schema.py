@@ -1,4 +1,5 @@
-"""Every rendered object passes kubernetes-validate --strict for Kubernetes 1.35, offline."""
+"""Every rendered object passes kubernetes-validate --strict for Kubernetes 1.35, offline; KEDA's
+ScaledObjects, which Kubernetes does not define, pass KEDA's own schema."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import kubernetes_validate
 import pytest
 from pdoperator.render import render_pdservice
 
+from tests.k8s.keda_schema import scaled_object_errors
+from tests.pdoperator.render.conftest import VARIANTS
+
 KUBERNETES_VERSION = "1.35.0"
 
 
 def assert_valid(objects):
+    keda = [obj for obj in objects if obj["apiVersion"].startswith("keda.sh/")]
+    for obj, errors in zip(keda, scaled_object_errors(keda) if keda else [], strict=True):
+        assert errors == [], f"ScaledObject {obj['metadata']['name']}: {errors}"
     for obj in objects:
+        if obj in keda:
+            continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -29,9 +38,14 @@ def test_every_object_of_every_variant_is_valid(variant, defaults):
     assert_valid(render_pdservice(variant[1], defaults))
 
 
-def test_the_check_covers_every_kind_we_render(example_pds, defaults):
+def test_the_check_covers_every_kind_we_render(example_pds, make_pds, defaults):
     """Control: a misplaced field makes each kind fail, so the passes above mean something."""
     objects = render_pdservice(example_pds("qwen3-32b-push-efa"), defaults)
+    objects += [
+        obj
+        for obj in render_pdservice(make_pds(VARIANTS["autoscaled-hpa"]), defaults)
+        if obj["kind"] == "HorizontalPodAutoscaler"
+    ]
     kinds = set()
     for obj in objects:
         broken = copy.deepcopy(obj)
@@ -46,7 +60,29 @@ def test_the_check_covers_every_kind_we_render(example_pds, defaults):
         "Service",
         "Deployment",
         "StatefulSet",
+        "HorizontalPodAutoscaler",
     }
+
+
+def test_the_keda_check_rejects_a_wrongly_typed_or_missing_field(make_pds, defaults):
+    """Control for ScaledObjects (KEDA's compiled schema reports wrong types and missing required fields; it
+    does not report unknown ones, which the API server would prune)."""
+    (scaled_object, *_) = [
+        obj
+        for obj in render_pdservice(make_pds(VARIANTS["autoscaled-keda"]), defaults)
+        if obj["kind"] == "ScaledObject"
+    ]
+    wrong_type = copy.deepcopy(scaled_object)
+    wrong_type["spec"]["maxReplicaCount"] = "8"
+    missing = copy.deepcopy(scaled_object)
+    del missing["spec"]["scaleTargetRef"]
+    untyped_trigger = copy.deepcopy(scaled_object)
+    untyped_trigger["spec"]["triggers"][0]["metadata"]["threshold"] = 0.8
+    errors = scaled_object_errors([scaled_object, wrong_type, missing, untyped_trigger])
+    assert errors[0] == []
+    assert errors[1] == ["/spec/maxReplicaCount: must be integer"]
+    assert any("scaleTargetRef" in e for e in errors[2])
+    assert errors[3] and "threshold" in errors[3][0]
 
 
 def test_the_check_rejects_a_wrongly_typed_resource_quantity(example_pds, defaults):

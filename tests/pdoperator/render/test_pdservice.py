@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 from pdoperator.render import RenderDefaults, owner_reference, render_pdservice
 from pdoperator.render.defaults import ENVIRONMENT
 from pdoperator.render.manifest_yaml import dump_manifests
@@ -134,6 +135,50 @@ def test_metrics_scrapers_are_admitted_to_the_engines_http_port_only_with_their_
         "NetworkPolicy", "svc-engines"
     ]["spec"]
     assert len(without["ingress"]) == len(policy["ingress"]) - 1
+
+
+AUTOSCALED = {
+    "autoscaling": {
+        "prefill": {"maxReplicas": 4},
+        "decode": {"maxReplicas": 4},
+        "targets": {"ttftMilliseconds": 1000, "tpotMilliseconds": 50},
+    }
+}
+OPERATOR_PODS = RenderDefaults(
+    operator_namespace="pd-system",
+    operator_pod_labels="app.kubernetes.io/name=pd-operator-controller,app.kubernetes.io/instance=r",
+)
+
+
+def test_under_the_builtin_autoscaler_the_operator_pods_reach_the_engines_http_port_only(make_pds):
+    def engine_ingress(pds, defaults):
+        return by_kind_and_name(render_pdservice(pds, defaults))["NetworkPolicy", "svc-engines"]["spec"][
+            "ingress"
+        ]
+
+    admitted = engine_ingress(make_pds(AUTOSCALED), OPERATOR_PODS)
+    assert admitted[-1] == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pd-system"}},
+                "podSelector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": "pd-operator-controller",
+                        "app.kubernetes.io/instance": "r",
+                    }
+                },
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    }
+    baseline = engine_ingress(make_pds(), OPERATOR_PODS)
+    assert len(admitted) == len(baseline) + 1, "without autoscaling the operator reads no engine"
+    assert engine_ingress(make_pds(AUTOSCALED), RenderDefaults()) == baseline, "unknown operator pods: none"
+
+
+def test_a_malformed_operator_label_list_names_its_variable():
+    with pytest.raises(ValueError, match=r"PD_OPERATOR_POD_LABELS='app': expected k=v"):
+        RenderDefaults(operator_namespace="pd-system", operator_pod_labels="app").operator_pods()
 
 
 def pod_annotations(objects):
