@@ -60,7 +60,11 @@ def autoscale_round(
     *,
     pod_name: PodName,
     drain_expired: bool,
+    routers_reloaded: bool,
 ) -> Round:
+    """``routers_reloaded``: every router has had time to load the config that marks the draining engines (the
+    one router whose metrics are read says so itself; of several, only the others' config reload bounds it).
+    Until then no engine counts as idle, as a router still unaware could send it a new request."""
     serving = {
         role: {
             pod: text
@@ -82,7 +86,8 @@ def autoscale_round(
         role: {
             ordinal
             for ordinal in current.of(role).draining
-            if is_idle(backends.get(pod := pod_name(role, ordinal)), _reading(readings.engines.get(pod)))
+            if routers_reloaded
+            and is_idle(backends.get(pod := pod_name(role, ordinal)), _reading(readings.engines.get(pod)))
         }
         for role in EngineRole
     }

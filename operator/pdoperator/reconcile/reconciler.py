@@ -40,6 +40,7 @@ from .kvtransfer import (
     verdict,
 )
 from .scaling import (
+    CONFIG_PROPAGATION_S,
     autoscaling_status,
     drain_expired,
     effective_scale,
@@ -235,6 +236,9 @@ class Reconciler:
             readings,
             pod_name=lambda role, ordinal: pod_name(pds, ComponentRole(role.value), ordinal),
             drain_expired=drain_expired(stored, scaling.drain_timeout_seconds, self._clock()),
+            # the operator reads one router through its Service; others follow the ConfigMap within this bound
+            routers_reloaded=pds.spec.router.replicas <= 1
+            or drain_expired(stored, CONFIG_PROPAGATION_S, self._clock()),
         )
         self._history[key] = decided.history
         if decided.scale == current:

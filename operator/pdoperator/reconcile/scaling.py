@@ -100,6 +100,11 @@ def autoscaling_status(
     )
 
 
+# How long a ConfigMap change may take to reach a pod's mounted file: the kubelet's sync period plus its cache
+# TTL (a minute each by default), plus the router's own 2 s reload interval.
+CONFIG_PROPAGATION_S = 125
+
+
 def drain_expired(status: AutoscalingStatus | None, timeout_s: int, now: str) -> bool:
     """Whether the drain in ``status`` began more than ``timeout_s`` before ``now`` (RFC 3339 times)."""
     if status is None or status.draining_since is None:

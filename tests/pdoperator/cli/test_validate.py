@@ -64,6 +64,7 @@ def test_every_example_is_ok(capsys):
     assert out == [
         "OK inference/nemotron-nano",
         "OK inference/qwen3-32b",
+        "OK default/tiny-autoscaled",
         "OK default/tiny",
         "OK default/tiny-gpu",
     ]

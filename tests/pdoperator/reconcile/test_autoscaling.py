@@ -20,6 +20,9 @@ from pdoperator.reconcile.kinds import (
     STATEFULSETS,
 )
 from pdoperator.reconcile.kube import KubeApiError
+from pdoperator.reconcile.reconciler import Reconciler
+from pdoperator.reconcile.scaling import CONFIG_PROPAGATION_S
+from pdoperator.render import RenderDefaults
 
 from tests.pdoperator.reconcile.fake_api import FakeKubeApi, RecordedEvents
 from tests.pdoperator.reconcile.test_reconciler import EXAMPLE, reconciler
@@ -263,3 +266,34 @@ async def test_a_cluster_without_keda_serves_every_other_engine_and_names_what_i
     body = scaled_service(api, **keda)
     with pytest.raises(KubeApiError, match=r"serves no ScaledObject \(keda.sh/v1alpha1\): install the CRD"):
         await subject.reconcile(body)
+
+
+async def test_with_several_routers_an_idle_draining_engine_stays_until_every_router_can_have_reloaded() -> (
+    None
+):
+    api = FakeKubeApi()
+    now = ["2026-01-01T00:00:00Z"]
+    subject = Reconciler(api, RecordedEvents(), RenderDefaults(), clock=lambda: now[0])
+    body = scaled_service(api)
+    body["spec"]["router"]["replicas"] = 2
+    await subject.reconcile(body)
+    metrics = Metrics()
+    metrics.running_per_decode = 24
+    await subject.autoscale(fresh(api), metrics.read)
+    metrics.running_per_decode, metrics.at = 2, 20.0
+    assert await subject.autoscale(fresh(api), metrics.read)  # tiny-decode-1 and -2 start draining
+    assert fresh(api)["status"]["autoscaling"]["drainingSince"] == now[0]
+
+    metrics.draining = {"tiny-decode-1": 0, "tiny-decode-2": 0}  # idle, as the router we read says
+    for seconds, at in ((10, 21.0), (CONFIG_PROPAGATION_S - 1, 22.0)):
+        now[0], metrics.at = f"2026-01-01T00:{seconds // 60:02d}:{seconds % 60:02d}Z", at
+        assert not await subject.autoscale(fresh(api), metrics.read), "the other router may not know yet"
+    assert decode_replicas(api) == 3
+
+    now[0], metrics.at = (
+        f"2026-01-01T00:{CONFIG_PROPAGATION_S // 60:02d}:{CONFIG_PROPAGATION_S % 60:02d}Z",
+        23.0,
+    )
+    assert await subject.autoscale(fresh(api), metrics.read)
+    assert decode_replicas(api) == 1
+    assert "decode 3 -> 1 drained" in fresh(api)["status"]["autoscaling"]["reason"]
