@@ -79,11 +79,20 @@ def router_config(pair: PDPair, mode: TransferMode) -> RouterConfig:
     )
 
 
+# The local request that keeps decode's only sequence slot busy: ~4,000 tokens outlast the routed request's
+# prefill and abort by seconds even at the ~300 tokens/s the tiny model decodes on an idle machine (1,500 did
+# not: once the routed leg got the slot before the client left).
+OCCUPIER_CONTEXT = 4096
+OCCUPIER_PROMPT = 40
+OCCUPIER_TOKENS = OCCUPIER_CONTEXT - OCCUPIER_PROMPT
+
+
 @pytest.fixture(scope="module")
 def engines(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
     # Decode runs one sequence at a time, so a local request there keeps a routed decode leg queued without
-    # blocks.
-    with pd_pair("routed-dense", dense_model, engine_log_dir, decode_args=("--max-num-seqs", "1")) as pair:
+    # blocks; its longer context lets that request outlast the routed one even on an idle machine.
+    decode_args = ("--max-num-seqs", "1", "--max-model-len", str(OCCUPIER_CONTEXT))
+    with pd_pair("routed-dense", dense_model, engine_log_dir, decode_args=decode_args) as pair:
         yield pair
 
 
@@ -207,7 +216,13 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
     afterwards."""
     with running_router(engines, mode, tmp_path) as router, ThreadPoolExecutor(max_workers=1) as pool:
         before = _sent(engines)
-        occupier = pool.submit(complete, engines.decode.url, prompt_of(40, 3), max_tokens=1500, timeout_s=300)
+        occupier = pool.submit(
+            complete,
+            engines.decode.url,
+            prompt_of(OCCUPIER_PROMPT, 3),
+            max_tokens=OCCUPIER_TOKENS,
+            timeout_s=300,
+        )
         assert _wait_for(lambda: kv_cache_usage(engines.decode) > 0, 60), (
             "the local request never started on decode"
         )
@@ -240,7 +255,7 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
         ended = _sent(engines) - before
         assert ended["expired"] == 0 and ended["written"] == 0 and ended["read"] == 0, ended
         local = occupier.result()
-        assert len(local.token_ids) == 1500
+        assert len(local.token_ids) == OCCUPIER_TOKENS
         prompt = prompt_of(BLOCK_SIZE + 9, 22)
         routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
         assert (
