@@ -21,8 +21,10 @@ from aiohttp import web
 from pdconnector.protocol.params import EngineRole
 from pdconnector.router import errors
 from pdconnector.router.backends import BackendPool
+from pdconnector.router.cache_state import CacheState, weights_of
 from pdconnector.router.config import RouterConfig
 from pdconnector.router.discovery import AddressBook, ConfigWatcher, backend_specs
+from pdconnector.router.engine_load import scrape_all
 from pdconnector.router.health import HealthSettings, probe_all
 from pdconnector.router.metrics import RouterMetrics
 from pdconnector.router.proxy import Dispatch, Dispatcher, DispatchSettings
@@ -35,7 +37,11 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
-_POLICIES = {"least-loaded": Policy.LEAST_OUTSTANDING, "round-robin": Policy.ROUND_ROBIN}
+_POLICIES = {
+    "least-loaded": Policy.LEAST_OUTSTANDING,
+    "round-robin": Policy.ROUND_ROBIN,
+    "cache-aware": Policy.CACHE_AWARE,
+}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -50,6 +56,11 @@ class RouterOptions:
     refresh_interval_s: float = 2.0
     health: HealthSettings = field(default_factory=HealthSettings)
     api_key: str | None = None
+
+
+def selectors_for(config: RouterConfig) -> dict[EngineRole, Selector]:
+    weights = weights_of(config.cache_aware) if config.cache_aware is not None else None
+    return {role: Selector(_POLICIES[config.policy], role, weights) for role in EngineRole}
 
 
 def dispatch_settings(config: RouterConfig, options: RouterOptions) -> DispatchSettings:
@@ -77,18 +88,41 @@ class Router:
         self.ledger = TransferLedger()
         self.session: aiohttp.ClientSession | None = None
         self.dispatcher: Dispatcher | None = None
+        self.cache: CacheState | None = None
         self.pool.replace(backend_specs(config, {}))
         self.metrics.show_pool(self.pool.all())
 
+    def _replace_backends(self) -> None:
+        self.pool.replace(backend_specs(self.config, self.addresses.addresses))
+        if self.cache is not None:
+            self.cache.track(self.pool)
+
+    async def use_cache_policy(self, config: RouterConfig) -> None:
+        """Start or stop the cache-aware policy's state to match ``config``; changed hashing starts over."""
+        wanted = config.cache_aware if config.policy == "cache-aware" else None
+        if self.cache is not None and self.cache.config != wanted:
+            await self.cache.close()
+            self.cache = None
+            for backend in self.pool.all():
+                backend.prefix_index = None
+        if wanted is not None and self.cache is None:
+            self.cache = CacheState(wanted, self.metrics)
+            self.cache.track(self.pool)
+        if self.dispatcher is not None:
+            self.dispatcher.cache = self.cache
+
     def apply_config(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool.replace(backend_specs(config, self.addresses.addresses))
+        self._replace_backends()
         self.metrics.show_pool(self.pool.all())
         if self.dispatcher is not None:
             self.dispatcher.settings = dispatch_settings(config, self.options)
-            policy = _POLICIES[config.policy]
-            if self.dispatcher.selectors[EngineRole.PREFILL].policy is not policy:
-                self.dispatcher.selectors = {role: Selector(policy) for role in EngineRole}
+            fresh = selectors_for(config)
+            if any(
+                (fresh[role].policy, fresh[role].weights) != (selector.policy, selector.weights)
+                for role, selector in self.dispatcher.selectors.items()
+            ):
+                self.dispatcher.selectors = fresh  # round-robin's cursor survives other config changes
         log.info(
             "router config applied",
             extra={
@@ -102,8 +136,9 @@ class Router:
     async def refresh(self, watcher: ConfigWatcher | None) -> None:
         if watcher is not None:
             watcher.check()
+        await self.use_cache_policy(self.config)
         await self.addresses.refresh(self.config)
-        self.pool.replace(backend_specs(self.config, self.addresses.addresses))
+        self._replace_backends()
 
     async def background(self) -> None:
         watcher = (
@@ -119,6 +154,8 @@ class Router:
                 await self.refresh(watcher)
                 next_refresh = loop.time() + self.options.refresh_interval_s
             await probe_all(self.session, self.pool, self.options.health)
+            if self.cache is not None:
+                await scrape_all(self.session, self.pool.serving(EngineRole.DECODE))
             await asyncio.sleep(min(self.options.health.interval_s, self.options.refresh_interval_s))
 
 
@@ -174,20 +211,22 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
         router.session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
         )
-        policy = _POLICIES[config.policy]
         router.dispatcher = Dispatcher(
             pool=router.pool,
-            selectors={role: Selector(policy) for role in EngineRole},
+            selectors=selectors_for(config),
             session=router.session,
             settings=dispatch_settings(config, options),
             metrics=router.metrics,
             ledger=router.ledger,
         )
+        await router.use_cache_policy(router.config)
         task = asyncio.create_task(router.background())
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if router.cache is not None:
+            await router.cache.close()
         await router.session.close()
 
     app.cleanup_ctx.append(lifecycle)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdconnector.protocol.params import EngineRole, PrefillCoordinates
+from pdconnector.router.prefix import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,14 @@ class BackendSpec:
     side_channel_port: int | None = None
     tp_size: int = 1
     draining: bool = False  # out of the pool: no new request, those it holds finish
+    kv_events_port: int | None = None  # where it publishes vLLM's KV cache events, if it does
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        if self.kv_events_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.kv_events_port}"
 
     @property
     def base_url(self) -> str:
@@ -52,6 +61,18 @@ class Backend:
     # prefill only: requests whose KV this engine holds for a decode leg that has not started yet
     kv_held: int = 0
     advertised_compat: str | None = None  # what the engine itself reports on /health, when it does
+    # cache-aware policy only
+    prefix_index: PrefixIndex | None = None  # what prompt blocks it holds (from its events, or routed there)
+    queued_prompt_tokens: int = 0  # prompt tokens of the prefill legs outstanding here
+    kv_usage: float | None = None  # decode: KV cache usage 0..1, from its metrics
+    engine_sequences: int | None = None  # decode: running + waiting sequences, from its metrics
+
+    def forget_cache(self) -> None:
+        """The engine restarted or was ejected: what the router knew of its cache no longer holds."""
+        if self.prefix_index is not None:
+            self.prefix_index.clear()
+        self.kv_usage = None
+        self.engine_sequences = None
 
     @property
     def compat_hash(self) -> str | None:
@@ -83,6 +104,7 @@ class Backend:
             "kv_held": self.kv_held,
             "served": self.served,
             "last_error": self.last_error,
+            "prefix_blocks": None if self.prefix_index is None else len(self.prefix_index),
         }
 
 

@@ -51,6 +51,10 @@ class EngineBackend(_ConfigModel):
             "removes it once idle)."
         ),
     ] = False
+    kv_events_port: Annotated[
+        Port | None,
+        Field(description="This engine's KV event port, where it differs from its role's (local runs)."),
+    ] = None
 
 
 class RoleBackends(_ConfigModel):
@@ -64,6 +68,10 @@ class RoleBackends(_ConfigModel):
     http_port: Port = 8000
     side_channel_port: Port = 5600
     tp_size: Annotated[int, Field(ge=1)] = 1
+    kv_events_port: Annotated[
+        Port | None,
+        Field(description="Port the engines publish vLLM's KV cache events on; null: they publish none."),
+    ] = None
     replicas: Annotated[int, Field(ge=0)] = 1
     backends: list[EngineBackend] = Field(default_factory=list)
 
@@ -89,6 +97,31 @@ class Timeouts(_ConfigModel):
     ] = 60.0
 
 
+class CacheAware(_ConfigModel):
+    """How the cache-aware policy hashes prompts (as the engines do) and weighs cache against load."""
+
+    block_size: Annotated[int, Field(ge=1, description="The engines' KV block size in tokens.")]
+    hash_algorithm: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: Annotated[
+        str | None,
+        Field(description="The engines' PYTHONHASHSEED, when set; null: vLLM's default seed."),
+    ] = None
+    kv_events_topic: str = ""
+    prefix_weight: Annotated[float, Field(ge=0)] = 1.0
+    load_weight: Annotated[float, Field(ge=0)] = 1.0
+    max_imbalance: Annotated[int, Field(ge=0)] = 4
+    kv_usage_weight: Annotated[float, Field(ge=0)] = 4.0
+    index_blocks: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=10_000_000,
+            description="Most block hashes remembered per engine (the bound on the router's memory; without "
+            "events, also the cache size the router assumes).",
+        ),
+    ] = 65_536
+
+
 class RouterConfig(_ConfigModel):
     """Everything the router needs to serve one PDService."""
 
@@ -105,7 +138,8 @@ class RouterConfig(_ConfigModel):
             "requests are bounded by the ceiling.",
         ),
     ] = None
-    policy: Literal["least-loaded", "round-robin"] = "least-loaded"
+    policy: Literal["least-loaded", "round-robin", "cache-aware"] = "least-loaded"
+    cache_aware: CacheAware | None = None
     connector: Literal["builtin", "vllm"] = "builtin"
     compat_hash: Annotated[str, Field(min_length=1, description="Suffix of every current engine id.")]
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
@@ -122,6 +156,12 @@ class RouterConfig(_ConfigModel):
             "auth.",
         ),
     ] = None
+
+    @model_validator(mode="after")
+    def _cache_aware_configured(self) -> RouterConfig:
+        if self.policy == "cache-aware" and self.cache_aware is None:
+            raise ValueError("policy cache-aware needs cache_aware (the engines' block size and hashing)")
+        return self
 
 
 def dump_router_config(config: RouterConfig) -> str:

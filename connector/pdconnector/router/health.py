@@ -25,6 +25,7 @@ def record_failure(backend: Backend, error: str, failures_to_eject: int) -> None
     backend.last_error = error
     if backend.healthy and backend.consecutive_failures >= failures_to_eject:
         backend.healthy = False
+        backend.forget_cache()  # it may come back as a new process with an empty cache
         log.warning(
             "backend ejected",
             extra={"backend": backend.name, "role": backend.spec.role.value, "error": error},

@@ -106,6 +106,25 @@ class RouterMetrics:
             registry=self.registry,
         )
 
+        self.prefix_tokens = Counter(
+            "pd_router_prefix_tokens",
+            "Cache-aware routing: prompt tokens routed to prefill (kind=prompt) and those the chosen prefill "
+            "was expected to hold cached (kind=cached)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.unhashed_prompts = Counter(
+            "pd_router_unhashed_prompts",
+            "Cache-aware routing: requests routed on load alone (their prompt could not be tokenized)",
+            registry=self.registry,
+        )
+        self.kv_event_batches = Counter(
+            "pd_router_kv_event_batches",
+            "KV cache event batches received per engine, by outcome (gap/restart/malformed clear its index)",
+            ["role", "backend", "outcome"],
+            registry=self.registry,
+        )
+
     def show_pool(self, backends: Iterable[Backend]) -> None:
         """Every configured backend's draining state (backends no longer configured are dropped)."""
         self.draining.clear()

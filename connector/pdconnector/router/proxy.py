@@ -32,6 +32,8 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.router import errors
 from pdconnector.router.backends import Backend, BackendPool
+from pdconnector.router.cache_aware import PromptBlocks
+from pdconnector.router.cache_state import CacheState
 from pdconnector.router.health import eject_now
 from pdconnector.router.legs import (
     EventStream,
@@ -95,6 +97,7 @@ class Exchange:
     failed: set[str] = field(default_factory=set)
     pending_prefill: asyncio.Task[Any] | None = None
     kv_holder: Backend | None = None  # the prefill whose KV this request's decode has not taken yet
+    prompt: PromptBlocks | None = None  # cache-aware policy: the prompt's blocks, when it could be hashed
     # role -> seconds to the answer (decode: to its first byte)
     legs: dict[str, float] = field(default_factory=dict)
 
@@ -174,7 +177,9 @@ class Dispatcher:
         settings: DispatchSettings,
         metrics: RouterMetrics,
         ledger: TransferLedger,
+        cache: CacheState | None = None,
     ) -> None:
+        self.cache = cache
         self.pool = pool
         self.selectors = selectors
         self.session = session
@@ -185,9 +190,19 @@ class Dispatcher:
     # --- selection ------------------------------------------------------------------------------------------
     def _pick(self, role: EngineRole, exchange: Exchange, partner: Backend | None = None) -> Backend:
         try:
-            return pick_backend(self.pool, self.selectors, role, exchange.failed, partner)
+            return pick_backend(
+                self.pool, self.selectors, role, exchange.failed, partner=partner, prompt=exchange.prompt
+            )
         except NoBackend as none:
             raise errors.no_backend(none.role.value, none.reasons, self.settings.retry_after_s) from None
+
+    def _pick_prefill(self, exchange: Exchange, partner: Backend | None = None) -> Backend:
+        """Choose the request's prefill; it holds the request's KV from now until decode takes it."""
+        exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner)
+        self._hold_kv(exchange, exchange.prefill)
+        if self.cache is not None:
+            self.cache.routed(exchange.prefill, exchange.prompt)
+        return exchange.prefill
 
     def _enter(self, backend: Backend) -> None:
         backend.outstanding += 1
@@ -225,7 +240,9 @@ class Dispatcher:
     ) -> dict[str, Any]:
         body = _prefill_body(request.body, params)
         sent = asyncio.get_running_loop().time()
-        with self._occupy(backend):
+        cache = self.cache
+        queued = contextlib.nullcontext() if cache is None else cache.queued(backend, exchange.prompt)
+        with self._occupy(backend), queued:
             try:
                 async with asyncio.timeout(self.settings.prefill_timeout_s):
                     answer, _ = await call_json(
@@ -357,12 +374,9 @@ class Dispatcher:
         async def run_prefill() -> dict[str, Any]:
             if push:
                 exchange.decode = self._pick(EngineRole.DECODE, exchange)
-                exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
-            else:
-                exchange.prefill = self._pick(EngineRole.PREFILL, exchange)
-            self._hold_kv(exchange, exchange.prefill)
+            prefill = self._pick_prefill(exchange, partner=exchange.decode if push else None)
             return await self._prefill_leg(
-                exchange.prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
+                prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
             )
 
         answer = await self._with_retries(EngineRole.PREFILL, exchange, run_prefill)
@@ -393,8 +407,7 @@ class Dispatcher:
     async def _concurrent(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
         for _ in range(self.settings.max_attempts):
             exchange.decode = self._pick(EngineRole.DECODE, exchange)
-            exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner=exchange.decode)
-            self._hold_kv(exchange, exchange.prefill)
+            self._pick_prefill(exchange, partner=exchange.decode)
             exchange.transfer_id = mint_transfer_id()
             decode_params = push_decode_leg_params(
                 exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
@@ -453,6 +466,8 @@ class Dispatcher:
         started: DecodeStarted | None = None
         try:
             try:
+                if self.cache is not None:
+                    exchange.prompt = await self.cache.prompt_blocks(self.session, self.pool, request)
                 if self.settings.dispatch is Dispatch.PUSH:
                     started = await self._concurrent(request, exchange, deadline)
                 else:

@@ -1,5 +1,6 @@
 """Which backends may take a request, and which one does: per-role policies (least outstanding requests by
-default, or round-robin) over the healthy backends that can pair with the request's other engine."""
+default, round-robin, or cache-aware) over the healthy backends that can pair with the request's other
+engine."""
 
 from __future__ import annotations
 
@@ -9,28 +10,43 @@ from enum import StrEnum
 
 from pdconnector.protocol.params import EngineRole
 from pdconnector.router.backends import Backend, BackendPool
+from pdconnector.router.cache_aware import CacheAwareWeights, PromptBlocks, decode_costs, prefill_costs
 
 
 class Policy(StrEnum):
     LEAST_OUTSTANDING = "least-outstanding"
     ROUND_ROBIN = "round-robin"
+    CACHE_AWARE = "cache-aware"
 
 
 class Selector:
-    """Picks one backend among candidates; stateful only for round-robin's cursor."""
+    """Picks one backend of a role among candidates; stateful only for round-robin's cursor."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, role: EngineRole, weights: CacheAwareWeights | None = None) -> None:
         self.policy = policy
+        self.role = role
+        self.weights = weights or CacheAwareWeights()
         self._counter = itertools.count()
 
-    def pick(self, candidates: Sequence[Backend]) -> Backend | None:
+    def pick(self, candidates: Sequence[Backend], prompt: PromptBlocks | None = None) -> Backend | None:
+        """``prompt``: the request's blocks, when the cache-aware policy could hash it (without, prefill
+        falls back to the least outstanding work)."""
         if not candidates:
             return None
         ordered = sorted(candidates, key=lambda b: b.name)
         if self.policy is Policy.ROUND_ROBIN:
             return ordered[next(self._counter) % len(ordered)]
+        if self.policy is Policy.CACHE_AWARE:
+            costs = self._costs(ordered, prompt)
+            eligible = [b for b in ordered if b.name in costs]
+            return min(eligible, key=lambda b: (costs[b.name], b.outstanding, b.served))
         # Ties go to the backend that served fewer requests so far, so equal loads still spread.
         return min(ordered, key=lambda b: (b.outstanding, b.served))
+
+    def _costs(self, ordered: Sequence[Backend], prompt: PromptBlocks | None) -> dict[str, float]:
+        if self.role is EngineRole.DECODE:
+            return decode_costs(ordered, prompt, self.weights)
+        return prefill_costs(ordered, prompt or PromptBlocks(0, 1, ()), self.weights)
 
 
 class NoBackend(Exception):
@@ -60,7 +76,9 @@ def pick_backend(
     selectors: Mapping[EngineRole, Selector],
     role: EngineRole,
     refused: Collection[str],
+    *,
     partner: Backend | None = None,
+    prompt: PromptBlocks | None = None,
 ) -> Backend:
     """The backend of ``role`` for a request; without a ``partner`` yet, only one that has a compatible
     partner can serve the whole request. Raises :class:`NoBackend` naming why each backend is out."""
@@ -69,7 +87,7 @@ def pick_backend(
         found = [b for b in found if candidates(pool, peer_role(role), refused, b)]
         if not found:
             raise NoBackend(peer_role(role), _reasons(pool, peer_role(role), refused, None))
-    chosen = selectors[role].pick(found)
+    chosen = selectors[role].pick(found, prompt)
     if chosen is None:
         raise NoBackend(role, _reasons(pool, role, refused, partner))
     return chosen

@@ -18,25 +18,25 @@ def backends(*names: str) -> list[Backend]:
 def test_least_outstanding_picks_the_idlest_backend():
     a, b, c = backends("a", "b", "c")
     a.outstanding, b.outstanding, c.outstanding = 3, 1, 2
-    assert Selector(Policy.LEAST_OUTSTANDING).pick([a, b, c]) is b
+    assert Selector(Policy.LEAST_OUTSTANDING, EngineRole.PREFILL).pick([a, b, c]) is b
 
 
 def test_least_outstanding_spreads_equal_load_by_requests_served():
     a, b = backends("a", "b")
     a.served = 5
-    assert Selector(Policy.LEAST_OUTSTANDING).pick([a, b]) is b
+    assert Selector(Policy.LEAST_OUTSTANDING, EngineRole.PREFILL).pick([a, b]) is b
 
 
 def test_round_robin_cycles_in_a_stable_order_regardless_of_load():
     a, b, c = backends("a", "b", "c")
     a.outstanding = 10
-    selector = Selector(Policy.ROUND_ROBIN)
+    selector = Selector(Policy.ROUND_ROBIN, EngineRole.PREFILL)
     assert [selector.pick([c, a, b]).name for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_no_candidates_gives_none():
-    assert Selector(Policy.ROUND_ROBIN).pick([]) is None
-    assert Selector(Policy.LEAST_OUTSTANDING).pick([]) is None
+    assert Selector(Policy.ROUND_ROBIN, EngineRole.PREFILL).pick([]) is None
+    assert Selector(Policy.LEAST_OUTSTANDING, EngineRole.PREFILL).pick([]) is None
 
 
 def test_compatibility_requires_equal_hashes_only_when_both_advertise_one():
@@ -60,7 +60,7 @@ def pool_of(prefills: list[tuple[str, str | None]], decodes: list[tuple[str, str
     return pool
 
 
-SELECTORS = {role: Selector(Policy.ROUND_ROBIN) for role in EngineRole}
+SELECTORS = {role: Selector(Policy.ROUND_ROBIN, role) for role in EngineRole}
 
 
 def test_a_backend_without_a_compatible_partner_is_not_picked_to_start_a_request():

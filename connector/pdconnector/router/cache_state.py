@@ -1,0 +1,104 @@
+"""The cache-aware policy's live side: hashing each request's prompt before it is routed, keeping each
+engine's prefix index fed (its KV events, or the prompts routed to it where it publishes none), and the
+prompt tokens queued at each prefill."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import aiohttp
+
+from pdconnector.protocol.params import EngineRole
+from pdconnector.router.backends import Backend, BackendPool
+from pdconnector.router.cache_aware import CacheAwareWeights, PromptBlocks
+from pdconnector.router.config import CacheAware
+from pdconnector.router.kv_events import EventFeed, FeedOutcome, OutcomeHook, Subscriptions
+from pdconnector.router.metrics import RouterMetrics
+from pdconnector.router.prefix import BlockHasher, PrefixIndex
+from pdconnector.router.tokens import prompt_token_ids
+from pdconnector.router.validation import ClientRequest
+
+
+def weights_of(config: CacheAware) -> CacheAwareWeights:
+    return CacheAwareWeights(
+        prefix_weight=config.prefix_weight,
+        load_weight=config.load_weight,
+        max_imbalance=config.max_imbalance,
+        kv_usage_weight=config.kv_usage_weight,
+    )
+
+
+def _key(backend: Backend) -> str:
+    return f"{backend.spec.role.value}/{backend.name}"
+
+
+class CacheState:
+    def __init__(self, config: CacheAware, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.hasher = BlockHasher(config.block_size, config.hash_algorithm, config.hash_seed)
+        self.metrics = metrics
+        self.feeds: dict[str, EventFeed] = {}
+        self.subscriptions = Subscriptions()
+
+    def track(self, pool: BackendPool) -> None:
+        """Give every backend an index and follow the events of those that publish; forget backends that
+        left. Needs a running event loop once any backend publishes."""
+        wanted = {}
+        for backend in pool.all():
+            key = _key(backend)
+            if backend.prefix_index is None:
+                backend.prefix_index = PrefixIndex(self.config.index_blocks)
+            endpoint = backend.spec.kv_events_endpoint
+            if endpoint is None:
+                self.feeds.pop(key, None)
+                continue
+            feed = self.feeds.get(key)
+            if feed is None or feed.index is not backend.prefix_index:
+                feed = self.feeds[key] = EventFeed(backend.prefix_index)
+            wanted[key] = (endpoint, self.config.kv_events_topic, feed, self._counter(backend))
+        for key in set(self.feeds) - set(wanted):
+            del self.feeds[key]
+        self.subscriptions.sync(wanted)
+
+    def _counter(self, backend: Backend) -> OutcomeHook:
+        counter = self.metrics.kv_event_batches
+
+        def count(outcome: FeedOutcome) -> None:
+            counter.labels(backend.spec.role.value, backend.name, outcome.value).inc()
+
+        return count
+
+    async def prompt_blocks(
+        self, session: aiohttp.ClientSession, pool: BackendPool, request: ClientRequest
+    ) -> PromptBlocks | None:
+        """The request's prompt blocks, tokenized by the least busy prefill; None when it cannot be now."""
+        serving = sorted(pool.serving(EngineRole.PREFILL), key=lambda b: (b.outstanding, b.name))
+        tokens = await prompt_token_ids(session, serving[0] if serving else None, request)
+        if tokens is None:
+            self.metrics.unhashed_prompts.inc()
+            return None
+        return PromptBlocks(len(tokens), self.hasher.block_size, tuple(self.hasher.block_hashes(tokens)))
+
+    def routed(self, prefill: Backend, prompt: PromptBlocks | None) -> None:
+        """``prefill`` takes this prompt: count what it is expected to find cached and, where it publishes no
+        events, remember that it will hold these blocks."""
+        if prompt is None:
+            return
+        self.metrics.prefix_tokens.labels("prompt").inc(prompt.token_count)
+        self.metrics.prefix_tokens.labels("cached").inc(prompt.cached_tokens(prefill))
+        if _key(prefill) not in self.feeds and prefill.prefix_index is not None:
+            prefill.prefix_index.store(prompt.hashes)
+
+    @contextlib.contextmanager
+    def queued(self, prefill: Backend, prompt: PromptBlocks | None) -> Iterator[None]:
+        """Count the prompt's tokens against ``prefill`` while its prefill leg runs."""
+        tokens = 0 if prompt is None else prompt.token_count
+        prefill.queued_prompt_tokens += tokens
+        try:
+            yield
+        finally:
+            prefill.queued_prompt_tokens -= tokens
+
+    async def close(self) -> None:
+        await self.subscriptions.close()

@@ -1,0 +1,174 @@
+"""vLLM's KV cache events, as one router follows one engine: a sans-I/O feed that turns published batches
+into changes of the engine's :class:`PrefixIndex`, and the ZMQ subscription that reads them.
+
+vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``) publishes
+three-frame messages on a PUB socket: topic, an 8-byte big-endian sequence number, and a msgpack
+``[timestamp, [event, ...], data_parallel_rank]`` whose events are maps tagged by ``type``:
+``BlockStored`` (``block_hashes``, ``medium``, ...), ``BlockRemoved`` (``block_hashes``, ``medium``) and
+``AllBlocksCleared``. Only the engine's own cache counts (medium ``GPU``, vLLM's name for its primary pool
+on every device, or unset); offload tiers do not make prefill skip compute.
+
+PUB/SUB drops what a slow subscriber cannot take, and an engine that restarts numbers its batches from 0
+again with an empty cache. Either way the index can no longer be trusted, so a gap or a sequence number that
+goes back clears it: the engine then looks cold until new events arrive, which costs hits, never answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdconnector.router.prefix import PrefixIndex, external_hash
+
+log = logging.getLogger(__name__)
+
+PRIMARY_MEDIA = (None, "GPU")
+# ZMQ's receive high-water mark: batches queued beyond it are dropped (and seen as a gap), so a flood of
+# events cannot grow the router's memory.
+RECEIVE_HWM = 10_000
+
+
+class FeedOutcome(StrEnum):
+    APPLIED = "applied"
+    GAP = "gap"  # batches were lost: the index was cleared, then this batch applied
+    RESTART = "restart"  # the sequence went back: a new engine process, the index starts over
+    MALFORMED = "malformed"  # not a batch vLLM publishes: ignored (and the index cleared: it may be behind)
+
+
+OutcomeHook = Callable[[FeedOutcome], None]
+
+
+@dataclass
+class EventFeed:
+    """One engine's event stream applied to its index, in sequence order."""
+
+    index: PrefixIndex
+    last_seq: int | None = None
+    gaps: int = 0
+    restarts: int = 0
+
+    def reset(self) -> None:
+        """Forget everything (the engine restarted or left, or the subscription was re-made)."""
+        self.index.clear()
+        self.last_seq = None
+
+    def apply(self, seq: int, payload: bytes) -> FeedOutcome:
+        outcome = FeedOutcome.APPLIED
+        if self.last_seq is not None and seq <= self.last_seq:
+            self.restarts += 1
+            self.index.clear()
+            outcome = FeedOutcome.RESTART
+        elif self.last_seq is not None and seq > self.last_seq + 1:
+            self.gaps += 1
+            self.index.clear()
+            outcome = FeedOutcome.GAP
+        self.last_seq = seq
+        try:
+            events = _events(msgspec.msgpack.decode(payload))
+        except (msgspec.DecodeError, ValueError):
+            self.index.clear()
+            return FeedOutcome.MALFORMED
+        for event in events:
+            self._apply_event(event)
+        return outcome
+
+    def _apply_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "AllBlocksCleared":
+            self.index.clear()
+            return
+        if event.get("medium") not in PRIMARY_MEDIA:
+            return
+        hashes = [external_hash(h) for h in event.get("block_hashes", ())]
+        if kind == "BlockStored":
+            self.index.store(hashes)
+        elif kind == "BlockRemoved":
+            self.index.remove(hashes)
+
+
+def _events(batch: object) -> list[dict[str, Any]]:
+    """The events of one decoded batch; ``ValueError`` if it is not shaped as vLLM's."""
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("a KV event batch is [timestamp, events, ...]")
+    events = batch[1]
+    for event in events:
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise ValueError("a KV event is a map with a type")
+        hashes = event.get("block_hashes", [])
+        if not isinstance(hashes, list) or not all(isinstance(h, bytes | int) for h in hashes):
+            raise ValueError("block_hashes is a list of bytes or integers")
+    return events
+
+
+def parse_message(frames: list[bytes]) -> tuple[int, bytes]:
+    """``(sequence number, payload)`` of one published message; ``ValueError`` if it has not vLLM's three
+    frames."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(f"a KV event message is topic, 8-byte sequence, payload (got {len(frames)} frames)")
+    return int.from_bytes(frames[1], "big", signed=True), frames[2]
+
+
+async def follow(endpoint: str, topic: str, feed: EventFeed, on_outcome: OutcomeHook | None = None) -> None:
+    """Subscribe to ``endpoint`` and apply what it publishes to ``feed`` until cancelled.
+
+    ZMQ reconnects by itself when the engine goes away and comes back; the restart shows as a sequence that
+    goes back."""
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt_string(zmq.SUBSCRIBE, topic)
+    socket.connect(endpoint)
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            try:
+                seq, payload = parse_message(frames)
+            except ValueError as error:
+                log.warning("KV event message ignored", extra={"endpoint": endpoint, "error": str(error)})
+                feed.index.clear()
+                continue
+            outcome = feed.apply(seq, payload)
+            if on_outcome is not None:
+                on_outcome(outcome)
+    finally:
+        socket.close(linger=0)
+
+
+class Subscriptions:
+    """The router's event subscriptions, one task per engine that publishes; re-made when an engine's
+    endpoint changes, ended when it leaves."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
+
+    def sync(self, wanted: dict[str, tuple[str, str, EventFeed, OutcomeHook | None]]) -> None:
+        """``wanted``: backend key -> (endpoint, topic, feed, hook)."""
+        for key in list(self._tasks):
+            endpoint, task = self._tasks[key]
+            if key not in wanted or wanted[key][0] != endpoint:
+                task.cancel()
+                del self._tasks[key]
+                if key in wanted:
+                    wanted[key][2].reset()
+        for key, (endpoint, topic, feed, hook) in wanted.items():
+            if key not in self._tasks:
+                self._tasks[key] = (endpoint, asyncio.create_task(follow(endpoint, topic, feed, hook)))
+
+    async def close(self) -> None:
+        tasks = [task for _, task in self._tasks.values()]
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

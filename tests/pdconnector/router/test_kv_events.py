@@ -1,0 +1,169 @@
+"""Following one engine's KV cache events: batches as vLLM encodes them change the engine's index; lost,
+restarted or malformed streams clear it; a flood stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import zmq
+from pdconnector.router.kv_events import EventFeed, FeedOutcome, Subscriptions, follow, parse_message
+from pdconnector.router.prefix import PrefixIndex, external_hash
+
+vllm_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM's own event classes")
+
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def stored(*hashes: bytes, medium: str | None = "GPU") -> object:
+    return vllm_events.BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[1] * 16 * len(hashes),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def removed(*hashes: bytes) -> object:
+    return vllm_events.BlockRemoved(block_hashes=list(hashes), medium="GPU")
+
+
+def batch(*events: object) -> bytes:
+    return ENCODER.encode(vllm_events.KVEventBatch(ts=time.time(), events=list(events)))
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def held(feed: EventFeed, *numbers: int) -> int:
+    return feed.index.matched_blocks([external_hash(h(n)) for n in numbers])
+
+
+def test_stored_and_removed_blocks_change_the_index():
+    feed = EventFeed(PrefixIndex(100))
+    assert feed.apply(0, batch(stored(h(1), h(2)), stored(h(3)))) is FeedOutcome.APPLIED
+    assert held(feed, 1, 2, 3) == 3
+    assert feed.apply(1, batch(removed(h(2)))) is FeedOutcome.APPLIED
+    assert held(feed, 1, 2, 3) == 1
+    feed.apply(2, batch(vllm_events.AllBlocksCleared()))
+    assert len(feed.index) == 0
+
+
+def test_blocks_of_an_offload_tier_are_not_the_engines_cache():
+    feed = EventFeed(PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1), medium="CPU"), stored(h(2), medium=None)))
+    assert held(feed, 1) == 0 and held(feed, 2) == 1
+
+
+def test_integer_hashes_published_under_vllms_int_option_match_the_same_blocks():
+    feed = EventFeed(PrefixIndex(100))
+    as_int = int.from_bytes(h(7), "big") & ((1 << 64) - 1)
+    feed.apply(0, batch(vllm_events.BlockStored([as_int], None, [1] * 16, 16, None, "GPU", None)))
+    assert held(feed, 7) == 1
+
+
+def test_a_lost_batch_clears_the_index_before_the_next_applies():
+    feed = EventFeed(PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1))))
+    assert feed.apply(5, batch(stored(h(2)))) is FeedOutcome.GAP
+    assert held(feed, 1) == 0 and held(feed, 2) == 1 and feed.gaps == 1
+
+
+def test_a_sequence_that_goes_back_is_a_restarted_engine_with_an_empty_cache():
+    feed = EventFeed(PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1))))
+    feed.apply(1, batch(stored(h(2))))
+    assert feed.apply(0, batch(stored(h(3)))) is FeedOutcome.RESTART
+    assert held(feed, 1) == 0 and held(feed, 2) == 0 and held(feed, 3) == 1 and feed.restarts == 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        ENCODER.encode({"not": "a batch"}),
+        ENCODER.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]),
+    ],
+)
+def test_a_malformed_batch_is_ignored_and_clears_what_may_now_be_behind(payload):
+    feed = EventFeed(PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1))))
+    assert feed.apply(1, payload) is FeedOutcome.MALFORMED
+    assert len(feed.index) == 0
+
+
+def test_a_message_without_vllms_three_frames_is_refused():
+    assert parse_message([b"", (3).to_bytes(8, "big"), b"x"]) == (3, b"x")
+    with pytest.raises(ValueError, match=r"3|frames"):
+        parse_message([b"", b"x"])
+
+
+def test_a_flood_of_stored_blocks_keeps_the_index_at_its_bound():
+    feed = EventFeed(PrefixIndex(1000))
+    for seq in range(200):
+        feed.apply(seq, batch(stored(*(h(seq * 50 + i) for i in range(50)))))
+    assert len(feed.index) == 1000
+    assert held(feed, 199 * 50) == 1 and held(feed, 0) == 0
+
+
+def _publisher() -> tuple[zmq.Socket, str]:
+    socket = zmq.Context.instance().socket(zmq.PUB)
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    return socket, f"tcp://127.0.0.1:{port}"
+
+
+def _publish(socket: zmq.Socket, topic: bytes, seq: int, payload: bytes) -> None:
+    socket.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the subscriber never applied the published batch"
+        await asyncio.sleep(0.02)
+
+
+async def test_the_subscription_applies_what_the_engine_publishes_on_its_topic():
+    publisher, endpoint = _publisher()
+    feed = EventFeed(PrefixIndex(100))
+    outcomes: list[FeedOutcome] = []
+    task = asyncio.create_task(follow(endpoint, "kv", feed, outcomes.append))
+    try:
+        seq = 0
+        while not outcomes:  # a SUB socket misses what is published before it has joined
+            _publish(publisher, b"other", seq, batch(stored(h(99))))
+            _publish(publisher, b"kv", seq, batch(stored(h(1))))
+            seq += 1
+            await asyncio.sleep(0.05)
+        await _until(lambda: held(feed, 1) == 1)
+        assert held(feed, 99) == 0
+    finally:
+        task.cancel()
+        publisher.close(linger=0)
+
+
+async def test_subscriptions_follow_engines_that_join_and_forget_those_that_leave():
+    publisher, endpoint = _publisher()
+    feed = EventFeed(PrefixIndex(100))
+    subscriptions = Subscriptions()
+    try:
+        subscriptions.sync({"prefill/p0": (endpoint, "", feed, None)})
+        seq = 0
+        while held(feed, 1) == 0:
+            _publish(publisher, b"", seq, batch(stored(h(1))))
+            seq += 1
+            await asyncio.sleep(0.05)
+        subscriptions.sync({})  # the engine left the config
+        await asyncio.sleep(0.2)
+        _publish(publisher, b"", seq, batch(stored(h(2))))
+        await asyncio.sleep(0.3)
+        assert held(feed, 2) == 0
+    finally:
+        await subscriptions.close()
+        publisher.close(linger=0)
