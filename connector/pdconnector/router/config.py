@@ -51,10 +51,6 @@ class EngineBackend(_ConfigModel):
             "removes it once idle)."
         ),
     ] = False
-    kv_events_port: Annotated[
-        Port | None,
-        Field(description="This engine's KV event port, where it differs from its role's (local runs)."),
-    ] = None
 
 
 class RoleBackends(_ConfigModel):

@@ -45,7 +45,7 @@ def _role_specs(
             side_channel_port=backends.side_channel_port if role is EngineRole.PREFILL else None,
             tp_size=backends.tp_size,
             draining=entry.draining,
-            kv_events_port=entry.kv_events_port or backends.kv_events_port,
+            kv_events_port=backends.kv_events_port,
         )
         for entry in backends.backends
     ]

@@ -126,6 +126,7 @@ async def follow(endpoint: str, topic: str, feed: EventFeed, on_outcome: Outcome
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IPV6, 1)  # pod addresses may be IPv6
     socket.setsockopt_string(zmq.SUBSCRIBE, topic)
     socket.connect(endpoint)
     try:

@@ -38,7 +38,6 @@ from pdoperator.api.model import (
     RoleResources,
     RoleSpec,
     RouterSpec,
-    RoutingPolicy,
     Runtime,
     ScrapePeer,
     SecretKeyRef,
@@ -50,6 +49,7 @@ from pdoperator.api.model import (
     TransportSpec,
 )
 from pdoperator.api.parse import parse_pdservice
+from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
 from pdoperator.api.status import (
     Condition,
     ConditionStatus,
@@ -74,6 +74,7 @@ __all__ = [
     "SINGULAR",
     "VERSION",
     "Architecture",
+    "CacheAwareSpec",
     "Condition",
     "ConditionStatus",
     "ConditionType",

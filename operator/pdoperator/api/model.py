@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdoperator.api.autoscaling import AutoscalingSpec
 from pdoperator.api.base import ApiModel
+from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
 
 GROUP = "inference.pdoperator.dev"
 VERSION = "v1alpha1"
@@ -68,11 +69,6 @@ class TransportBackend(StrEnum):
 class KVLoadFailurePolicy(StrEnum):
     FAIL = "fail"
     RECOMPUTE = "recompute"
-
-
-class RoutingPolicy(StrEnum):
-    LEAST_LOADED = "least-loaded"
-    ROUND_ROBIN = "round-robin"
 
 
 # ---------------------------------------------------------------- references
@@ -484,6 +480,10 @@ class RouterSpec(ApiModel):
     policy: Annotated[RoutingPolicy, Field(description="Backend selection within each role.")] = (
         RoutingPolicy.LEAST_LOADED
     )
+    cache_aware: Annotated[
+        CacheAwareSpec | None,
+        Field(description="Block size and weights of the cache-aware policy (defaults apply when unset)."),
+    ] = None
     api_key_secret_ref: Annotated[
         SecretKeyRef | None,
         Field(description="Secret key holding the Bearer API key clients must send; unset disables auth."),

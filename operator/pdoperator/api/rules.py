@@ -36,6 +36,7 @@ from pdoperator.api.model import (
     TransferMode,
     TransportBackend,
 )
+from pdoperator.api.routing import RoutingPolicy
 
 
 class Reason(StrEnum):
@@ -364,6 +365,34 @@ CEL_RULES: tuple[CelRule, ...] = (
         ),
     ),
     *(_no_speculative_decoding_rule(role) for role in ("prefill", "decode")),
+    # ------------------------------------------------------------ spec: routing
+    CelRule(
+        name="cache-aware-needs-attention-only-models",
+        owner=PDServiceSpec,
+        cel=f"self.router.policy != '{RoutingPolicy.CACHE_AWARE}' || self.model.architecture != {_HYBRID}",
+        message="cache-aware is not supported with architecture hybrid-ssm (its engines run without prefix "
+        "caching, so there is no cache to route to)",
+        field_path=".router.policy",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: (
+            spec.router.policy is not RoutingPolicy.CACHE_AWARE
+            or spec.model.architecture != Architecture.HYBRID_SSM
+        ),
+    ),
+    CelRule(
+        name="cache-aware-needs-prefill-prefix-caching",
+        owner=PDServiceSpec,
+        cel=f"self.router.policy != '{RoutingPolicy.CACHE_AWARE}' || !has(self.prefill.enablePrefixCaching) "
+        "|| self.prefill.enablePrefixCaching",
+        message="must not be false under spec.router.policy cache-aware (it routes prompts to the prefill "
+        "caching their prefix)",
+        field_path=".prefill.enablePrefixCaching",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: (
+            spec.router.policy is not RoutingPolicy.CACHE_AWARE
+            or spec.prefill.enable_prefix_caching is not False
+        ),
+    ),
     # ------------------------------------------------------------ spec: transport and connector
     CelRule(
         name="efa-requires-libfabric",

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from pdoperator.api.errors import FieldError, path_key
 from pdoperator.api.model import DNS_SUBDOMAIN, PDServiceSpec, RoleResources, RoleSpec, Runtime
+from pdoperator.api.routing import RoutingPolicy
 from pdoperator.api.rules import CEL_RULES, CelRule
 from pdoperator.api.schema import DNS_1035_LABEL, MAX_NAME_LENGTH
 from pdoperator.autoscale.policy import policy_of
@@ -160,9 +161,27 @@ def _flag_name(arg: str) -> str | None:
     return dashes + name.replace("_", "-")
 
 
-def _check_extra_args(role: str, args: list[str], runtime: Runtime) -> list[FieldError]:
+# What the cache-aware policy renders onto vLLM engines: the router must hash prompts exactly as they do.
+CACHE_AWARE_FLAGS = {
+    "--block-size": "use spec.router.cacheAware.blockSize under the cache-aware policy",
+    "--kv-events-config": "the cache-aware policy publishes the KV cache events the router reads",
+    "--prefix-caching-hash-algo": "the cache-aware router hashes prompts with vLLM's default (sha256)",
+}
+
+
+def managed_flags(spec: PDServiceSpec) -> dict[str, str]:
+    """The engine flags the operator sets for ``spec`` (flag -> what to use instead)."""
+    runtime = spec.engine.runtime
+    if runtime is Runtime.VLLM and spec.router.policy is RoutingPolicy.CACHE_AWARE:
+        return {**MANAGED_FLAGS[runtime], **CACHE_AWARE_FLAGS}
+    return MANAGED_FLAGS[runtime]
+
+
+def _check_extra_args(spec: PDServiceSpec, role: str) -> list[FieldError]:
     errors = []
-    managed = MANAGED_FLAGS[runtime]
+    args = getattr(spec, role).extra_args
+    runtime = spec.engine.runtime
+    managed = managed_flags(spec)
     unsupported = UNSUPPORTED_FLAGS if runtime is Runtime.VLLM else {}
     for index, arg in enumerate(args):
         flag = _flag_name(arg)
@@ -268,6 +287,31 @@ def _check_hugepages(text: str) -> list[FieldError]:
     return []
 
 
+def _hash_seed(role: RoleSpec) -> tuple[int | None, str | None]:
+    """(index, value) of the role's PYTHONHASHSEED, which seeds vLLM's prefix-cache block hashes."""
+    return next(
+        ((i, var.value) for i, var in enumerate(role.env) if var.name == "PYTHONHASHSEED"), (None, None)
+    )
+
+
+def _check_cache_aware(spec: PDServiceSpec) -> list[FieldError]:
+    """Under the cache-aware policy the router hashes prompts with the prefill's seed; decode's events must
+    hash the same blocks alike."""
+    if spec.router.policy is not RoutingPolicy.CACHE_AWARE:
+        return []
+    (_, prefill_seed), (index, decode_seed) = _hash_seed(spec.prefill), _hash_seed(spec.decode)
+    if prefill_seed == decode_seed:
+        return []
+    path = "spec.decode.env" if index is None else f"spec.decode.env[{index}].value"
+    return [
+        FieldError(
+            path,
+            f"PYTHONHASHSEED must equal spec.prefill's ({prefill_seed!r}, got {decode_seed!r}) under the "
+            "cache-aware policy (it seeds the block hashes the router matches)",
+        )
+    ]
+
+
 def _check_autoscaling(spec: PDServiceSpec, found: list[FieldError]) -> list[FieldError]:
     """Bounds and ratio range must admit a replica pair (CEL cannot search them); checked once the rules on
     spec.autoscaling hold, so one mistake is reported once."""
@@ -293,12 +337,13 @@ def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
     hugepages_requested = spec.network.efa.enabled and hugepages is not None and hugepages > 0
     for role in ROLES:
         role_spec: RoleSpec = getattr(spec, role)
-        errors += _check_extra_args(role, role_spec.extra_args, spec.engine.runtime)
+        errors += _check_extra_args(spec, role)
         errors += _check_env(role, role_spec, spec.network.efa.enabled)
         errors += _check_labels(f"spec.{role}.nodeSelector", role_spec.node_selector)
         errors += _check_resources(role, role_spec.resources, hugepages_requested)
     errors += _check_hugepages(spec.network.efa.hugepages)
     errors += _check_autoscaling(spec, errors)
+    errors += _check_cache_aware(spec)
     for index, peer in enumerate(spec.monitoring.scrapers):
         for field, labels in (("namespaceLabels", peer.namespace_labels), ("podLabels", peer.pod_labels)):
             errors += _check_labels(f"spec.monitoring.scrapers[{index}].{field}", labels or {})

@@ -20,6 +20,7 @@ from pdoperator.api.model import (
     TransportBackend,
 )
 
+from .cache_routing import KV_EVENTS_PORT, KV_EVENTS_PORT_NAME, kv_events_args, publishes_kv_events
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
 from .monitoring import scrape_annotations
@@ -154,6 +155,7 @@ def _vllm_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engin
     prefix_caching = prefix_caching_enabled(spec, role)
     if prefix_caching is not None:
         args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    args += kv_events_args(spec)
     args += [
         "--kv-transfer-config",
         json.dumps(kv_transfer_config(spec, role, pod_engine_id), separators=(",", ":")),
@@ -412,6 +414,11 @@ def render_engine_pod_template(
         "ports": [
             {"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"},
             {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
+            *(
+                [{"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+                if publishes_kv_events(spec)
+                else []
+            ),
         ],
         "resources": _engine_resources(spec, role),
         **_engine_probes(spec, defaults),

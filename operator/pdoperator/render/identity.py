@@ -16,6 +16,7 @@ from typing import Any
 
 from pdoperator.api.model import PDServiceSpec, RoleSpec, Runtime
 
+from .cache_routing import engine_block_size
 from .defaults import RenderDefaults
 from .names import ComponentRole
 
@@ -53,6 +54,8 @@ def _compatibility_inputs(spec: PDServiceSpec, defaults: RenderDefaults) -> dict
             "runtime": spec.engine.runtime.value,
             "connector": spec.engine.connector.value,
             "transport": spec.engine.transport.backend.value,
+            # the cache-aware policy renders --block-size onto both roles
+            **({"blockSize": block_size} if (block_size := engine_block_size(spec)) is not None else {}),
         },
         # Per role: the image (vLLM and connector versions), TP (shard layout), and the
         # free-form args and env, which can change the KV layout (--block-size,

@@ -16,6 +16,7 @@ from pdconnector.router.config import (
 
 from pdoperator.api.model import PDService
 
+from .cache_routing import KV_EVENTS_PORT, publishes_kv_events, router_cache_aware
 from .defaults import RenderDefaults
 from .engine import served_model_name
 from .identity import compatibility_hash, engine_id, role_spec
@@ -49,6 +50,7 @@ def _role_backends(
         http_port=spec.engine.port,
         side_channel_port=spec.engine.side_channel_port,
         tp_size=rs.tensor_parallel_size,
+        kv_events_port=KV_EVENTS_PORT if publishes_kv_events(spec) else None,
         replicas=rs.replicas,
         backends=[
             EngineBackend(
@@ -73,6 +75,7 @@ def build_router_config(pds: PDService, defaults: RenderDefaults) -> RouterConfi
         served_model_name=served_model_name(spec),
         max_model_len=spec.model.max_model_len,
         policy=spec.router.policy.value,
+        cache_aware=router_cache_aware(spec),
         connector=spec.engine.connector.value,
         compat_hash=compat,
         kv_load_failure_policy=spec.engine.kv_load_failure_policy.value,

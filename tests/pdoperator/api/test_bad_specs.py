@@ -146,7 +146,50 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "router policy unknown",
         document({"router": {"policy": "random"}}),
-        ["spec.router.policy: must be 'least-loaded' or 'round-robin' (got \"random\")"],
+        ["spec.router.policy: must be 'least-loaded', 'round-robin' or 'cache-aware' (got \"random\")"],
+    ),
+    (
+        "cache-aware routing of a hybrid model",
+        document({"model": HYBRID, "ssm": {"family": "mamba2"}, "router": {"policy": "cache-aware"}}),
+        [
+            "spec.router.policy: cache-aware is not supported with architecture hybrid-ssm (its engines run "
+            "without prefix caching, so there is no cache to route to)"
+        ],
+    ),
+    (
+        "cache-aware routing without prefill prefix caching",
+        document({"router": {"policy": "cache-aware"}, "prefill": {"enablePrefixCaching": False}}),
+        [
+            "spec.prefill.enablePrefixCaching: must not be false under spec.router.policy cache-aware (it "
+            "routes prompts to the prefill caching their prefix)"
+        ],
+    ),
+    (
+        "cache-aware routing with a block size of the user's",
+        document({"router": {"policy": "cache-aware"}, "prefill": {"extraArgs": ["--block-size=32"]}}),
+        [
+            "spec.prefill.extraArgs[0]: --block-size is set by the operator; use "
+            "spec.router.cacheAware.blockSize under the cache-aware policy"
+        ],
+    ),
+    (
+        "cache-aware routing with hash seeds that differ",
+        document(
+            {
+                "router": {"policy": "cache-aware"},
+                "prefill": {"env": [{"name": "PYTHONHASHSEED", "value": "1"}]},
+                "decode": {"env": [{"name": "PYTHONHASHSEED", "value": "2"}]},
+            }
+        ),
+        [
+            "spec.decode.env[0].value: PYTHONHASHSEED must equal spec.prefill's ('1', got '2') under the "
+            "cache-aware policy (it seeds the block hashes the router matches)"
+        ],
+    ),
+    (
+        "cache-aware block size out of range",
+        document({"router": {"policy": "cache-aware", "cacheAware": {"blockSize": 0}}}),
+        ["spec.router.cacheAware.blockSize: must be at least 1 (got 0)"],
     ),
     (
         "api key ref without key",

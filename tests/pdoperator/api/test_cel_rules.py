@@ -62,6 +62,14 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "engine": {"connector": "vllm"},
         },
     ),
+    "cache-aware-needs-attention-only-models": (
+        {"model": HYBRID, "ssm": {"family": "mamba2"}, "router": {"policy": "least-loaded"}},
+        {"model": HYBRID, "ssm": {"family": "mamba2"}, "router": {"policy": "cache-aware"}},
+    ),
+    "cache-aware-needs-prefill-prefix-caching": (
+        {"model": MODEL, "router": {"policy": "cache-aware"}, "prefill": {"enablePrefixCaching": True}},
+        {"model": MODEL, "router": {"policy": "cache-aware"}, "prefill": {"enablePrefixCaching": False}},
+    ),
     "mamba1-requires-equal-tp": (
         {**MAMBA1_MOCK, "prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}},
         {**MAMBA1_MOCK, "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 2}},
@@ -395,6 +403,7 @@ _specs = st.fixed_dictionaries(
             sideChannelPort=st.sampled_from([5600, 8000]),
             prefillEngineId=st.just("prefill-0"),
         ),
+        "router": _optional(policy=st.sampled_from(["least-loaded", "round-robin", "cache-aware"])),
         "network": _optional(
             efa=_optional(
                 enabled=st.booleans(),

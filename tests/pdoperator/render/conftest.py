@@ -104,6 +104,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
             },
         },
     ),
+    "cache-aware": merge(
+        GPU_SPEC,
+        {
+            "prefill": {"env": [{"name": "PYTHONHASHSEED", "value": "42"}]},
+            "decode": {"env": [{"name": "PYTHONHASHSEED", "value": "42"}]},
+            "router": {"policy": "cache-aware", "cacheAware": {"blockSize": 32, "maxImbalance": 2}},
+        },
+    ),
     "autoscaled-hpa": merge(
         GPU_SPEC,
         {

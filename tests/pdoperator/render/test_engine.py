@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from pdoperator.api.model import PDService
-from pdoperator.api.validation import EFA_RESERVED_ENV, MANAGED_FLAGS, RESERVED_ENV
+from pdoperator.api.validation import EFA_RESERVED_ENV, RESERVED_ENV, managed_flags
 from pdoperator.render import RenderDefaults, compatibility_hash, render_pdservice
 from pdoperator.render.engine import CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV
 
@@ -503,9 +503,7 @@ def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(var
             user_args = len(getattr(pds.spec, role).extra_args)
             own_args = engine["args"][: len(engine["args"]) - user_args]
             flags = {arg for arg in own_args if arg.startswith("--")}
-            assert flags <= set(MANAGED_FLAGS[pds.spec.engine.runtime]), flags - set(
-                MANAGED_FLAGS[pds.spec.engine.runtime]
-            )
+            assert flags <= set(managed_flags(pds.spec)), flags - set(managed_flags(pds.spec))
             user_env = {var.name for var in getattr(pds.spec, role).env}
             own_env = (
                 {var["name"] for var in engine["env"]} - user_env - {CPU_THREAD_BINDING_ENV, CUDA_IPC_GET_ENV}
