@@ -24,9 +24,12 @@ class BackendSpec:
     tp_size: int = 1
     draining: bool = False  # out of the pool: no new request, those it holds finish
     kv_events_port: int | None = None  # where it publishes vLLM's KV cache events, if it does
+    kv_events_address: str | None = None  # a full endpoint instead (local runs)
 
     @property
     def kv_events_endpoint(self) -> str | None:
+        if self.kv_events_address is not None:
+            return self.kv_events_address
         if self.kv_events_port is None:
             return None
         host = f"[{self.host}]" if ":" in self.host else self.host

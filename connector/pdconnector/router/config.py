@@ -51,6 +51,14 @@ class EngineBackend(_ConfigModel):
             "removes it once idle)."
         ),
     ] = False
+    kv_events_endpoint: Annotated[
+        str | None,
+        Field(
+            min_length=1,
+            description="Where this engine publishes its KV cache events, where not tcp://<host>:<the role's "
+            "kv_events_port> (local runs: an ipc:// socket per engine).",
+        ),
+    ] = None
 
 
 class RoleBackends(_ConfigModel):

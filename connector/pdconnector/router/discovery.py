@@ -46,6 +46,7 @@ def _role_specs(
             tp_size=backends.tp_size,
             draining=entry.draining,
             kv_events_port=backends.kv_events_port,
+            kv_events_address=entry.kv_events_endpoint,
         )
         for entry in backends.backends
     ]

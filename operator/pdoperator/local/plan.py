@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import sys
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ class LocalProcess:
     host: str
     http_port: int
     startup_timeout_s: float = MOCK_STARTUP_TIMEOUT_S
+    kv_events_endpoint: str | None = None  # where it publishes vLLM's KV cache events, if it does
 
     @property
     def url(self) -> str:
@@ -158,8 +161,21 @@ def _with_model_dir(argv: list[str], model_dir: Path) -> list[str]:
     return argv
 
 
+def _local_kv_events(argv: list[str], state_dir: Path, pod_name: str) -> tuple[list[str], str | None]:
+    """The engine's KV events on an ipc socket of its own: vLLM binds only wildcard (or ipc) endpoints, and
+    local engines share one network namespace, so the pods' common port would collide."""
+    if "--kv-events-config" not in argv:
+        return argv, None
+    flag = argv.index("--kv-events-config") + 1
+    digest = hashlib.sha256(f"{state_dir.resolve()}/{pod_name}".encode()).hexdigest()[:16]
+    endpoint = f"ipc://{tempfile.gettempdir()}/pd-{digest}.kv"  # short: ipc paths are limited to ~100 bytes
+    argv = list(argv)
+    argv[flag] = json.dumps({**json.loads(argv[flag]), "endpoint": endpoint}, separators=(",", ":"))
+    return argv, endpoint
+
+
 def _engine_processes(
-    statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None
+    statefulset: dict[str, Any], subnet: str, first_host: int, vllm: _VllmSetup | None, state_dir: Path
 ) -> list[LocalProcess]:
     role = ComponentRole(statefulset["metadata"]["labels"][LABEL_ROLE])
     container = _container(statefulset)
@@ -182,6 +198,7 @@ def _engine_processes(
         )
         env = _pod_env(container, fields)
         argv = [expand(arg, env) for arg in [*container["command"], *container.get("args", [])]]
+        argv, kv_events = _local_kv_events(argv, state_dir, pod_name)
         timeout = MOCK_STARTUP_TIMEOUT_S
         if vllm is not None:
             argv, env, timeout = (
@@ -190,7 +207,9 @@ def _engine_processes(
                 VLLM_STARTUP_TIMEOUT_S,
             )
         processes.append(
-            LocalProcess(pod_name, role, (*_executable(argv), "--host", host), env, host, http_port, timeout)
+            LocalProcess(
+                pod_name, role, (*_executable(argv), "--host", host), env, host, http_port, timeout, kv_events
+            )
         )
     return processes
 
@@ -263,18 +282,23 @@ def plan_local_run(
     subnet = loopback_subnet(pds.namespace, pds.name)
     engines: list[LocalProcess] = []
     for offset, statefulset in zip((10, 130), by_kind["StatefulSet"], strict=True):
-        engines += _engine_processes(statefulset, subnet, offset, vllm)
+        engines += _engine_processes(statefulset, subnet, offset, vllm, state_dir)
     if vllm is not None:
         engines = _bound_to_own_cores(pds, engines, sorted(os.sched_getaffinity(0)))
 
     config = parse_router_config(by_kind["ConfigMap"][0]["data"][ROUTER_CONFIG_FILE])
-    addresses = {engine.name: engine.host for engine in engines}
+    by_name = {engine.name: engine for engine in engines}
     local_config = config.model_copy(
         update={
             role: getattr(config, role).model_copy(
                 update={
                     "backends": [
-                        b.model_copy(update={"host": addresses[b.name]})
+                        b.model_copy(
+                            update={
+                                "host": by_name[b.name].host,
+                                "kv_events_endpoint": by_name[b.name].kv_events_endpoint,
+                            }
+                        )
                         for b in getattr(config, role).backends
                     ]
                 }

@@ -38,14 +38,14 @@ def engine_block_size(spec: PDServiceSpec) -> int | None:
 
 
 def kv_events_args(spec: PDServiceSpec) -> list[str]:
-    """vLLM flags of an engine under the cache-aware policy. The endpoint binds the pod's own address: each
-    pod (and each local engine process, on its own loopback address) keeps the same port."""
+    """vLLM flags of an engine under the cache-aware policy. vLLM binds a wildcard endpoint (one with a host
+    it would connect to instead); each pod has its own network namespace, so every pod keeps the same port."""
     if (block_size := engine_block_size(spec)) is None:
         return []
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://$(POD_IP):{KV_EVENTS_PORT}",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
         "topic": KV_EVENTS_TOPIC,
     }
     return ["--block-size", str(block_size), "--kv-events-config", json.dumps(events, separators=(",", ":"))]

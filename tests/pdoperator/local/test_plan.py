@@ -144,3 +144,25 @@ def test_a_binding_in_the_spec_env_is_kept(tmp_path):
         next(p for p in plan.processes if p.name == "tiny-decode-0").env["VLLM_CPU_OMP_THREADS_BIND"]
         == "nobind"
     )
+
+
+def test_cache_aware_vllm_engines_each_publish_on_an_ipc_socket_of_their_own_that_the_router_follows(
+    tmp_path,
+):
+    document = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
+    document["spec"]["prefill"]["replicas"] = 2
+    document["spec"]["router"]["policy"] = "cache-aware"
+    pds = local_variant(parse_pdservice(document), runtime="vllm")
+    plan = plan_local_run(
+        pds, render_pdservice(pds, RenderDefaults()), tmp_path, model_dir=tmp_path / "model"
+    )
+    engines = [p for p in plan.processes if p.role is not ComponentRole.ROUTER]
+    endpoints = []
+    for engine in engines:
+        argv = list(engine.argv)
+        events = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert events["endpoint"] == engine.kv_events_endpoint
+        endpoints.append(events["endpoint"])
+    assert len(set(endpoints)) == 3 and all(e.startswith("ipc://") and len(e) < 100 for e in endpoints)
+    config = parse_router_config(plan.router_config)
+    assert [b.kv_events_endpoint for b in (*config.prefill.backends, *config.decode.backends)] == endpoints

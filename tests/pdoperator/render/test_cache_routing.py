@@ -24,7 +24,7 @@ def _flag(args, flag):
     return args[args.index(flag) + 1]
 
 
-def test_both_roles_publish_their_cache_on_their_own_address_with_the_policys_block_size():
+def test_both_roles_publish_their_cache_with_the_policys_block_size():
     objects = _objects(pds_from_spec(VARIANTS["cache-aware"]))
     for role in ("prefill", "decode"):
         container = _engine(objects, role)
@@ -32,7 +32,7 @@ def test_both_roles_publish_their_cache_on_their_own_address_with_the_policys_bl
         assert json.loads(_flag(container["args"], "--kv-events-config")) == {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": "tcp://$(POD_IP):5557",
+            "endpoint": "tcp://*:5557",
             "topic": "kv-events",
         }
         assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container["ports"]
