@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from streamed import stream_completion  # e2e/bench, this script's directory
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny-autoscaled.yaml"
@@ -74,35 +75,10 @@ def start_service(example: Path, state_dir: Path, interval_s: float) -> tuple[su
 async def one_request(
     session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], began: float
 ) -> Result:
-    start = time.monotonic()
-    result = Result(start - began, ok=False)
-    token_times: list[float] = []
-    try:
-        async with session.post(f"{endpoint}/v1/completions", json=body) as response:
-            if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return result
-            async for raw in response.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    result.error = f"stream error: {event['error']}"
-                    return result
-                if event.get("choices") and event["choices"][0].get("text") is not None:
-                    token_times.append(time.monotonic())
-    except (aiohttp.ClientError, TimeoutError) as error:
-        result.error = f"{type(error).__name__}: {error}"
-        return result
-    if not token_times:
-        result.error = "no token"
-        return result
-    result.ok = True
-    result.ttft_s = token_times[0] - start
-    if len(token_times) > 1:
-        result.tpot_s = (token_times[-1] - token_times[0]) / (len(token_times) - 1)
-    return result
+    streamed = await stream_completion(session, endpoint, body)
+    if streamed.error is not None:
+        return Result(streamed.started - began, ok=False, error=streamed.error)
+    return Result(streamed.started - began, ok=True, ttft_s=streamed.ttft_s, tpot_s=streamed.tpot_s)
 
 
 async def drive(

@@ -268,7 +268,9 @@ def create_app(config: RouterConfig, options: RouterOptions | None = None) -> we
     async def status(_: web.Request) -> web.Response:
         mode = (options.dispatch or Dispatch(router.config.mode)).value
         return web.json_response(
-            build_status(router.pool, router.ledger, mode, router.config.served_model_name)
+            build_status(
+                router.pool, router.ledger, mode, router.config.served_model_name, router.config.policy
+            )
         )
 
     app.router.add_post(Endpoint.COMPLETIONS.value, completion_handler(Endpoint.COMPLETIONS))

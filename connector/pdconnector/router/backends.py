@@ -66,7 +66,7 @@ class Backend:
     advertised_compat: str | None = None  # what the engine itself reports on /health, when it does
     # cache-aware policy only
     prefix_index: PrefixIndex | None = None  # what prompt blocks it holds (from its events, or routed there)
-    queued_prompt_tokens: int = 0  # prompt tokens of the prefill legs outstanding here
+    queued_prompt_tokens: int = 0  # uncached prompt tokens of the prefill legs chosen here, not yet done
     kv_usage: float | None = None  # decode: KV cache usage 0..1, from its metrics
     engine_sequences: int | None = None  # decode: running + waiting sequences, from its metrics
 

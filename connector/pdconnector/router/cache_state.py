@@ -1,11 +1,7 @@
 """The cache-aware policy's live side: hashing each request's prompt before it is routed, keeping each
-engine's prefix index fed (its KV events, or the prompts routed to it where it publishes none), and the
-prompt tokens queued at each prefill."""
+engine's prefix index fed (its KV events, and the prompts routed to it)."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import aiohttp
 
@@ -81,24 +77,18 @@ class CacheState:
         return PromptBlocks(len(tokens), self.hasher.block_size, tuple(self.hasher.block_hashes(tokens)))
 
     def routed(self, prefill: Backend, prompt: PromptBlocks | None) -> None:
-        """``prefill`` takes this prompt: count what it is expected to find cached and, where it publishes no
-        events, remember that it will hold these blocks."""
+        """``prefill`` takes this prompt: count what it is expected to find cached, and remember that it will
+        hold these blocks.
+
+        Also where the engine publishes events: they report blocks once computed, so a follow-up sent while
+        this prompt is still being prefilled would otherwise miss them (and its prefix be computed twice, on
+        two engines). What the engine evicts, its events remove."""
         if prompt is None:
             return
         self.metrics.prefix_tokens.labels("prompt").inc(prompt.token_count)
         self.metrics.prefix_tokens.labels("cached").inc(prompt.cached_tokens(prefill))
-        if _key(prefill) not in self.feeds and prefill.prefix_index is not None:
+        if prefill.prefix_index is not None:
             prefill.prefix_index.store(prompt.hashes)
-
-    @contextlib.contextmanager
-    def queued(self, prefill: Backend, prompt: PromptBlocks | None) -> Iterator[None]:
-        """Count the prompt's tokens against ``prefill`` while its prefill leg runs."""
-        tokens = 0 if prompt is None else prompt.token_count
-        prefill.queued_prompt_tokens += tokens
-        try:
-            yield
-        finally:
-            prefill.queued_prompt_tokens -= tokens
 
     async def close(self) -> None:
         await self.subscriptions.close()

@@ -20,8 +20,6 @@ import aiohttp
 from aiohttp import web
 
 from pdconnector.protocol.params import (
-    ERROR_KEY,
-    RECEIVED_KEY,
     TRANSFER_FAILED_CODES,
     EngineRole,
     TransferMode,
@@ -35,6 +33,15 @@ from pdconnector.router.backends import Backend, BackendPool
 from pdconnector.router.cache_aware import PromptBlocks
 from pdconnector.router.cache_state import CacheState
 from pdconnector.router.health import eject_now
+from pdconnector.router.leg_bodies import (
+    decode_body,
+    prefill_body,
+    prefill_error,
+    stream_error,
+    stronger_evidence,
+    transfer_report,
+    upstream_engine_request_id,
+)
 from pdconnector.router.legs import (
     EventStream,
     FailureKind,
@@ -48,7 +55,7 @@ from pdconnector.router.legs import (
 from pdconnector.router.metrics import RequestOutcome, RouterMetrics
 from pdconnector.router.selection import NoBackend, Selector, pick_backend
 from pdconnector.router.status import Evidence, TransferLedger
-from pdconnector.router.validation import ClientRequest, Endpoint
+from pdconnector.router.validation import ClientRequest
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,7 @@ class Exchange:
     pending_prefill: asyncio.Task[Any] | None = None
     kv_holder: Backend | None = None  # the prefill whose KV this request's decode has not taken yet
     prompt: PromptBlocks | None = None  # cache-aware policy: the prompt's blocks, when it could be hashed
+    queued: tuple[Backend, int] | None = None  # the prefill whose queued prompt tokens count this prompt's
     # role -> seconds to the answer (decode: to its first byte)
     legs: dict[str, float] = field(default_factory=dict)
 
@@ -110,61 +118,6 @@ class Exchange:
         if self.transfer_id:
             headers["x-pd-transfer-id"] = self.transfer_id
         return headers
-
-
-def upstream_engine_request_id(endpoint: Endpoint, request_id: str) -> str:
-    """The id vLLM's OpenAI server gives the prefill leg sent with ``X-Request-Id: request_id``.
-
-    Upstream's push connector pairs decode with that prefill request by this id (its random engine suffix
-    stripped); both legs carry the same ``X-Request-Id``. A completion has one prompt, index 0.
-    """
-    return f"chatcmpl-{request_id}" if endpoint is Endpoint.CHAT else f"cmpl-{request_id}-0"
-
-
-def _prefill_error(answer: dict[str, Any]) -> str | None:
-    params = answer.get("kv_transfer_params")
-    if isinstance(params, dict) and ERROR_KEY in params:
-        return str(params[ERROR_KEY])
-    return None
-
-
-def _prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    body = {
-        k: v
-        for k, v in client_body.items()
-        if k not in ("stream", "stream_options", "min_tokens", "max_completion_tokens")
-    }
-    body["max_tokens"] = 1
-    body["stream"] = False
-    body["kv_transfer_params"] = params
-    return body
-
-
-def _decode_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    return {**client_body, "kv_transfer_params": params}
-
-
-def _transfer_report(payload: dict[str, Any] | None) -> Evidence | None:
-    """What one decode answer (a JSON body or a stream event) says about its KV; None when it has no
-    kv_transfer_params.
-
-    vLLM's whole answers always carry the field (null when no KV arrived), so its absence proves nothing:
-    vLLM's streams never carry it, while the mock engine's put it in their final event."""
-    if not payload or "kv_transfer_params" not in payload:
-        return None
-    params = payload["kv_transfer_params"]
-    return Evidence.VERIFIED if isinstance(params, dict) and params.get(RECEIVED_KEY) else Evidence.UNVERIFIED
-
-
-def _stronger(a: Evidence | None, b: Evidence | None) -> Evidence | None:
-    """A stream's report: one event with the receipt verifies it, one with the field and no receipt leaves it
-    unverified."""
-    return Evidence.VERIFIED if Evidence.VERIFIED in (a, b) else a or b
-
-
-def _stream_error(payload: dict[str, Any] | None) -> dict[str, Any] | None:
-    error = payload.get("error") if payload else None
-    return error if isinstance(error, dict) else None
 
 
 class Dispatcher:
@@ -201,8 +154,24 @@ class Dispatcher:
         exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner)
         self._hold_kv(exchange, exchange.prefill)
         if self.cache is not None:
+            self._queue_prompt(exchange, exchange.prefill)  # before routed(): it counts what is held now
             self.cache.routed(exchange.prefill, exchange.prompt)
         return exchange.prefill
+
+    def _queue_prompt(self, exchange: Exchange, prefill: Backend) -> None:
+        """Count the prompt tokens ``prefill`` must compute (those it does not hold) against it from the
+        moment it is chosen until its prefill leg ends, so that requests arriving together see each other's
+        choices."""
+        self._unqueue_prompt(exchange)
+        if (prompt := exchange.prompt) is not None:
+            exchange.queued = (prefill, prompt.token_count - prompt.cached_tokens(prefill))
+            prefill.queued_prompt_tokens += exchange.queued[1]
+
+    def _unqueue_prompt(self, exchange: Exchange) -> None:
+        if exchange.queued is not None:
+            prefill, tokens = exchange.queued
+            exchange.queued = None
+            prefill.queued_prompt_tokens -= tokens
 
     def _enter(self, backend: Backend) -> None:
         backend.outstanding += 1
@@ -238,11 +207,9 @@ class Dispatcher:
     async def _prefill_leg(
         self, backend: Backend, request: ClientRequest, params: dict[str, Any], exchange: Exchange
     ) -> dict[str, Any]:
-        body = _prefill_body(request.body, params)
+        body = prefill_body(request.body, params)
         sent = asyncio.get_running_loop().time()
-        cache = self.cache
-        queued = contextlib.nullcontext() if cache is None else cache.queued(backend, exchange.prompt)
-        with self._occupy(backend), queued:
+        with self._occupy(backend):
             try:
                 async with asyncio.timeout(self.settings.prefill_timeout_s):
                     answer, _ = await call_json(
@@ -258,7 +225,9 @@ class Dispatcher:
                     FailureKind.TIMEOUT,
                     f"prefill gave no answer in {self.settings.prefill_timeout_s:g} s",
                 ) from exc
-        if (reported := _prefill_error(answer)) is not None:
+            finally:
+                self._unqueue_prompt(exchange)
+        if (reported := prefill_error(answer)) is not None:
             # In push mode decode would otherwise wait out its transfer deadline for KV that will never be
             # written.
             raise LegError(backend, FailureKind.REPORTED, f"it kept no KV for decode: {reported}")
@@ -279,7 +248,7 @@ class Dispatcher:
         exchange: Exchange,
         deadline: float,
     ) -> DecodeStarted:
-        body = _decode_body(request.body, params)
+        body = decode_body(request.body, params)
         headers = {"X-Request-Id": exchange.request_id}
         loop = asyncio.get_running_loop()
         sent = loop.time()
@@ -498,6 +467,7 @@ class Dispatcher:
             if started is not None:
                 self._finish_stream(started)
             await cancel_and_wait(exchange.pending_prefill)
+            self._unqueue_prompt(exchange)  # chosen, but its prefill leg never started
             self.metrics.requests.labels(dispatch, outcome).inc()
             self.metrics.latency.labels(dispatch).observe(loop.time() - exchange.started_at)
             log.info(
@@ -565,7 +535,7 @@ class Dispatcher:
         self.metrics.transfers.labels(evidence.value).inc()
 
     def _reply_whole(self, started: DecodeStarted, exchange: Exchange) -> tuple[web.Response, RequestOutcome]:
-        self._record_transfer(_transfer_report(started.body))
+        self._record_transfer(transfer_report(started.body))
         response = web.Response(body=started.raw, content_type="application/json", headers=exchange.headers())
         return response, RequestOutcome.OK
 
@@ -585,8 +555,8 @@ class Dispatcher:
 
         async def forward(event: SseEvent) -> None:
             nonlocal report, finished, error_seen
-            report = _stronger(report, _transfer_report(event.data))
-            error_seen = error_seen or _stream_error(event.data) is not None
+            report = stronger_evidence(report, transfer_report(event.data))
+            error_seen = error_seen or stream_error(event.data) is not None
             if event.is_done and not finished and not error_seen:
                 # Count the request before the client sees [DONE]: /status must never lag what a client was
                 # told.

@@ -33,11 +33,12 @@ class TransferLedger:
 
 
 def build_status(
-    pool: BackendPool, ledger: TransferLedger, mode: str, served_model: str
+    pool: BackendPool, ledger: TransferLedger, mode: str, served_model: str, policy: str
 ) -> dict[str, object]:
     return {
         "mode": mode,
         "model": served_model,
+        "policy": policy,
         "ready": pool.is_ready(),
         "backends": [backend.status() for backend in pool.all()],
         "transfers": {

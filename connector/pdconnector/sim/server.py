@@ -301,6 +301,23 @@ def create_engine_app(engine: MockEngine, model: str, compat_hash: str | None = 
             }
         )
 
+    async def tokenize_handler(request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: what the cache-aware router hashes a text or chat prompt from."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise EngineError(400, "the body must be a JSON object", "invalid_body", None)
+            tokens = _prompt_tokens(body, "messages" in body, engine.settings.max_model_len)
+        except ValueError:
+            return web.json_response(
+                EngineError(400, "the body is not JSON", "invalid_body", None).body(), status=400
+            )
+        except EngineError as error:
+            return web.json_response(error.body(), status=error.status)
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens}
+        )
+
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
@@ -314,6 +331,7 @@ def create_engine_app(engine: MockEngine, model: str, compat_hash: str | None = 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", completion_handler(chat=False))
     app.router.add_post("/v1/chat/completions", completion_handler(chat=True))
+    app.router.add_post("/tokenize", tokenize_handler)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_handler)

@@ -21,6 +21,9 @@ WEIGHT_INIT_STD = 0.2
 
 class TinyModel(StrEnum):
     DENSE = "dense"
+    # Wide enough that computing a prompt dominates a request on the CPU (a 1k-token prefill takes a few
+    # hundred ms on one core), as for real models on GPUs: what the routing benchmark's cache hits save.
+    DENSE_WIDE = "dense-wide"
     HYBRID = "hybrid"
 
 
@@ -49,6 +52,16 @@ DENSE_CONFIG: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 
+DENSE_WIDE_CONFIG: dict[str, Any] = {
+    **DENSE_CONFIG,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
 # M = Mamba2 mixer, - = MLP, * = attention. Mamba: 8 heads x 32 = expand(1) x hidden(256).
 HYBRID_CONFIG: dict[str, Any] = {
     **_COMMON_CONFIG,
@@ -74,6 +87,7 @@ HYBRID_CONFIG: dict[str, Any] = {
 
 MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {
     TinyModel.DENSE: DENSE_CONFIG,
+    TinyModel.DENSE_WIDE: DENSE_WIDE_CONFIG,
     TinyModel.HYBRID: HYBRID_CONFIG,
 }
 

@@ -4,41 +4,22 @@ restarted or malformed streams clear it; a flood stays bounded."""
 from __future__ import annotations
 
 import asyncio
-import time
 
-import msgspec
 import pytest
 import zmq
 from pdconnector.router.kv_events import EventFeed, FeedOutcome, Subscriptions, follow, parse_message
 from pdconnector.router.prefix import PrefixIndex, external_hash
 
-vllm_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM's own event classes")
-
-ENCODER = msgspec.msgpack.Encoder()
-
-
-def stored(*hashes: bytes, medium: str | None = "GPU") -> object:
-    return vllm_events.BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=[1] * 16 * len(hashes),
-        block_size=16,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
-
-
-def removed(*hashes: bytes) -> object:
-    return vllm_events.BlockRemoved(block_hashes=list(hashes), medium="GPU")
-
-
-def batch(*events: object) -> bytes:
-    return ENCODER.encode(vllm_events.KVEventBatch(ts=time.time(), events=list(events)))
-
-
-def h(n: int) -> bytes:
-    return n.to_bytes(32, "big")
+from tests.pdconnector.router.kv_event_batches import (
+    ENCODER,
+    batch,
+    h,
+    publisher_socket,
+    removed,
+    stored,
+    until,
+    vllm_events,
+)
 
 
 def held(feed: EventFeed, *numbers: int) -> int:
@@ -112,25 +93,12 @@ def test_a_flood_of_stored_blocks_keeps_the_index_at_its_bound():
     assert held(feed, 199 * 50) == 1 and held(feed, 0) == 0
 
 
-def _publisher() -> tuple[zmq.Socket, str]:
-    socket = zmq.Context.instance().socket(zmq.PUB)
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    return socket, f"tcp://127.0.0.1:{port}"
-
-
 def _publish(socket: zmq.Socket, topic: bytes, seq: int, payload: bytes) -> None:
     socket.send_multipart((topic, seq.to_bytes(8, "big"), payload))
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the subscriber never applied the published batch"
-        await asyncio.sleep(0.02)
-
-
 async def test_the_subscription_applies_what_the_engine_publishes_on_its_topic():
-    publisher, endpoint = _publisher()
+    publisher, endpoint = publisher_socket()
     feed = EventFeed(PrefixIndex(100))
     outcomes: list[FeedOutcome] = []
     task = asyncio.create_task(follow(endpoint, "kv", feed, outcomes.append))
@@ -141,7 +109,7 @@ async def test_the_subscription_applies_what_the_engine_publishes_on_its_topic()
             _publish(publisher, b"kv", seq, batch(stored(h(1))))
             seq += 1
             await asyncio.sleep(0.05)
-        await _until(lambda: held(feed, 1) == 1)
+        await until(lambda: held(feed, 1) == 1)
         assert held(feed, 99) == 0
     finally:
         task.cancel()
@@ -149,7 +117,7 @@ async def test_the_subscription_applies_what_the_engine_publishes_on_its_topic()
 
 
 async def test_subscriptions_follow_engines_that_join_and_forget_those_that_leave():
-    publisher, endpoint = _publisher()
+    publisher, endpoint = publisher_socket()
     feed = EventFeed(PrefixIndex(100))
     subscriptions = Subscriptions()
     try:

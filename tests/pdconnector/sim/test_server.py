@@ -286,3 +286,21 @@ async def test_health_advertises_identity_and_metrics_show_pool_occupancy(engine
     }
     metrics = await (await client.get("/metrics")).text()
     assert "pd_mock_kv_blocks_free 64.0" in metrics and "pd_mock_kv_blocks_total 64.0" in metrics
+
+
+async def test_tokenize_gives_the_token_ids_a_completion_of_the_same_prompt_would_run_on(engine_client):
+    client, _ = await engine_client()
+    for body, ids in (
+        ({"model": MODEL, "prompt": "t5 t6 hello"}, tokenize("t5 t6 hello")),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            tokenize(chat_prompt([{"role": "user", "content": "hi"}])),
+        ),
+    ):
+        response = await client.post("/tokenize", json=body)
+        assert response.status == 200
+        assert await response.json() == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
+    for bad in ("[1,", json.dumps([1, 2]), json.dumps({"prompt": []})):
+        response = await client.post("/tokenize", data=bad, headers={"Content-Type": "application/json"})
+        assert response.status == 400, bad
+        assert (await response.json())["error"]["type"] == "invalid_request_error"
