@@ -8,8 +8,8 @@ import aiohttp
 from pdconnector.protocol.params import EngineRole
 from pdconnector.router.backends import Backend, BackendPool
 from pdconnector.router.cache_aware import CacheAwareWeights, PromptBlocks
-from pdconnector.router.config import CacheAware
-from pdconnector.router.kv_events import EventFeed, FeedOutcome, OutcomeHook, Subscriptions
+from pdconnector.router.config import CacheAware, kv_events_replay_endpoint
+from pdconnector.router.kv_events import EventFeed, FeedOutcome, OutcomeHook, Subscription, Subscriptions
 from pdconnector.router.metrics import RouterMetrics
 from pdconnector.router.prefix import BlockHasher, PrefixIndex
 from pdconnector.router.tokens import prompt_token_ids
@@ -52,7 +52,13 @@ class CacheState:
             feed = self.feeds.get(key)
             if feed is None or feed.index is not backend.prefix_index:
                 feed = self.feeds[key] = EventFeed(backend.prefix_index)
-            wanted[key] = (endpoint, self.config.kv_events_topic, feed, self._counter(backend))
+            wanted[key] = Subscription(
+                endpoint,
+                self.config.kv_events_topic,
+                feed,
+                self._counter(backend),
+                kv_events_replay_endpoint(endpoint) if self.config.kv_events_replay else None,
+            )
         for key in set(self.feeds) - set(wanted):
             del self.feeds[key]
         self.subscriptions.sync(wanted)

@@ -111,6 +111,13 @@ class CacheAware(_ConfigModel):
         Field(description="The engines' PYTHONHASHSEED, when set; null: vLLM's default seed."),
     ] = None
     kv_events_topic: str = ""
+    kv_events_replay: Annotated[
+        bool,
+        Field(
+            description="The engines keep vLLM's replay socket next to their events endpoint (see "
+            "kv_events_replay_endpoint): a router that starts later asks it for what they already hold."
+        ),
+    ] = False
     prefix_weight: Annotated[float, Field(ge=0)] = 1.0
     load_weight: Annotated[float, Field(ge=0)] = 1.0
     max_imbalance: Annotated[int, Field(ge=0)] = 4
@@ -166,6 +173,17 @@ class RouterConfig(_ConfigModel):
         if self.policy == "cache-aware" and self.cache_aware is None:
             raise ValueError("policy cache-aware needs cache_aware (the engines' block size and hashing)")
         return self
+
+
+def kv_events_replay_endpoint(events_endpoint: str) -> str:
+    """Where an engine keeps vLLM's replay socket, by the operator's convention: the events port + 1 (tcp),
+    or the events socket's path + ``-replay`` (ipc)."""
+    if events_endpoint.startswith("ipc://"):
+        return f"{events_endpoint}-replay"
+    address, _, port = events_endpoint.rpartition(":")
+    if not address or not port.isdigit():
+        raise ValueError(f"KV events endpoint {events_endpoint!r} is neither tcp://HOST:PORT nor ipc://PATH")
+    return f"{address}:{int(port) + 1}"
 
 
 def dump_router_config(config: RouterConfig) -> str:

@@ -11,6 +11,8 @@ on every device, or unset); offload tiers do not make prefill skip compute.
 PUB/SUB drops what a slow subscriber cannot take, and an engine that restarts numbers its batches from 0
 again with an empty cache. Either way the index can no longer be trusted, so a gap or a sequence number that
 goes back clears it: the engine then looks cold until new events arrive, which costs hits, never answers.
+Where the engine keeps vLLM's replay socket (``replay_endpoint``), a new subscription first asks it for the
+batches it still buffers, so a router that starts after the engine does not begin blind.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ PRIMARY_MEDIA = (None, "GPU")
 # ZMQ's receive high-water mark: batches queued beyond it are dropped (and seen as a gap), so a flood of
 # events cannot grow the router's memory.
 RECEIVE_HWM = 10_000
+REPLAY_DEADLINE_S = 5.0
+REPLAY_END = (-1).to_bytes(8, "big", signed=True)  # vLLM's marker after the last replayed batch
 
 
 class FeedOutcome(StrEnum):
@@ -117,8 +121,60 @@ def parse_message(frames: list[bytes]) -> tuple[int, bytes]:
     return int.from_bytes(frames[1], "big", signed=True), frames[2]
 
 
-async def follow(endpoint: str, topic: str, feed: EventFeed, on_outcome: OutcomeHook | None = None) -> None:
-    """Subscribe to ``endpoint`` and apply what it publishes to ``feed`` until cancelled.
+@dataclass(frozen=True)
+class Subscription:
+    """What to follow for one engine: its PUB endpoint and topic, and its replay endpoint if it keeps one."""
+
+    endpoint: str
+    topic: str
+    feed: EventFeed
+    on_outcome: OutcomeHook | None = None
+    replay_endpoint: str | None = None
+
+
+def _take(subscription: Subscription, frames: list[bytes], *, skip_seen: bool = False) -> None:
+    """Apply one published message; ``skip_seen``: a batch the replay already applied is not news."""
+    feed = subscription.feed
+    try:
+        seq, payload = parse_message(frames)
+    except ValueError as error:
+        extra = {"endpoint": subscription.endpoint, "error": str(error)}
+        log.warning("KV event message ignored", extra=extra)
+        feed.index.clear()
+        return
+    if skip_seen and feed.last_seq is not None and seq <= feed.last_seq:
+        return
+    outcome = feed.apply(seq, payload)
+    if subscription.on_outcome is not None:
+        subscription.on_outcome(outcome)
+
+
+async def _replay(context: zmq.asyncio.Context, subscription: Subscription, replay_endpoint: str) -> None:
+    """Ask the engine for every batch it still buffers (vLLM's replay socket: a request of the first
+    sequence number wanted, answered by the batches and an end marker) and apply them, so that a router
+    starting after the engine learns what it already holds. Unanswered within the deadline: live events
+    only."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.IPV6, 1)
+    dealer.connect(replay_endpoint)
+    try:
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        async with asyncio.timeout(REPLAY_DEADLINE_S):
+            while True:
+                frames = (await dealer.recv_multipart())[1:]  # the envelope's empty delimiter first
+                if len(frames) == 3 and frames[1] == REPLAY_END:
+                    return
+                _take(subscription, frames)
+    except TimeoutError:
+        log.info("KV event replay unanswered", extra={"endpoint": replay_endpoint})
+    finally:
+        dealer.close(linger=0)
+
+
+async def follow(subscription: Subscription) -> None:
+    """Subscribe and apply what the engine publishes to the feed until cancelled; with a replay endpoint,
+    first what it published before.
 
     ZMQ reconnects by itself when the engine goes away and comes back; the restart shows as a sequence that
     goes back."""
@@ -127,20 +183,16 @@ async def follow(endpoint: str, topic: str, feed: EventFeed, on_outcome: Outcome
     socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.IPV6, 1)  # pod addresses may be IPv6
-    socket.setsockopt_string(zmq.SUBSCRIBE, topic)
-    socket.connect(endpoint)
+    socket.setsockopt_string(zmq.SUBSCRIBE, subscription.topic)
+    socket.connect(subscription.endpoint)
     try:
+        if subscription.replay_endpoint is not None:
+            await _replay(context, subscription, subscription.replay_endpoint)
+            # What was published while the replay ran is queued on the SUB socket, partly replayed already.
+            while await socket.poll(0):
+                _take(subscription, await socket.recv_multipart(), skip_seen=True)
         while True:
-            frames = await socket.recv_multipart()
-            try:
-                seq, payload = parse_message(frames)
-            except ValueError as error:
-                log.warning("KV event message ignored", extra={"endpoint": endpoint, "error": str(error)})
-                feed.index.clear()
-                continue
-            outcome = feed.apply(seq, payload)
-            if on_outcome is not None:
-                on_outcome(outcome)
+            _take(subscription, await socket.recv_multipart())
     finally:
         socket.close(linger=0)
 
@@ -152,18 +204,18 @@ class Subscriptions:
     def __init__(self) -> None:
         self._tasks: dict[str, tuple[str, asyncio.Task[None]]] = {}
 
-    def sync(self, wanted: dict[str, tuple[str, str, EventFeed, OutcomeHook | None]]) -> None:
-        """``wanted``: backend key -> (endpoint, topic, feed, hook)."""
+    def sync(self, wanted: dict[str, Subscription]) -> None:
+        """``wanted``: backend key -> what to follow for it."""
         for key in list(self._tasks):
             endpoint, task = self._tasks[key]
-            if key not in wanted or wanted[key][0] != endpoint:
+            if key not in wanted or wanted[key].endpoint != endpoint:
                 task.cancel()
                 del self._tasks[key]
                 if key in wanted:
-                    wanted[key][2].reset()
-        for key, (endpoint, topic, feed, hook) in wanted.items():
+                    wanted[key].feed.reset()
+        for key, subscription in wanted.items():
             if key not in self._tasks:
-                self._tasks[key] = (endpoint, asyncio.create_task(follow(endpoint, topic, feed, hook)))
+                self._tasks[key] = (subscription.endpoint, asyncio.create_task(follow(subscription)))
 
     async def close(self) -> None:
         tasks = [task for _, task in self._tasks.values()]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdconnector.router.config import dump_router_config, parse_router_config
+from pdconnector.router.config import dump_router_config, kv_events_replay_endpoint, parse_router_config
 
 from pdoperator.api import PDService, Runtime
 from pdoperator.render import LABEL_ROLE, ComponentRole
@@ -170,7 +170,10 @@ def _local_kv_events(argv: list[str], state_dir: Path, pod_name: str) -> tuple[l
     digest = hashlib.sha256(f"{state_dir.resolve()}/{pod_name}".encode()).hexdigest()[:16]
     endpoint = f"ipc://{tempfile.gettempdir()}/pd-{digest}.kv"  # short: ipc paths are limited to ~100 bytes
     argv = list(argv)
-    argv[flag] = json.dumps({**json.loads(argv[flag]), "endpoint": endpoint}, separators=(",", ":"))
+    events = {**json.loads(argv[flag]), "endpoint": endpoint}
+    if "replay_endpoint" in events:
+        events["replay_endpoint"] = kv_events_replay_endpoint(endpoint)
+    argv[flag] = json.dumps(events, separators=(",", ":"))
     return argv, endpoint
 
 

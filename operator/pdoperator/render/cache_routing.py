@@ -4,14 +4,17 @@ hashes prompts exactly as the engines do (block size, hash function and seed).""
 from __future__ import annotations
 
 import json
+from typing import Any
 
-from pdconnector.router.config import CacheAware
+from pdconnector.router.config import CacheAware, kv_events_replay_endpoint
 
 from pdoperator.api.model import PDServiceSpec, Runtime
 from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
 
 KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = KV_EVENTS_PORT + 1  # kv_events_replay_endpoint's convention
 KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_REPLAY_PORT_NAME = "kv-replay"
 KV_EVENTS_TOPIC = "kv-events"
 # vLLM's default --prefix-caching-hash-algo; validation keeps users from changing it under this policy.
 HASH_ALGORITHM = "sha256"
@@ -31,6 +34,14 @@ def publishes_kv_events(spec: PDServiceSpec) -> bool:
     return cache_aware_spec(spec) is not None and spec.engine.runtime is Runtime.VLLM
 
 
+def kv_events_container_ports(spec: PDServiceSpec) -> list[dict[str, Any]]:
+    """The engine container's events and replay ports, where it publishes."""
+    if not publishes_kv_events(spec):
+        return []
+    named = ((KV_EVENTS_PORT_NAME, KV_EVENTS_PORT), (KV_EVENTS_REPLAY_PORT_NAME, KV_EVENTS_REPLAY_PORT))
+    return [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in named]
+
+
 def engine_block_size(spec: PDServiceSpec) -> int | None:
     """The ``--block-size`` the operator renders onto both roles, if it renders one."""
     settings = cache_aware_spec(spec)
@@ -42,10 +53,12 @@ def kv_events_args(spec: PDServiceSpec) -> list[str]:
     it would connect to instead); each pod has its own network namespace, so every pod keeps the same port."""
     if (block_size := engine_block_size(spec)) is None:
         return []
+    endpoint = f"tcp://*:{KV_EVENTS_PORT}"
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "endpoint": endpoint,
+        "replay_endpoint": kv_events_replay_endpoint(endpoint),
         "topic": KV_EVENTS_TOPIC,
     }
     return ["--block-size", str(block_size), "--kv-events-config", json.dumps(events, separators=(",", ":"))]
@@ -66,6 +79,7 @@ def router_cache_aware(spec: PDServiceSpec) -> CacheAware | None:
         hash_algorithm=HASH_ALGORITHM,
         hash_seed=hash_seed(spec),
         kv_events_topic=KV_EVENTS_TOPIC,
+        kv_events_replay=publishes_kv_events(spec),
         prefix_weight=settings.prefix_weight,
         load_weight=settings.load_weight,
         max_imbalance=settings.max_imbalance,

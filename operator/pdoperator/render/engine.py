@@ -20,7 +20,7 @@ from pdoperator.api.model import (
     TransportBackend,
 )
 
-from .cache_routing import KV_EVENTS_PORT, KV_EVENTS_PORT_NAME, kv_events_args, publishes_kv_events
+from .cache_routing import kv_events_args, kv_events_container_ports
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
 from .monitoring import scrape_annotations
@@ -414,11 +414,7 @@ def render_engine_pod_template(
         "ports": [
             {"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"},
             {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
-            *(
-                [{"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
-                if publishes_kv_events(spec)
-                else []
-            ),
+            *kv_events_container_ports(spec),
         ],
         "resources": _engine_resources(spec, role),
         **_engine_probes(spec, defaults),

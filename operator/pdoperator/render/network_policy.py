@@ -7,7 +7,7 @@ from typing import Any
 from pdoperator.api.autoscaling import AutoscalingEngine
 from pdoperator.api.model import PDService
 
-from .cache_routing import KV_EVENTS_PORT, publishes_kv_events
+from .cache_routing import kv_events_container_ports
 from .defaults import RenderDefaults
 from .monitoring import scraper_peers
 from .names import (
@@ -67,11 +67,11 @@ def render_engine_network_policy(pds: PDService, defaults: RenderDefaults) -> di
     channel, NIXL's UCX and TCP transports connect on ports they pick at run time (EFA
     RDMA bypasses the kernel and is not subject to NetworkPolicies). From the router, the
     spec's metrics scrapers and, under the builtin autoscaler, the operator only the engines'
-    HTTP port, and for the router, under the cache-aware policy, the KV cache events port.
+    HTTP port, and for the router, under the cache-aware policy, the KV cache events and replay ports.
     Other traffic needs a policy of its own.
     """
     http_only = [{"protocol": "TCP", "port": pds.spec.engine.port}]
-    kv_events = [{"protocol": "TCP", "port": KV_EVENTS_PORT}] if publishes_kv_events(pds.spec) else []
+    kv_events = [{"protocol": "TCP", "port": p["containerPort"]} for p in kv_events_container_ports(pds.spec)]
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": _engine_pods(pds)}]},
         {

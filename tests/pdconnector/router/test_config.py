@@ -9,6 +9,7 @@ from pdconnector.router.config import (
     RouterConfig,
     Timeouts,
     dump_router_config,
+    kv_events_replay_endpoint,
     load_router_config,
     parse_router_config,
 )
@@ -126,3 +127,24 @@ def test_a_missing_file_raises_os_error(tmp_path):
 def test_configs_are_immutable():
     with pytest.raises(ValidationError):
         config().mode = "pull"
+
+
+@pytest.mark.parametrize(
+    ("events", "replay"),
+    [
+        ("tcp://*:5557", "tcp://*:5558"),
+        (
+            "tcp://tiny-prefill-0.tiny-prefill.default.svc:5557",
+            "tcp://tiny-prefill-0.tiny-prefill.default.svc:5558",
+        ),
+        ("tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558"),
+        ("ipc:///tmp/pd-1a2b.kv", "ipc:///tmp/pd-1a2b.kv-replay"),
+    ],
+)
+def test_an_engines_replay_socket_is_next_to_its_events_endpoint(events, replay):
+    assert kv_events_replay_endpoint(events) == replay
+
+
+def test_an_events_endpoint_without_a_port_has_no_replay_socket_to_name():
+    with pytest.raises(ValueError, match="neither tcp://HOST:PORT nor ipc://PATH"):
+        kv_events_replay_endpoint("tcp://engine")

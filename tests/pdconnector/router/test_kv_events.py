@@ -1,13 +1,26 @@
 """Following one engine's KV cache events: batches as vLLM encodes them change the engine's index; lost,
-restarted or malformed streams clear it; a flood stays bounded."""
+restarted or malformed streams clear it; a flood stays bounded; a late subscriber replays what it missed."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
-from pdconnector.router.kv_events import EventFeed, FeedOutcome, Subscriptions, follow, parse_message
+from pdconnector.router import kv_events
+from pdconnector.router.config import kv_events_replay_endpoint
+from pdconnector.router.kv_events import (
+    EventFeed,
+    FeedOutcome,
+    Subscription,
+    Subscriptions,
+    follow,
+    parse_message,
+)
 from pdconnector.router.prefix import PrefixIndex, external_hash
 
 from tests.pdconnector.router.kv_event_batches import (
@@ -101,7 +114,7 @@ async def test_the_subscription_applies_what_the_engine_publishes_on_its_topic()
     publisher, endpoint = publisher_socket()
     feed = EventFeed(PrefixIndex(100))
     outcomes: list[FeedOutcome] = []
-    task = asyncio.create_task(follow(endpoint, "kv", feed, outcomes.append))
+    task = asyncio.create_task(follow(Subscription(endpoint, "kv", feed, outcomes.append)))
     try:
         seq = 0
         while not outcomes:  # a SUB socket misses what is published before it has joined
@@ -121,7 +134,7 @@ async def test_subscriptions_follow_engines_that_join_and_forget_those_that_leav
     feed = EventFeed(PrefixIndex(100))
     subscriptions = Subscriptions()
     try:
-        subscriptions.sync({"prefill/p0": (endpoint, "", feed, None)})
+        subscriptions.sync({"prefill/p0": Subscription(endpoint, "", feed)})
         seq = 0
         while held(feed, 1) == 0:
             _publish(publisher, b"", seq, batch(stored(h(1))))
@@ -134,4 +147,57 @@ async def test_subscriptions_follow_engines_that_join_and_forget_those_that_leav
         assert held(feed, 2) == 0
     finally:
         await subscriptions.close()
+        publisher.close(linger=0)
+
+
+@pytest.fixture
+def ipc_endpoint() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="kv-")  # short: ipc paths are limited to ~100 characters
+    try:
+        yield f"ipc://{directory}/events"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_a_router_that_starts_after_the_engine_replays_what_it_already_published(ipc_endpoint):
+    """vLLM's own publisher, with its replay socket where the operator renders it: what it published before
+    anyone subscribed reaches a late subscriber, and live batches continue the sequence without a gap."""
+    replay = kv_events_replay_endpoint(ipc_endpoint)
+    engine = vllm_events.ZmqEventPublisher(0, endpoint=ipc_endpoint, replay_endpoint=replay, topic="kv")
+    try:
+        for n in range(5):
+            engine.publish(vllm_events.KVEventBatch(ts=time.time(), events=[stored(h(n))]))
+        await asyncio.sleep(0.3)  # published into the void: nobody subscribes yet
+        feed = EventFeed(PrefixIndex(100))
+        outcomes: list[FeedOutcome] = []
+        task = asyncio.create_task(follow(Subscription(ipc_endpoint, "kv", feed, outcomes.append, replay)))
+        try:
+            await until(lambda: held(feed, 0, 1, 2, 3, 4) == 5)
+            n = 5
+            while held(feed, n - 1) == 0 or n == 5:  # live batches, once the subscription has joined
+                engine.publish(vllm_events.KVEventBatch(ts=time.time(), events=[stored(h(n))]))
+                n += 1
+                await asyncio.sleep(0.05)
+            await until(lambda: held(feed, *range(n)) == n)
+            assert set(outcomes) == {FeedOutcome.APPLIED}, outcomes
+        finally:
+            task.cancel()
+    finally:
+        engine.shutdown()
+
+
+async def test_an_unanswered_replay_leaves_the_subscription_on_live_events(monkeypatch):
+    monkeypatch.setattr(kv_events, "REPLAY_DEADLINE_S", 0.2)
+    publisher, endpoint = publisher_socket()
+    feed = EventFeed(PrefixIndex(100))
+    nobody = kv_events_replay_endpoint(endpoint)  # nothing listens there
+    task = asyncio.create_task(follow(Subscription(endpoint, "", feed, None, nobody)))
+    try:
+        seq = 0
+        while held(feed, 1) == 0:
+            _publish(publisher, b"", seq, batch(stored(h(1))))
+            seq += 1
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
         publisher.close(linger=0)

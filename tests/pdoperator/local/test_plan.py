@@ -162,6 +162,7 @@ def test_cache_aware_vllm_engines_each_publish_on_an_ipc_socket_of_their_own_tha
         argv = list(engine.argv)
         events = json.loads(argv[argv.index("--kv-events-config") + 1])
         assert events["endpoint"] == engine.kv_events_endpoint
+        assert events["replay_endpoint"] == f"{engine.kv_events_endpoint}-replay"
         endpoints.append(events["endpoint"])
     assert len(set(endpoints)) == 3 and all(e.startswith("ipc://") and len(e) < 100 for e in endpoints)
     config = parse_router_config(plan.router_config)

@@ -33,9 +33,11 @@ def test_both_roles_publish_their_cache_with_the_policys_block_size():
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
             "topic": "kv-events",
         }
         assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container["ports"]
+        assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in container["ports"]
         # vLLM's default (on) stands: prefix caching is what the policy routes to
         assert "--no-enable-prefix-caching" not in container["args"]
 
@@ -47,15 +49,17 @@ def test_the_router_hashes_as_the_engines_do_and_subscribes_to_both_roles():
     assert (config.cache_aware.block_size, config.cache_aware.hash_algorithm) == (32, "sha256")
     assert config.cache_aware.hash_seed == "42"
     assert config.cache_aware.kv_events_topic == "kv-events"
+    assert config.cache_aware.kv_events_replay  # a router that starts late asks the engines what they hold
     assert config.cache_aware.max_imbalance == 2
     assert config.prefill.kv_events_port == config.decode.kv_events_port == 5557
 
 
-def test_the_router_alone_is_admitted_to_the_events_port():
+def test_the_router_alone_is_admitted_to_the_events_and_replay_ports():
     policy = _objects(pds_from_spec(VARIANTS["cache-aware"]))["NetworkPolicy", "svc-engines"]["spec"]
     _, router, *others = policy["ingress"]
-    assert router["ports"] == [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": 5557}]
-    assert all({"protocol": "TCP", "port": 5557} not in rule.get("ports", []) for rule in others)
+    events = [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]
+    assert router["ports"] == [{"protocol": "TCP", "port": 8000}, *events]
+    assert all(port not in rule.get("ports", []) for rule in others for port in events)
 
 
 def test_mock_engines_publish_nothing_and_the_router_remembers_what_it_routed():
@@ -69,6 +73,7 @@ def test_mock_engines_publish_nothing_and_the_router_remembers_what_it_routed():
     config = build_router_config(pds, RenderDefaults())
     assert config.cache_aware is not None and config.cache_aware.block_size == 32
     assert config.prefill.kv_events_port is None and config.decode.kv_events_port is None
+    assert not config.cache_aware.kv_events_replay
     assert "--kv-events-config" not in _engine(_objects(pds), "prefill")["args"]
 
 
