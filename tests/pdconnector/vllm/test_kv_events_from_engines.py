@@ -1,10 +1,12 @@
 """The router's view of an engine's cache, checked against a real vLLM CPU engine: the KV cache events it
 publishes name exactly the block hashes the router computes from the prompt's tokens (as the engine's own
 ``/tokenize`` gives them), whether the prompt came as text or as token ids, with vLLM's default seed and
-with a ``PYTHONHASHSEED``."""
+with a ``PYTHONHASHSEED``; and a router that subscribes late learns the same from the engine's replay
+socket."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from pdconnector.router.kv_events import EventFeed, FeedOutcome, parse_message
+from pdconnector.router.config import kv_events_replay_endpoint
+from pdconnector.router.kv_events import EventFeed, FeedOutcome, Subscription, follow, parse_message
 from pdconnector.router.prefix import BlockHasher, PrefixIndex
 from pdconnector.sim.tokenizer import words
 
@@ -31,9 +34,23 @@ EVENTS_DEADLINE_S = 30.0
 
 
 def events_config(endpoint: str) -> str:
-    return json.dumps(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
-    )
+    """As the operator renders it: events, and vLLM's replay socket where the router expects it."""
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
+    return json.dumps({**events, "replay_endpoint": kv_events_replay_endpoint(endpoint)})
+
+
+async def held_by_a_late_router(endpoint: str, hashes: list[int]) -> int:
+    """How many of ``hashes`` a router that subscribes only now learns the engine holds (its replay)."""
+    feed = EventFeed(PrefixIndex(100_000))
+    subscription = Subscription(endpoint, TOPIC, feed, replay_endpoint=kv_events_replay_endpoint(endpoint))
+    task = asyncio.create_task(follow(subscription))
+    try:
+        deadline = time.monotonic() + EVENTS_DEADLINE_S
+        while feed.index.matched_blocks(hashes) < len(hashes) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return feed.index.matched_blocks(hashes)
+    finally:
+        task.cancel()
 
 
 @pytest.fixture
@@ -113,3 +130,6 @@ def test_published_block_hashes_are_the_routers_hashes_of_the_prompt(
         # A different seed hashes to other blocks: the match is not an accident of the index.
         other = BlockHasher(BLOCK_SIZE, "sha256", "other-seed")
         assert feed.index.matched_blocks(other.block_hashes(tokens)) == 0
+    # A router that starts now, after both prompts, learns both from the engine's replay socket.
+    both = hasher.block_hashes(token_prompt) + hasher.block_hashes(tokens)
+    assert asyncio.run(held_by_a_late_router(endpoint, both)) == 8
