@@ -124,8 +124,9 @@ def service_document(workload: Workload) -> dict[str, Any]:
     return document
 
 
-def counter(url: str, family_name: str, suffix: str = "_total", **labels: str) -> dict[str, float]:
-    """The ``family_name`` samples of ``url``'s /metrics that carry ``labels``, summed."""
+def metric(url: str, family_name: str, suffix: str = "_total", **labels: str) -> float:
+    """The ``family_name`` samples of ``url``'s /metrics named with ``suffix`` and carrying ``labels``,
+    summed."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
     total = 0.0
@@ -136,11 +137,13 @@ def counter(url: str, family_name: str, suffix: str = "_total", **labels: str) -
                 for s in family.samples
                 if s.name == f"{family_name}{suffix}" and all(s.labels.get(k) == v for k, v in labels.items())
             )
-    return {url: total}
+    return total
 
 
-def counters(urls: Sequence[str], family_name: str) -> dict[str, float]:
-    return {url: value for u in urls for url, value in counter(u, family_name).items()}
+def per_engine(
+    urls: Sequence[str], family_name: str, suffix: str = "_total", **labels: str
+) -> dict[str, float]:
+    return {url: metric(url, family_name, suffix, **labels) for url in urls}
 
 
 async def complete_turn(
@@ -236,16 +239,7 @@ def blocks_in_use(urls: Sequence[str]) -> dict[str, float]:
     """Each engine's KV cache usage once all are at zero, or as they are at the deadline."""
     deadline = time.monotonic() + DRAIN_DEADLINE_S
     while True:
-        usage = {}
-        for url in urls:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-                text = response.read().decode()
-            usage[url] = sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                if family.name == "vllm:kv_cache_usage_perc"
-                for sample in family.samples
-            )
+        usage = per_engine(urls, "vllm:kv_cache_usage_perc", suffix="")
         if not any(usage.values()) or time.monotonic() > deadline:
             return usage
         time.sleep(0.5)
@@ -253,12 +247,12 @@ def blocks_in_use(urls: Sequence[str]) -> dict[str, float]:
 
 def readings(prefills: Sequence[str], router: str) -> dict[str, dict[str, float]]:
     """The counters a phase is measured by, as they stand: per prefill engine, and the router's."""
-    engines = {name: counters(prefills, name) for name in _PREFILL_COUNTERS}
+    engines = {name: per_engine(prefills, name) for name in _PREFILL_COUNTERS}
     routed = {
-        "expected_cached": counter(router, "pd_router_prefix_tokens", kind="cached"),
-        "expected_prompt": counter(router, "pd_router_prefix_tokens", kind="prompt"),
+        "expected_cached": per_engine([router], "pd_router_prefix_tokens", kind="cached"),
+        "expected_prompt": per_engine([router], "pd_router_prefix_tokens", kind="prompt"),
         **{
-            f"{role}_leg_{part}": counter(router, "pd_router_leg_seconds", f"_{part}", role=role)
+            f"{role}_leg_{part}": per_engine([router], "pd_router_leg_seconds", f"_{part}", role=role)
             for role in ("prefill", "decode")
             for part in ("sum", "count")
         },

@@ -1,14 +1,15 @@
 """The cache-aware policy's scores: which prefill will finish a request's prompt first given what it has
 cached, and which decode has the room to take it.
 
-Prefill: the tokens an engine must compute before this request's prompt is done, that is the prompt tokens
-of the requests already queued there plus this prompt less the prefix the engine holds. A prefix is worth
-only what it saves against load, so a hot prefix does not pile every request onto one engine; and an engine
-with ``max_imbalance`` more outstanding requests than the least loaded one is not a candidate at all.
+Prefill: the tokens an engine must compute before this request's prompt is done, that is the uncached
+prompt tokens of the requests already chosen for it plus this prompt less the prefix the engine holds. A
+prefix is worth only what it saves against load, so a hot prefix does not pile every request onto one
+engine; and an engine with ``max_imbalance`` more outstanding requests than the least loaded one is not a
+candidate at all.
 
 Decode: load first (running and waiting sequences, the engine's own count when its metrics are known, so
-other routers' requests count too), then how full its KV cache is; the prefix it holds breaks ties, since
-the connector then moves only the blocks decode lacks.
+other routers' requests count too), then how full its KV cache is; the share of the prompt it holds is worth
+up to one sequence, since the connector then moves only the blocks decode lacks.
 """
 
 from __future__ import annotations

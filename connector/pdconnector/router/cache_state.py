@@ -47,7 +47,6 @@ class CacheState:
                 backend.prefix_index = PrefixIndex(self.config.index_blocks)
             endpoint = backend.spec.kv_events_endpoint
             if endpoint is None:
-                self.feeds.pop(key, None)
                 continue
             feed = self.feeds.get(key)
             if feed is None or feed.index is not backend.prefix_index:
@@ -75,8 +74,8 @@ class CacheState:
         self, session: aiohttp.ClientSession, pool: BackendPool, request: ClientRequest
     ) -> PromptBlocks | None:
         """The request's prompt blocks, tokenized by the least busy prefill; None when it cannot be now."""
-        serving = sorted(pool.serving(EngineRole.PREFILL), key=lambda b: (b.outstanding, b.name))
-        tokens = await prompt_token_ids(session, serving[0] if serving else None, request)
+        tokenizer = min(pool.serving(EngineRole.PREFILL), key=lambda b: (b.outstanding, b.name), default=None)
+        tokens = await prompt_token_ids(session, tokenizer, request)
         if tokens is None:
             self.metrics.unhashed_prompts.inc()
             return None

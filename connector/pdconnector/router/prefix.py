@@ -72,9 +72,10 @@ class BlockHasher:
 class PrefixIndex:
     """The block hashes one engine is believed to hold, least recently used first, at most ``capacity``.
 
-    Fed by the engine's KV events (exact up to lost events) or, where it publishes none, by the prompts the
-    router sent it (an approximation: ``capacity`` stands in for the engine's real cache size, so the oldest
-    prompts are forgotten about when the engine would have evicted them)."""
+    Fed by the prompts the router sent it and, where the engine publishes them, by its KV events (exact up to
+    lost events, and removing what it evicts). Without events it is an approximation: ``capacity`` stands in
+    for the engine's real cache size, so the oldest prompts are forgotten about when the engine would have
+    evicted them."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:

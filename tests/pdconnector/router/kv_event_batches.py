@@ -11,7 +11,9 @@ import msgspec
 import pytest
 import zmq
 
-vllm_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM's own event classes")
+# vLLM's own event classes encode the batches, as its publisher does.
+pytest.importorskip("vllm", reason="vLLM is the optional 'engine' extra")
+from vllm.distributed import kv_events as vllm_events
 
 ENCODER = msgspec.msgpack.Encoder()
 
