@@ -39,15 +39,31 @@ def default_state_dir(namespace: str, name: str) -> Path:
     return Path(os.environ.get("PDCTL_STATE_DIR", ".pdctl")) / f"{namespace}.{name}"
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None once it has
-    exited."""
+@dataclass(frozen=True)
+class _Stat:
+    state: str  # R, S, ...; Z once exited but not yet reaped
+    process_group: int
+    start_ticks: int  # clock ticks since boot: with the PID, names one process for good
+
+    @property
+    def exited(self) -> bool:
+        return self.state in {"Z", "X"}
+
+
+def _stat(pid: int | str) -> _Stat | None:
+    """/proc/PID/stat fields 3, 5 and 22; None once nothing holds the PID."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    state, *fields = stat.rsplit(")", 1)[1].split()
-    return None if state in {"Z", "X"} else int(fields[18])
+    state, _, process_group, *fields = stat.rsplit(")", 1)[1].split()
+    return _Stat(state, int(process_group), int(fields[16]))
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time; None once it has exited."""
+    stat = _stat(pid)
+    return None if stat is None or stat.exited else stat.start_ticks
 
 
 def read_state(state_dir: Path) -> list[RunningProcess]:
@@ -59,6 +75,23 @@ def read_state(state_dir: Path) -> list[RunningProcess]:
 
 def is_running(process: RunningProcess) -> bool:
     return _start_ticks(process.pid) == process.start_ticks
+
+
+def _group_alive(process: RunningProcess) -> bool:
+    """Whether anything of the process group the process leads still runs: vLLM's engine core and workers
+    are its children there and may outlive the API server by seconds. Once the leader's PID belongs to
+    another process the group is not ours to judge; while it is unused or the leader's zombie holds it, no
+    other group can have that id (Linux does not hand out a PID that is still a process group's id)."""
+    leader = _stat(process.pid)
+    if leader is not None and leader.start_ticks != process.start_ticks:
+        return False
+    if leader is not None and not leader.exited:
+        return True
+    for entry in Path("/proc").iterdir():
+        member = _stat(entry.name) if entry.name.isdigit() else None
+        if member is not None and member.process_group == process.pid and not member.exited:
+            return True
+    return False
 
 
 def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
@@ -120,21 +153,22 @@ def _write_state(state_dir: Path, processes: list[RunningProcess]) -> None:
 
 
 def stop(state_dir: Path, names: Collection[str] | None = None) -> list[str]:
-    """Stop the processes the state file names (all, or those in ``names``): SIGTERM, then SIGKILL after a
-    deadline; they leave the state file. Returns the names of those that were running."""
+    """Stop the processes the state file names (all, or those in ``names``) with their process groups:
+    SIGTERM, then SIGKILL to what of a group still runs after a deadline; they leave the state file. Returns
+    the names of those that were running."""
     if not (state_dir / STATE_FILE).exists():
         return []
     recorded = read_state(state_dir)
     leaving = [process for process in recorded if names is None or process.name in names]
-    processes = [process for process in leaving if is_running(process)]
+    processes = [process for process in leaving if _group_alive(process)]
     for process in processes:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while time.monotonic() < deadline and any(is_running(process) for process in processes):
+    while time.monotonic() < deadline and any(_group_alive(process) for process in processes):
         time.sleep(0.05)
     for process in processes:
-        if is_running(process):
+        if _group_alive(process):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
     _write_state(state_dir, [process for process in recorded if process not in leaving])

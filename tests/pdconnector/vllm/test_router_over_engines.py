@@ -249,7 +249,8 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
             "the local request ended before the test was over: the routed leg may have been allocated"
         )
         assert freed_after_s < ABORT_BOUND_S, (
-            f"prefill freed {freed_after_s:.1f} s after the client left: at its lease, not on decode's abort"
+            f"prefill freed {freed_after_s:.1f} s after the client left: at its lease, not on decode's abort "
+            f"(prefill's transfers ended since: {dict(_sent(engines) - before)})"
         )
         assert _wait_for(lambda: sum((_sent(engines) - before).values()) == 1, 10)
         ended = _sent(engines) - before

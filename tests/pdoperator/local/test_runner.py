@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,8 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pdoperator.local import read_state
-from pdoperator.local.runner import is_running
+from pdoperator.local import read_state, runner
+from pdoperator.local.runner import RunningProcess, is_running
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "examples" / "tiny-cpu.yaml"
@@ -103,6 +105,45 @@ def test_up_with_vllm_engines_serves_through_our_connector_and_down_stops_the_en
     assert "stopped 3 processes" in stopped.stdout
     # vLLM's engine core and workers are children in each engine's process group: none may outlive down.
     assert [live_members(process.pid) for process in processes] == [[]] * len(processes)
+
+
+def test_down_also_stops_what_of_a_process_group_outlives_its_leader(tmp_path, monkeypatch):
+    """As vLLM's workers may: the leader ends on SIGTERM, its child ignores it; down waits for the whole
+    group and kills the rest at its deadline."""
+    monkeypatch.setattr(runner, "STOP_TIMEOUT_S", 1.0)
+    ready = tmp_path / "child-ready"
+    child = (
+        "import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).touch(); time.sleep(120)"
+    )
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+            "time.sleep(120)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the child never started"
+        ticks = int(Path(f"/proc/{leader.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        state_dir = tmp_path / "state"
+        state_dir.mkdir()
+        runner._write_state(
+            state_dir, [RunningProcess("engine", leader.pid, ticks, "http://127.0.0.1:1", "log")]
+        )
+
+        assert runner.down(state_dir) == ["engine"]
+        leader.wait(timeout=10)
+        assert live_members(leader.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, 9)
+        leader.wait(timeout=10)
 
 
 def live_members(process_group: int) -> list[str]:
