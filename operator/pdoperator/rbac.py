@@ -65,6 +65,12 @@ NAMESPACED_RULES: tuple[Rule, ...] = (
         MANAGE_CHILDREN,
         "prefill/decode StatefulSets, router Deployment",
     ),
+    Rule(
+        "leaderworkerset.x-k8s.io",
+        ("leaderworkersets",),
+        MANAGE_CHILDREN,
+        "prefill/decode LeaderWorkerSets, where an engine spans nodes (the LWS controller's CRD)",
+    ),
     Rule("", ("services", "configmaps"), MANAGE_CHILDREN, "headless and router Services, router ConfigMap"),
     Rule("networking.k8s.io", ("networkpolicies",), MANAGE_UNWATCHED_CHILDREN, "side-channel NetworkPolicy"),
     Rule("policy", ("poddisruptionbudgets",), MANAGE_UNWATCHED_CHILDREN, "PodDisruptionBudgets"),

@@ -25,7 +25,6 @@ from pdoperator.api.model import (
     DType,
     EFASpec,
     EngineSpec,
-    EnvVar,
     HuggingFaceSource,
     KVLoadFailurePolicy,
     ModelSource,
@@ -35,20 +34,18 @@ from pdoperator.api.model import (
     PDService,
     PDServiceSpec,
     PVCSource,
-    RoleResources,
-    RoleSpec,
     RouterSpec,
     Runtime,
     ScrapePeer,
     SecretKeyRef,
     SsmFamily,
     SSMSpec,
-    Toleration,
     TransferMode,
     TransportBackend,
     TransportSpec,
 )
 from pdoperator.api.parse import parse_pdservice
+from pdoperator.api.roles import EnvVar, RoleResources, RoleSpec, Toleration
 from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
 from pdoperator.api.status import (
     Condition,

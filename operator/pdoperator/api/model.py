@@ -10,7 +10,7 @@ snake_case in Python.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 # The data plane defines what travels between the planes; the API names the same types.
 from pdconnector.layout.model import ConvLayout, SsmFamily
@@ -18,7 +18,8 @@ from pdconnector.protocol.params import TransferMode
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdoperator.api.autoscaling import AutoscalingSpec
-from pdoperator.api.base import ApiModel
+from pdoperator.api.base import DNS_SUBDOMAIN, QUANTITY, SECRET_KEY, ApiModel
+from pdoperator.api.roles import RoleSpec
 from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
 
 GROUP = "inference.pdoperator.dev"
@@ -73,11 +74,6 @@ class KVLoadFailurePolicy(StrEnum):
 
 # ---------------------------------------------------------------- references
 
-# Names of Kubernetes objects (RFC 1123 subdomain) and env var names.
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-ENV_VAR_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 RELATIVE_PATH = r"^[^/].*$"
 ENGINE_ID = r"^[A-Za-z0-9][-_.A-Za-z0-9]*$"
 
@@ -218,125 +214,6 @@ class SSMSpec(ApiModel):
             )
         ),
     ] = ConvLayout.DS
-
-
-class Toleration(ApiModel):
-    """A Kubernetes toleration (core/v1 Toleration)."""
-
-    key: Annotated[str | None, Field(description="Taint key the toleration applies to.")] = None
-    operator: Annotated[
-        Literal["Exists", "Equal"] | None,
-        Field(description="Exists matches any value of the key; Equal (the default) matches value."),
-    ] = None
-    value: Annotated[str | None, Field(description="Taint value the toleration matches.")] = None
-    effect: Annotated[
-        Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None,
-        Field(description="Taint effect to match; unset matches all effects."),
-    ] = None
-    toleration_seconds: Annotated[
-        int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)
-    ] = None
-
-
-class EnvVar(ApiModel):
-    """An environment variable with a literal value (core/v1 EnvVar without valueFrom)."""
-
-    name: Annotated[
-        str, Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_VAR_NAME)
-    ]
-    value: Annotated[str, Field(description="Variable value.", max_length=32768)] = ""
-
-
-class RoleResources(ApiModel):
-    """Compute resources of one engine pod."""
-
-    gpus: Annotated[
-        int | None,
-        Field(
-            description="nvidia.com/gpu per pod; defaults to the role's tensorParallelSize. 0 for CPU or "
-            "mock engines.",
-            ge=0,
-            le=64,
-        ),
-    ] = None
-    cpu: Annotated[
-        str | None, Field(description="CPU request and limit (Kubernetes quantity).", pattern=QUANTITY)
-    ] = None
-    memory: Annotated[
-        str | None, Field(description="Memory request and limit (Kubernetes quantity).", pattern=QUANTITY)
-    ] = None
-    shm_size: Annotated[
-        str,
-        Field(
-            description="Size of the memory-backed /dev/shm volume (NCCL and NIXL need more than the "
-            "default 64Mi).",
-            pattern=QUANTITY,
-        ),
-    ] = "16Gi"
-
-
-class RoleSpec(ApiModel):
-    """One role of the disaggregated service: prefill or decode engines."""
-
-    replicas: Annotated[int, Field(description="Number of engine pods of this role.", ge=0, le=1024)] = 1
-    tensor_parallel_size: Annotated[
-        int,
-        Field(description="Tensor-parallel size of each engine (vLLM --tensor-parallel-size).", ge=1, le=64),
-    ] = 1
-    resources: Annotated[RoleResources, Field(description="Compute resources of each pod.")] = Field(
-        default_factory=RoleResources
-    )
-    max_num_seqs: Annotated[
-        int | None,
-        Field(description="Maximum concurrent sequences per engine (vLLM --max-num-seqs).", ge=1, le=65536),
-    ] = None
-    enable_prefix_caching: Annotated[
-        bool | None,
-        Field(
-            description="Prefix caching on this role; unset lets the operator choose (off on both roles for "
-            "hybrid models, which reject true)."
-        ),
-    ] = None
-    node_selector: Annotated[
-        dict[str, Annotated[str, Field(description="Label value the node must carry under this key.")]],
-        Field(description="Node labels the pods must match."),
-    ] = Field(default_factory=dict)
-    tolerations: Annotated[list[Toleration], Field(description="Tolerations of the pods.", max_length=64)] = (
-        Field(default_factory=list)
-    )
-    affinity: Annotated[
-        dict[str, Any] | None,
-        Field(
-            description="Pod affinity (core/v1 Affinity); merged with the prefill/decode host anti-affinity "
-            "the operator adds when EFA is on.",
-            json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-        ),
-    ] = None
-    extra_args: Annotated[
-        list[Annotated[str, Field(description="One command-line argument.", max_length=4096)]],
-        Field(
-            description="Extra command-line arguments appended to the engine's command line; flags the "
-            "operator sets from the spec are rejected.",
-            max_length=128,
-        ),
-    ] = Field(default_factory=list)
-    env: Annotated[
-        list[EnvVar],
-        Field(
-            description="Extra environment variables of the engine container; names the operator sets are "
-            "rejected.",
-            max_length=128,
-            json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
-        ),
-    ] = Field(default_factory=list)
-    image: Annotated[
-        str | None,
-        Field(
-            description="Engine image for this role; overrides spec.engine.image.",
-            min_length=1,
-            max_length=512,
-        ),
-    ] = None
 
 
 class TransportSpec(ApiModel):

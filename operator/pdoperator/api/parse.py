@@ -18,19 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from pdoperator.api.base import DNS_SUBDOMAIN, ENV_VAR_NAME, QUANTITY, SECRET_KEY
 from pdoperator.api.errors import FieldError, SpecError, path_key, type_name
-from pdoperator.api.model import (
-    API_VERSION,
-    DNS_SUBDOMAIN,
-    ENGINE_ID,
-    ENV_VAR_NAME,
-    KIND,
-    QUANTITY,
-    RELATIVE_PATH,
-    SECRET_KEY,
-    PDService,
-    PDServiceSpec,
-)
+from pdoperator.api.model import API_VERSION, ENGINE_ID, KIND, RELATIVE_PATH, PDService, PDServiceSpec
 from pdoperator.api.validation import spec_errors, validate_metadata
 
 TOP_LEVEL_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")

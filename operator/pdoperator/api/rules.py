@@ -13,12 +13,8 @@ a default are guarded with ``has()`` in CEL and ``is not None`` in Python.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
-
 from pdoperator.api.autoscaling import AutoscalingEngine, AutoscalingSpec, RatioRange, ReplicaRange
+from pdoperator.api.cel import CelRule, Reason
 from pdoperator.api.model import (
     Architecture,
     ConnectorImpl,
@@ -28,49 +24,15 @@ from pdoperator.api.model import (
     ModelSource,
     PDServiceSpec,
     PVCSource,
-    RoleSpec,
     Runtime,
     ScrapePeer,
     SsmFamily,
-    Toleration,
     TransferMode,
     TransportBackend,
 )
+from pdoperator.api.parallel_rules import PARALLEL_RULES
+from pdoperator.api.roles import RoleSpec, Toleration
 from pdoperator.api.routing import RoutingPolicy
-
-
-class Reason(StrEnum):
-    """How the API server classifies a failed rule (``reason`` of a validation rule)."""
-
-    INVALID = "FieldValueInvalid"
-    FORBIDDEN = "FieldValueForbidden"
-    REQUIRED = "FieldValueRequired"
-
-
-@dataclass(frozen=True)
-class CelRule:
-    """A rule on every object of type ``owner``: CEL for the API server, ``holds`` for Python.
-
-    ``field_path`` (a JSONPath relative to the owner, like ``.ssm.family``) names the field the
-    error is reported on; empty reports it on the owner object itself.
-    """
-
-    name: str
-    owner: type
-    cel: str
-    message: str
-    holds: Callable[[Any], bool]
-    field_path: str = ""
-    reason: Reason = Reason.INVALID
-
-    def validation(self) -> dict[str, str]:
-        """The ``x-kubernetes-validations`` entry of this rule."""
-        entry = {"rule": self.cel, "message": self.message}
-        if self.field_path:
-            entry["fieldPath"] = self.field_path
-        if self.reason is not Reason.INVALID:
-            entry["reason"] = self.reason.value
-        return entry
 
 
 def _tp_differs(spec: PDServiceSpec) -> bool:
@@ -549,19 +511,7 @@ CEL_RULES: tuple[CelRule, ...] = (
     ),
     *AUTOSCALING_RULES,
     # ------------------------------------------------------------ roles
-    CelRule(
-        name="gpus-cover-tensor-parallel-size",
-        owner=RoleSpec,
-        cel="!has(self.resources.gpus) || self.resources.gpus == 0 || self.resources.gpus >= "
-        "self.tensorParallelSize",
-        message="must be 0 (CPU engines) or at least this role's tensorParallelSize",
-        field_path=".resources.gpus",
-        holds=lambda role: (
-            role.resources.gpus is None
-            or role.resources.gpus == 0
-            or role.resources.gpus >= role.tensor_parallel_size
-        ),
-    ),
+    *PARALLEL_RULES,
     CelRule(
         name="toleration-exists-without-value",
         owner=Toleration,

@@ -16,10 +16,13 @@ from decimal import Decimal
 from kubernetes.utils.quantity import parse_quantity
 from pydantic import BaseModel
 
+from pdoperator.api.base import DNS_SUBDOMAIN
+from pdoperator.api.cel import CelRule
 from pdoperator.api.errors import FieldError, path_key
-from pdoperator.api.model import DNS_SUBDOMAIN, PDServiceSpec, RoleResources, RoleSpec, Runtime
+from pdoperator.api.model import PDServiceSpec, Runtime
+from pdoperator.api.roles import RoleResources, RoleSpec
 from pdoperator.api.routing import RoutingPolicy
-from pdoperator.api.rules import CEL_RULES, CelRule
+from pdoperator.api.rules import CEL_RULES
 from pdoperator.api.schema import DNS_1035_LABEL, MAX_NAME_LENGTH
 from pdoperator.autoscale.policy import policy_of
 
@@ -35,6 +38,9 @@ ROLES = ("prefill", "decode")
 # a copy in extraArgs would fight the operator's value (the last one wins) and silently change
 # the contract the router and connector rely on.
 _TP = "use spec.{role}.tensorParallelSize"
+_PP = "use spec.{role}.pipelineParallelSize"
+_EP = "use spec.{role}.enableExpertParallel"
+_NODES = "the operator sets it where an engine spans nodes (spec.{role}.gpusPerNode)"
 MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
     Runtime.VLLM: {
         "--model": "use spec.model.name",
@@ -49,6 +55,13 @@ MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
         "--kv-transfer-config": "use spec.mode, spec.engine.connector and spec.engine.transport",
         "--port": "use spec.engine.port",
         "--host": "engines listen on the pod's addresses",
+        "--pipeline-parallel-size": _PP,
+        "-pp": _PP,
+        "--enable-expert-parallel": _EP,
+        "-ep": _EP,
+        **dict.fromkeys(
+            ("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port", "--headless"), _NODES
+        ),
     },
     Runtime.MOCK: {
         "--role": "the operator sets it per role",
@@ -84,6 +97,8 @@ RESERVED_ENV: dict[str, str] = {
     "VLLM_NIXL_SIDE_CHANNEL_PORT": "use spec.engine.sideChannelPort",
     "HF_TOKEN": "use spec.model.source.huggingFace.tokenSecretRef",
     "HF_HOME": "the operator points it at the model cache",
+    "ENGINE_NAME": "the operator sets it to the engine's (its leader pod's) name",
+    "VLLM_HOST_IP": "the operator sets it to the pod IP",
 }
 # ... and on EFA-enabled ones (without EFA, libfabric users may pick their own provider).
 _EFA_SET = "the operator sets it when spec.network.efa.enabled is true"

@@ -31,6 +31,7 @@ from pdoperator.render.engine import (
     engine_gpus,
     served_model_name,
 )
+from pdoperator.render.engine_group import LWS_KIND, leader_worker_set_pod_templates
 from pdoperator.render.identity import engine_image, role_spec
 from pdoperator.render.names import ENGINE_ROLES
 
@@ -114,7 +115,9 @@ def summarize(
         roles.append(
             [
                 role.value,
-                f"{rs.replicas} x TP{rs.tensor_parallel_size}",
+                f"{rs.replicas} x TP{rs.tensor_parallel_size}"
+                + (f" PP{rs.pipeline_parallel_size}" if rs.pipeline_parallel_size > 1 else "")
+                + (f" on {rs.nodes} nodes" if rs.spans_nodes else ""),
                 str(engine_gpus(spec, role)),
                 str(efa_devices(spec, role)),
                 engine_image(spec, role, defaults),
@@ -139,17 +142,24 @@ def _schema_check(objects: list[dict[str, Any]], validator: Validator | None) ->
     if validator is None:
         return True, "not checked (kubernetes-validate not installed)"
     failures = []
-    for obj in objects:
+    groups = [obj for obj in objects if obj["kind"] == LWS_KIND]
+    # Kubernetes does not define LeaderWorkerSets: their pod templates are checked (the tests check the rest
+    # against the LeaderWorkerSet CRD).
+    checked = [obj for obj in objects if obj not in groups] + [
+        template for group in groups for template in leader_worker_set_pod_templates(group)
+    ]
+    for obj in checked:
         try:
             validator(obj)
         except Exception as error:
             failures.append(f"{obj['kind']} {obj['metadata']['name']}: {getattr(error, 'message', error)}")
     if failures:
         return False, "INVALID: " + "; ".join(failures)
+    scope = f", {LWS_KIND}s by their pod templates" if groups else ""
     return (
         True,
         f"{len(objects)}/{len(objects)} valid for Kubernetes {KUBERNETES_VERSION} (kubernetes-validate, "
-        "strict)",
+        f"strict{scope})",
     )
 
 

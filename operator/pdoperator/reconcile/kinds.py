@@ -13,8 +13,13 @@ class ResourceKind:
     version: str
     plural: str
     kind: str
-    # a kind from a CRD the cluster may lack (KEDA's): listing it there answers 404, read as no objects
+    # a kind from a CRD the cluster may lack (KEDA's, LeaderWorkerSet's): listing it there answers 404, read
+    # as no objects; ``missing`` tells the user what to do when a PDService needs it
     optional: bool = False
+    missing: str = ""
+
+    def absent_message(self) -> str:
+        return f"this cluster serves no {self.kind} ({self.api_version}): {self.missing}"
 
     @property
     def api_version(self) -> str:
@@ -41,7 +46,23 @@ PODDISRUPTIONBUDGETS = ResourceKind("policy", "v1", "poddisruptionbudgets", "Pod
 HORIZONTALPODAUTOSCALERS = ResourceKind(
     "autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"
 )
-SCALEDOBJECTS = ResourceKind("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject", optional=True)
+SCALEDOBJECTS = ResourceKind(
+    "keda.sh",
+    "v1alpha1",
+    "scaledobjects",
+    "ScaledObject",
+    optional=True,
+    missing="install KEDA or choose another spec.autoscaling.engine",
+)
+LEADERWORKERSETS = ResourceKind(
+    "leaderworkerset.x-k8s.io",
+    "v1",
+    "leaderworkersets",
+    "LeaderWorkerSet",
+    optional=True,
+    missing="install the LeaderWorkerSet controller (kubernetes-sigs/lws, v0.10.0 or later), which runs the "
+    "engines that span nodes (spec.prefill/decode.gpusPerNode below the engine's GPUs)",
+)
 
 # Every kind of child a PDService owns: the operator lists, creates, patches and deletes these.
 CHILD_KINDS: tuple[ResourceKind, ...] = (
@@ -51,11 +72,18 @@ CHILD_KINDS: tuple[ResourceKind, ...] = (
     SERVICES,
     DEPLOYMENTS,
     STATEFULSETS,
+    LEADERWORKERSETS,
     HORIZONTALPODAUTOSCALERS,
     SCALEDOBJECTS,
 )
 # Children whose spec or content the operator restores when edited or deleted by hand (watched by label).
-WATCHED_CHILD_KINDS: tuple[ResourceKind, ...] = (STATEFULSETS, DEPLOYMENTS, SERVICES, CONFIGMAPS)
+WATCHED_CHILD_KINDS: tuple[ResourceKind, ...] = (
+    STATEFULSETS,
+    LEADERWORKERSETS,
+    DEPLOYMENTS,
+    SERVICES,
+    CONFIGMAPS,
+)
 
 _BY_TYPE = {(k.api_version, k.kind): k for k in CHILD_KINDS}
 

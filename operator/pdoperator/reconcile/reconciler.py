@@ -25,10 +25,11 @@ from pdoperator.autoscale.policy import policy_of
 from pdoperator.autoscale.rounds import History, Readings, autoscale_round
 from pdoperator.autoscale.scale import Scale, bounded
 from pdoperator.render import ComponentRole, RenderDefaults, child_name
+from pdoperator.render.identity import role_spec
 from pdoperator.render.names import pod_name
 
 from .children import Action, Create, Patch, children_selector, describe, desired_children, plan
-from .kinds import CHILD_KINDS, DEPLOYMENTS, PDSERVICES, STATEFULSETS, ResourceKind
+from .kinds import CHILD_KINDS, DEPLOYMENTS, LEADERWORKERSETS, PDSERVICES, STATEFULSETS, ResourceKind, kind_of
 from .kube import KubeApi, KubeApiError
 from .kvtransfer import (
     UNREACHABLE,
@@ -155,7 +156,7 @@ class Reconciler:
         key = _key(body)
         async with self._lock(key):
             uid = body["metadata"].get("uid", "")
-            live = await self._read_children(key[0], key[1])
+            live, _ = await self._read_children(key[0], key[1])
             actions = plan([], live, uid)
             await self._apply(actions, key[0])
             self._kv.pop(key, None)
@@ -285,10 +286,13 @@ class Reconciler:
                 self._record_event(body, "Warning", "InvalidSpec", message)
             raise InvalidSpecError(message) from e
 
-        live = await self._read_children(pds.namespace, pds.name)
+        live, absent = await self._read_children(pds.namespace, pds.name)
         had_children = any(live.values())
         pds, autoscaling, autoscaled = self._scale(pds, previous, live)
-        actions = plan(desired_children(pds, self._defaults), live, pds.uid)
+        desired = desired_children(pds, self._defaults)
+        # Kinds this cluster does not serve: the rest is applied, the status says what to install.
+        unserved = sorted({kind_of(child) for child in desired} & absent, key=lambda kind: kind.kind)
+        actions = plan([child for child in desired if kind_of(child) not in absent], live, pds.uid)
         applied = await self._apply(actions, pds.namespace)
         for action, obj in zip(actions, applied, strict=True):
             kind, name = action.kind, action.name
@@ -304,15 +308,13 @@ class Reconciler:
 
         kv = self._kv_condition((pds.namespace, pds.name), previous, pds.generation)
         rollouts = [
-            role_rollout(
-                ComponentRole.PREFILL,
-                pds.spec.prefill.replicas,
-                _find(live, STATEFULSETS, child_name(pds, ComponentRole.PREFILL)),
-            ),
-            role_rollout(
-                ComponentRole.DECODE,
-                pds.spec.decode.replicas,
-                _find(live, STATEFULSETS, child_name(pds, ComponentRole.DECODE)),
+            *(
+                role_rollout(
+                    role,
+                    role_spec(pds.spec, role).replicas,
+                    _find(live, engine_workload_kind(pds, role), child_name(pds, role)),
+                )
+                for role in (ComponentRole.PREFILL, ComponentRole.DECODE)
             ),
             role_rollout(
                 ComponentRole.ROUTER,
@@ -327,8 +329,12 @@ class Reconciler:
             kv_condition=kv,
             cluster_domain=self._defaults.cluster_domain,
             now=self._clock(),
+            unserved=[kind.absent_message() for kind in unserved],
         ).model_copy(update={"autoscaling": autoscaling})
-        return ReconcileOutcome(actions=actions, status_written=await self._write_status(body, status))
+        written = await self._write_status(body, status)
+        if unserved:  # retried: the CRD may be installed later, and nothing else would bring a reconcile
+            raise KubeApiError(404, "NotFound", "; ".join(kind.absent_message() for kind in unserved))
+        return ReconcileOutcome(actions=actions, status_written=written)
 
     def _kv_condition(self, key: Key, previous: Any, generation: int) -> Condition | None:
         state = self._kv.get(key)
@@ -337,17 +343,23 @@ class Reconciler:
         stored = next((c for c in previous.conditions if c.type == ConditionType.KV_TRANSFER_VERIFIED), None)
         return as_condition(state.shown, stored, generation, self._clock())
 
-    async def _read_children(self, namespace: str, name: str) -> dict[ResourceKind, list[dict[str, Any]]]:
+    async def _read_children(
+        self, namespace: str, name: str
+    ) -> tuple[dict[ResourceKind, list[dict[str, Any]]], frozenset[ResourceKind]]:
+        """The live children by kind, and the optional kinds this cluster does not serve."""
         selector = children_selector(name)
         lists = await asyncio.gather(*(self._list(kind, namespace, selector) for kind in CHILD_KINDS))
-        return dict(zip(CHILD_KINDS, lists, strict=True))
+        live = {kind: objects or [] for kind, objects in zip(CHILD_KINDS, lists, strict=True)}
+        absent = frozenset(kind for kind, objects in zip(CHILD_KINDS, lists, strict=True) if objects is None)
+        return live, absent
 
-    async def _list(self, kind: ResourceKind, namespace: str, selector: str) -> list[dict[str, Any]]:
+    async def _list(self, kind: ResourceKind, namespace: str, selector: str) -> list[dict[str, Any]] | None:
+        """The objects of ``kind``; None where its CRD is not installed (nothing of that kind exists)."""
         try:
             return await self._api.list(kind, namespace, selector)
         except KubeApiError as e:
-            if e.status == 404 and kind.optional:  # its CRD is not installed: nothing of that kind exists
-                return []
+            if e.status == 404 and kind.optional:
+                return None
             raise
 
     async def _apply(self, actions: list[Action], namespace: str) -> list[dict[str, Any]]:
@@ -373,13 +385,8 @@ class Reconciler:
         except KubeApiError as e:
             if e.status == 409:  # created meanwhile (a stale read): its ADDED event brings the next reconcile
                 return {"metadata": {"name": body["metadata"]["name"]}}
-            if e.status == 404 and kind.optional:
-                raise KubeApiError(
-                    404,
-                    "NotFound",
-                    f"this cluster serves no {kind.kind} ({kind.api_version}): install the CRD that defines "
-                    "it or choose another spec.autoscaling.engine",
-                ) from e
+            if e.status == 404 and kind.optional:  # its CRD went away since the children were read
+                raise KubeApiError(404, "NotFound", kind.absent_message()) from e
             raise
 
     async def _patch(self, action: Patch, namespace: str) -> dict[str, Any]:
@@ -408,6 +415,11 @@ class Reconciler:
                 return False
             raise
         return True
+
+
+def engine_workload_kind(pds: PDService, role: ComponentRole) -> ResourceKind:
+    """The kind of a role's engine workload (``pdoperator.render.pdservice.render_engine_workload``)."""
+    return LEADERWORKERSETS if role_spec(pds.spec, role).spans_nodes else STATEFULSETS
 
 
 def _key(body: dict[str, Any]) -> Key:

@@ -6,6 +6,7 @@ when ``status`` changes, every condition carries the generation it was computed 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +128,13 @@ def healthy_status(
     kv_condition: Condition | None,
     cluster_domain: str,
     now: str,
+    unserved: Sequence[str] = (),
 ) -> PDServiceStatus:
     """Status of a valid PDService whose children have been applied.
 
     ``kv_condition`` is the latest KVTransferVerified verdict, or None to keep the stored one
-    (the router is probed on its own schedule, not on every reconcile).
+    (the router is probed on its own schedule, not on every reconcile). ``unserved`` says, per kind of
+    child this cluster does not serve (a CRD not installed), what to install: the service is degraded.
     """
     generation = pds.generation
     prior = previous.conditions
@@ -162,7 +165,11 @@ def healthy_status(
             "RolloutComplete",
             "every role runs the current spec",
         )
-    if stalled:
+    if unserved:
+        conditions.set(
+            ConditionType.DEGRADED, ConditionStatus.TRUE, "CustomResourceMissing", "; ".join(unserved)
+        )
+    elif stalled:
         message = f"rollout finished but replicas are not ready: {_role_text(stalled)}"
         conditions.set(ConditionType.DEGRADED, ConditionStatus.TRUE, "ReplicasUnavailable", message)
     elif serving_without_transfer:
@@ -184,7 +191,7 @@ def healthy_status(
 
     phase = _phase(
         rollouts,
-        degraded=bool(stalled) or serving_without_transfer,
+        degraded=bool(stalled or unserved) or serving_without_transfer,
         settled=not not_ready and not not_rolled_out,
     )
     by_role = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from enum import StrEnum
 from typing import Any
 
 from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
@@ -14,17 +15,27 @@ from pdoperator.api.model import (
     ConnectorImpl,
     PDService,
     PDServiceSpec,
-    RoleSpec,
     Runtime,
     TransferMode,
     TransportBackend,
 )
+from pdoperator.api.roles import RoleSpec
 
 from .cache_routing import kv_events_args, kv_events_container_ports
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
 from .monitoring import scrape_annotations
 from .names import LABEL_COMPAT, ComponentRole, object_labels, selector_labels
+
+
+class EnginePod(StrEnum):
+    """What one pod runs of its engine: all of it, or one node's ranks of an engine that spans nodes (the
+    leader also runs vLLM's API server and engine core; workers join it headless)."""
+
+    WHOLE = "whole"
+    LEADER = "leader"
+    WORKER = "worker"
+
 
 BUILTIN_CONNECTOR_CLASS = "PDConnector"
 BUILTIN_CONNECTOR_MODULE = "pdconnector.vllm.connector"
@@ -37,6 +48,12 @@ CONTAINER_NAME = "engine"
 HEARTBEAT_DIR = "/tmp/pdconnector-heartbeat"
 TRANSFER_LIVENESS = LivenessProbe()
 POD_NAME_REF = "$(POD_NAME)"
+# An engine spanning nodes is named after its leader pod on every pod of its group (vLLM builds each node's
+# config from its own command line, so all must carry the same engine id).
+ENGINE_NAME_REF = "$(ENGINE_NAME)"
+LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"
+# vLLM's torch.distributed rendezvous on the leader (its default port, rendered so the policy can name it).
+MASTER_PORT = 29501
 MODELS_DIR = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -44,9 +61,9 @@ HUGEPAGES_RESOURCE = "hugepages-2Mi"
 
 
 def engine_gpus(spec: PDServiceSpec, role: ComponentRole) -> int:
-    """GPUs per pod: the explicit count, else one per tensor-parallel rank."""
+    """GPUs per pod: the explicit count, else one per rank the pod runs."""
     rs = role_spec(spec, role)
-    return rs.resources.gpus if rs.resources.gpus is not None else rs.tensor_parallel_size
+    return rs.resources.gpus if rs.resources.gpus is not None else rs.world_size // rs.nodes
 
 
 def efa_devices(spec: PDServiceSpec, role: ComponentRole) -> int:
@@ -148,6 +165,10 @@ def _vllm_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engin
         "--dtype",
         model.dtype.value,
     ]
+    if rs.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(rs.pipeline_parallel_size)]
+    if rs.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
     if rs.max_num_seqs is not None:
@@ -216,20 +237,33 @@ def _mock_context_args(max_model_len: int | None) -> list[str]:
     ]
 
 
+def _node_args(rs: RoleSpec, pod: EnginePod) -> list[str]:
+    """How a pod of an engine spanning nodes joins it: vLLM's multi-node launch, the leader as node 0 (LWS
+    injects the leader's address and each worker's index)."""
+    if pod is EnginePod.WHOLE:
+        return []
+    rank = "0" if pod is EnginePod.LEADER else "$(LWS_WORKER_INDEX)"
+    args = ["--nnodes", str(rs.nodes), "--node-rank", rank, "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    args += ["--master-port", str(MASTER_PORT)]
+    return args + (["--headless"] if pod is EnginePod.WORKER else [])
+
+
 def engine_command(
-    pds: PDService, role: ComponentRole, defaults: RenderDefaults
+    pds: PDService, role: ComponentRole, defaults: RenderDefaults, pod: EnginePod = EnginePod.WHOLE
 ) -> tuple[list[str], list[str]]:
     """(command, args) of the engine container; ``$(POD_NAME)`` is expanded by the kubelet."""
     spec = pds.spec
     rs = role_spec(spec, role)
     compat_hash = compatibility_hash(spec, defaults)
-    pod_engine_id = engine_id(spec, role, POD_NAME_REF, compat_hash)
+    name = POD_NAME_REF if pod is EnginePod.WHOLE else ENGINE_NAME_REF
+    pod_engine_id = engine_id(spec, role, name, compat_hash)
     if spec.engine.runtime is Runtime.MOCK:
         return ["pd-mock-engine"], [*_mock_args(spec, role, rs, pod_engine_id, compat_hash), *rs.extra_args]
-    return ["python3", "-m", "vllm.entrypoints.openai.api_server"], [
-        *_vllm_args(spec, role, rs, pod_engine_id),
-        *rs.extra_args,
-    ]
+    vllm_args = [*_vllm_args(spec, role, rs, pod_engine_id), *_node_args(rs, pod), *rs.extra_args]
+    if pod is EnginePod.WHOLE:
+        return ["python3", "-m", "vllm.entrypoints.openai.api_server"], vllm_args
+    # vllm serve: its --headless mode, which the workers need, is not the API server module's
+    return ["vllm", "serve"], vllm_args
 
 
 CPU_THREAD_BINDING_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -240,13 +274,25 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
 
 
-def _engine_env(spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults) -> list[dict[str, Any]]:
+def _node_env(pod: EnginePod) -> list[dict[str, Any]]:
+    """A pod of an engine spanning nodes: the engine's name, and the address torch.distributed and NIXL
+    advertise for this node's ranks (vLLM would guess one otherwise)."""
+    if pod is EnginePod.WHOLE:
+        return []
+    name = "metadata.name" if pod is EnginePod.LEADER else f"metadata.annotations['{LEADER_NAME_ANNOTATION}']"
+    return [_field_env("ENGINE_NAME", name), {"name": "VLLM_HOST_IP", "value": "$(POD_IP)"}]
+
+
+def _engine_env(
+    spec: PDServiceSpec, role: ComponentRole, defaults: RenderDefaults, pod: EnginePod
+) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         # The downward-API variables come first: later values refer to them as $(VAR).
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
         _field_env("POD_UID", "metadata.uid"),
+        *_node_env(pod),
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.engine.side_channel_port)},
     ]
@@ -349,9 +395,9 @@ def _health_probe(period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _transfer_liveness_probe(spec: PDServiceSpec) -> dict[str, Any]:
+def _transfer_liveness_probe(spec: PDServiceSpec, pod: EnginePod) -> dict[str, Any]:
     """Our connector's liveness: the transfer threads' heartbeat (a frozen or stuck engine dies within the
-    bound its peers' fence counts on) and the engine's own /health."""
+    bound its peers' fence counts on) and, where the pod serves it, the engine's own /health."""
     probe = TRANSFER_LIVENESS
     command = [
         "python3",
@@ -361,7 +407,9 @@ def _transfer_liveness_probe(spec: PDServiceSpec) -> dict[str, Any]:
         "--max-age",
         str(probe.heartbeat_max_age_s),
     ]
-    command += ["--url", f"http://127.0.0.1:{spec.engine.port}/health", "--timeout", str(probe.timeout_s - 1)]
+    if pod is not EnginePod.WORKER:
+        command += ["--url", f"http://127.0.0.1:{spec.engine.port}/health"]
+        command += ["--timeout", str(probe.timeout_s - 1)]
     return {
         "exec": {"command": command},
         "periodSeconds": probe.period_s,
@@ -371,15 +419,19 @@ def _transfer_liveness_probe(spec: PDServiceSpec) -> dict[str, Any]:
     }
 
 
-def _engine_probes(spec: PDServiceSpec, defaults: RenderDefaults) -> dict[str, Any]:
+def _engine_probes(spec: PDServiceSpec, defaults: RenderDefaults, pod: EnginePod) -> dict[str, Any]:
     startup_period = 10
     builtin = spec.engine.connector is not ConnectorImpl.VLLM
+    if pod is EnginePod.WORKER:
+        # No HTTP server: ready once running (its group is ready with the leader); a rank that exits ends
+        # the container, and the group restarts as one.
+        return {"livenessProbe": _transfer_liveness_probe(spec, pod)} if builtin else {}
     return {
         "startupProbe": _health_probe(
             startup_period, max(1, defaults.engine_startup_budget_seconds // startup_period)
         ),
         "readinessProbe": _health_probe(5, 3),
-        "livenessProbe": _transfer_liveness_probe(spec) if builtin else _health_probe(10, 6),
+        "livenessProbe": _transfer_liveness_probe(spec, pod) if builtin else _health_probe(10, 6),
     }
 
 
@@ -397,29 +449,40 @@ def _engine_affinity(pds: PDService, role: ComponentRole) -> dict[str, Any] | No
     return affinity or None
 
 
+def _engine_ports(spec: PDServiceSpec, pod: EnginePod) -> list[dict[str, Any]]:
+    """What the pod serves: a worker of an engine spanning nodes only its ranks' NIXL and torch.distributed
+    traffic, on ports they pick at run time."""
+    if pod is EnginePod.WORKER:
+        return []
+    return [
+        {"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"},
+        {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
+        *kv_events_container_ports(spec),
+    ]
+
+
 def render_engine_pod_template(
-    pds: PDService, role: ComponentRole, defaults: RenderDefaults
+    pds: PDService, role: ComponentRole, defaults: RenderDefaults, pod: EnginePod = EnginePod.WHOLE
 ) -> dict[str, Any]:
-    """The pod template of one engine role's StatefulSet."""
+    """The pod template of one engine role's StatefulSet, or of the leaders or workers of its
+    LeaderWorkerSet."""
     spec = pds.spec
     rs = role_spec(spec, role)
-    command, args = engine_command(pds, role, defaults)
+    command, args = engine_command(pds, role, defaults, pod)
     volumes, mounts = _volumes_and_mounts(spec, role, defaults)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": engine_image(spec, role, defaults),
         "command": command,
         "args": args,
-        "env": _engine_env(spec, role, defaults),
-        "ports": [
-            {"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"},
-            {"name": "side-channel", "containerPort": spec.engine.side_channel_port, "protocol": "TCP"},
-            *kv_events_container_ports(spec),
-        ],
+        "env": _engine_env(spec, role, defaults, pod),
+        "ports": _engine_ports(spec, pod),
         "resources": _engine_resources(spec, role),
-        **_engine_probes(spec, defaults),
+        **_engine_probes(spec, defaults, pod),
         "volumeMounts": mounts,
     }
+    if not container["ports"]:
+        del container["ports"]
     if (security_context := _engine_security_context(spec)) is not None:
         container["securityContext"] = security_context
     pod_spec: dict[str, Any] = {
@@ -442,7 +505,8 @@ def render_engine_pod_template(
             "labels": {**object_labels(pds, role), LABEL_COMPAT: compatibility_hash(spec, defaults)},
             "annotations": {
                 "kubectl.kubernetes.io/default-container": CONTAINER_NAME,
-                **scrape_annotations(pds, spec.engine.port),
+                # a worker serves no metrics: its engine's leader reports for all of its ranks
+                **(scrape_annotations(pds, spec.engine.port) if pod is not EnginePod.WORKER else {}),
             },
         },
         "spec": pod_spec,

@@ -14,7 +14,8 @@ import hashlib
 import json
 from typing import Any
 
-from pdoperator.api.model import PDServiceSpec, RoleSpec, Runtime
+from pdoperator.api.model import PDServiceSpec, Runtime
+from pdoperator.api.roles import RoleSpec
 
 from .cache_routing import engine_block_size
 from .defaults import RenderDefaults
@@ -64,6 +65,12 @@ def _compatibility_inputs(spec: PDServiceSpec, defaults: RenderDefaults) -> dict
             role.value: {
                 "image": engine_image(spec, role, defaults),
                 "tensorParallelSize": role_spec(spec, role).tensor_parallel_size,
+                # which layers a rank holds; only where set, so specs without it keep their hash
+                **(
+                    {"pipelineParallelSize": pp}
+                    if (pp := role_spec(spec, role).pipeline_parallel_size) > 1
+                    else {}
+                ),
                 "extraArgs": role_spec(spec, role).extra_args,
                 "env": [env.model_dump(mode="json") for env in role_spec(spec, role).env],
             }

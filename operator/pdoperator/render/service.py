@@ -6,18 +6,21 @@ from typing import Any
 
 from pdoperator.api.model import PDService
 
+from .identity import role_spec
 from .names import ComponentRole, object_meta, selector_labels
 
 
 def render_headless_service(pds: PDService, role: ComponentRole) -> dict[str, Any]:
-    """Governing Service of an engine StatefulSet: DNS records of ready pods only."""
+    """Governing Service of an engine StatefulSet: DNS records of ready pods only. Of a LeaderWorkerSet
+    (which takes a Service of its own name as given): of every pod, as the workers of a group must reach its
+    leader before it can be ready."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": object_meta(pds, role),
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": False,
+            "publishNotReadyAddresses": role_spec(pds.spec, role).spans_nodes,
             "selector": selector_labels(pds, role),
             "ports": [
                 {"name": "http", "port": pds.spec.engine.port, "targetPort": "http", "protocol": "TCP"},

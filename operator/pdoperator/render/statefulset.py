@@ -29,11 +29,3 @@ def render_engine_statefulset(
             "template": render_engine_pod_template(pds, role, defaults),
         },
     }
-
-
-def render_prefill_statefulset(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    return render_engine_statefulset(pds, ComponentRole.PREFILL, defaults)
-
-
-def render_decode_statefulset(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:
-    return render_engine_statefulset(pds, ComponentRole.DECODE, defaults)

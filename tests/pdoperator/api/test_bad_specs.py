@@ -521,7 +521,10 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
                 "decode": {"tensorParallelSize": 4},
             }
         ),
-        ["spec.prefill.resources.gpus: must be 0 (CPU engines) or at least this role's tensorParallelSize"],
+        [
+            "spec.prefill.resources.gpus: must be 0 (CPU engines) or at least this role's "
+            "tensorParallelSize x pipelineParallelSize"
+        ],
     ),
     (
         "Exists toleration with a value",

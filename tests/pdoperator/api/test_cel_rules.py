@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdoperator.api import PDServiceSpec
-from pdoperator.api.rules import CEL_RULES, CelRule
+from pdoperator.api.cel import CelRule
+from pdoperator.api.rules import CEL_RULES
 from pdoperator.api.validation import cel_rule_violations
 
 MODEL = {"name": "m"}
@@ -24,6 +25,11 @@ BOUNDS = {"prefill": {"maxReplicas": 4}, "decode": {"maxReplicas": 4}}
 LATENCY = {"ttftMilliseconds": 1000, "tpotMilliseconds": 50}
 PER_POD = {"waitingRequestsPerPrefill": 4, "runningRequestsPerDecode": 32}
 PROMETHEUS = {"serverAddress": "http://prometheus.monitoring.svc:9090"}
+
+
+# Both roles of TP 16, so that one spanning nodes is the only difference between neighbours.
+TP16 = {"prefill": {"tensorParallelSize": 16}, "decode": {"tensorParallelSize": 16}}
+AUTOSCALED = {"autoscaling": {**BOUNDS, "targets": LATENCY}}
 
 
 def scaled(**autoscaling: Any) -> dict[str, Any]:
@@ -237,10 +243,54 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "models/a..b/x"}}}},
         {"model": {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "models/../etc"}}}},
     ),
-    "gpus-cover-tensor-parallel-size": (
+    "gpus-cover-the-ranks-of-a-pod": (
         {"model": MODEL, "decode": {"tensorParallelSize": 2, "resources": {"gpus": 0}}},
         {"model": MODEL, "decode": {"tensorParallelSize": 2, "resources": {"gpus": 1}}},
     ),
+    "gpus-per-node-divides-the-ranks": (
+        {"model": MODEL, "decode": {"tensorParallelSize": 16, "gpusPerNode": 8}},
+        {"model": MODEL, "decode": {"tensorParallelSize": 12, "gpusPerNode": 8}},
+    ),
+    "spanning-pods-take-a-node-of-gpus": (
+        {"model": MODEL, "decode": {"tensorParallelSize": 16, "gpusPerNode": 8, "resources": {"gpus": 8}}},
+        {"model": MODEL, "decode": {"tensorParallelSize": 16, "gpusPerNode": 8, "resources": {"gpus": 16}}},
+    ),
+    **{
+        f"{role}-pipeline-parallel-needs-upstream-connector": (
+            {
+                "model": MODEL,
+                "mode": "pull",
+                "engine": {"connector": "vllm"},
+                role: {"pipelineParallelSize": 2},
+            },
+            {"model": MODEL, role: {"pipelineParallelSize": 2}},
+        )
+        for role in ("prefill", "decode")
+    },
+    **{
+        f"{role}-spanning-nodes-needs-vllm": (
+            {
+                "model": MODEL,
+                **TP16,
+                role: {"tensorParallelSize": 16, "gpusPerNode": 16},
+                "engine": MOCK_ENGINE,
+            },
+            {
+                "model": MODEL,
+                **TP16,
+                role: {"tensorParallelSize": 16, "gpusPerNode": 8},
+                "engine": MOCK_ENGINE,
+            },
+        )
+        for role in ("prefill", "decode")
+    },
+    **{
+        f"{role}-spanning-nodes-without-autoscaling": (
+            {"model": MODEL, **TP16, role: {"tensorParallelSize": 16, "gpusPerNode": 8}},
+            {"model": MODEL, **TP16, role: {"tensorParallelSize": 16, "gpusPerNode": 8}, **AUTOSCALED},
+        )
+        for role in ("prefill", "decode")
+    },
     "toleration-exists-without-value": (
         {"model": MODEL, "prefill": {"tolerations": [{"key": "k", "operator": "Exists"}]}},
         {"model": MODEL, "prefill": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
@@ -297,8 +347,14 @@ def test_rules_on_repeated_objects_report_each_occurrence(spec_cel_violations):
     }
     spec = {"model": MODEL, "prefill": role, "decode": role}
     expected = {
-        ("spec.prefill.resources.gpus", "must be 0 (CPU engines) or at least this role's tensorParallelSize"),
-        ("spec.decode.resources.gpus", "must be 0 (CPU engines) or at least this role's tensorParallelSize"),
+        (
+            "spec.prefill.resources.gpus",
+            "must be 0 (CPU engines) or at least this role's tensorParallelSize x pipelineParallelSize",
+        ),
+        (
+            "spec.decode.resources.gpus",
+            "must be 0 (CPU engines) or at least this role's tensorParallelSize x pipelineParallelSize",
+        ),
         ("spec.prefill.tolerations[1].value", "must be empty when operator is Exists"),
         ("spec.decode.tolerations[1].value", "must be empty when operator is Exists"),
     }

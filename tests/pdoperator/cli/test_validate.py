@@ -62,6 +62,7 @@ def test_every_example_is_ok(capsys):
     status, out, err = run_validate(capsys, *map(str, EXAMPLES))
     assert (status, err) == (0, [])
     assert out == [
+        "OK inference/deepseek-v3",
         "OK inference/nemotron-nano",
         "OK inference/qwen3-32b",
         "OK default/tiny-autoscaled",

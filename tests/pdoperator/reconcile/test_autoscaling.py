@@ -264,8 +264,12 @@ async def test_a_cluster_without_keda_serves_every_other_engine_and_names_what_i
 
     keda = {"engine": "keda", "prometheus": {"serverAddress": "http://prometheus.monitoring.svc:9090"}}
     body = scaled_service(api, **keda)
-    with pytest.raises(KubeApiError, match=r"serves no ScaledObject \(keda.sh/v1alpha1\): install the CRD"):
-        await subject.reconcile(body)
+    with pytest.raises(KubeApiError, match=r"serves no ScaledObject \(keda.sh/v1alpha1\): install KEDA"):
+        await subject.reconcile(body)  # retried by kopf: KEDA may be installed later
+    degraded = next(c for c in fresh(api)["status"]["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "CustomResourceMissing")
+    assert "install KEDA or choose another spec.autoscaling.engine" in degraded["message"]
+    assert decode_replicas(api) == 1  # the engines stay served
 
 
 async def test_with_several_routers_an_idle_draining_engine_stays_until_every_router_can_have_reloaded() -> (

@@ -10,7 +10,14 @@ import pytest
 import yaml
 from pdoperator.api.model import PDService
 from pdoperator.api.status import ConditionStatus
-from pdoperator.reconcile.kinds import CHILD_KINDS, CONFIGMAPS, DEPLOYMENTS, PDSERVICES, STATEFULSETS
+from pdoperator.reconcile.kinds import (
+    CHILD_KINDS,
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    LEADERWORKERSETS,
+    PDSERVICES,
+    STATEFULSETS,
+)
 from pdoperator.reconcile.kube import KubeApiError
 from pdoperator.reconcile.kvtransfer import RouterStatusError, TransferCounts
 from pdoperator.reconcile.reconciler import InvalidSpecError, Reconciler
@@ -330,3 +337,29 @@ async def test_a_child_whose_change_is_rejected_as_immutable_is_replaced() -> No
     await subject.request("default", "tiny")  # its DELETED event
     assert api.writes[0] == ("create", "StatefulSet", "tiny-decode")
     assert api.obj(STATEFULSETS, "default", "tiny-decode")["spec"]["replicas"] == 2
+
+
+async def test_a_cluster_without_the_leader_worker_set_crd_gets_the_rest_and_a_condition_naming_it() -> None:
+    """Engines that span nodes need the LeaderWorkerSet controller: until its CRD is served, everything else
+    is applied, the status says what to install, and the reconcile fails so that kopf retries it."""
+    api = FakeKubeApi()
+    api.uninstalled.add(LEADERWORKERSETS)
+    body = yaml.safe_load((EXAMPLE.parent / "deepseek-v3-multinode.yaml").read_text())
+    body["metadata"].update(uid="uid-ds", generation=1)
+    api.put(PDSERVICES, body)
+    with pytest.raises(KubeApiError, match=r"serves no LeaderWorkerSet \(leaderworkerset.x-k8s.io/v1\)"):
+        await reconciler(api).reconcile(api.obj(PDSERVICES, "inference", "deepseek-v3"))
+    status = api.obj(PDSERVICES, "inference", "deepseek-v3")["status"]
+    assert status["phase"] == "Degraded"
+    (degraded,) = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "CustomResourceMissing")
+    assert "install the LeaderWorkerSet controller (kubernetes-sigs/lws" in degraded["message"]
+    assert api.obj(DEPLOYMENTS, "inference", "deepseek-v3-router") is not None
+    assert api.obj(CONFIGMAPS, "inference", "deepseek-v3-router") is not None
+
+    api.uninstalled.clear()  # the controller is installed: the retry creates the groups
+    await reconciler(api).reconcile(api.obj(PDSERVICES, "inference", "deepseek-v3"))
+    assert (
+        api.obj(LEADERWORKERSETS, "inference", "deepseek-v3-decode")["spec"]["leaderWorkerTemplate"]["size"]
+        == 2
+    )

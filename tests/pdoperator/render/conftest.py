@@ -112,6 +112,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "router": {"policy": "cache-aware", "cacheAware": {"blockSize": 32, "maxImbalance": 2}},
         },
     ),
+    # Decode engines of TP 4 over two nodes of 2 GPUs, with the builtin connector.
+    "spanning-nodes": merge(GPU_SPEC, {"decode": {"tensorParallelSize": 4, "gpusPerNode": 2}}),
     "autoscaled-hpa": merge(
         GPU_SPEC,
         {

@@ -494,12 +494,27 @@ def test_node_selector_and_tolerations_are_passed_through(example_pds):
 # ---------------------------------------------------------------- the API's reserved names
 
 
+def engine_containers(pds: PDService, role: str) -> list[dict[str, Any]]:
+    """The engine containers of a role: its StatefulSet's, or its LeaderWorkerSet's leader and worker."""
+    (workload,) = [
+        o
+        for o in render_pdservice(pds, RenderDefaults())
+        if o["kind"] in ("StatefulSet", "LeaderWorkerSet") and o["metadata"]["name"] == f"{pds.name}-{role}"
+    ]
+    if workload["kind"] == "StatefulSet":
+        templates = [workload["spec"]["template"]]
+    else:
+        group = workload["spec"]["leaderWorkerTemplate"]
+        templates = [group["leaderTemplate"], group["workerTemplate"]]
+    return [template["spec"]["containers"][0] for template in templates]
+
+
 def test_every_flag_and_variable_the_operator_sets_is_reserved_by_validation(variant, example_pds):
     """extraArgs and env cannot override what rendering sets (but defaults meant to be overridden): validation
     rejects these names."""
-    for pds in (variant[1], example_pds("tiny-cpu"), example_pds("qwen3-32b-push-efa")):
-        for role in ("prefill", "decode"):
-            engine = container(pds, role)
+    services = (variant[1], *map(example_pds, ("tiny-cpu", "qwen3-32b-push-efa", "deepseek-v3-multinode")))
+    for pds in services:
+        for role, engine in ((r, e) for r in ("prefill", "decode") for e in engine_containers(pds, r)):
             user_args = len(getattr(pds.spec, role).extra_args)
             own_args = engine["args"][: len(engine["args"]) - user_args]
             flags = {arg for arg in own_args if arg.startswith("--")}

@@ -1,15 +1,19 @@
 """Every rendered object passes kubernetes-validate --strict for Kubernetes 1.35, offline; KEDA's
-ScaledObjects, which Kubernetes does not define, pass KEDA's own schema."""
+ScaledObjects and LeaderWorkerSets, which Kubernetes does not define, pass their own schemas (a
+LeaderWorkerSet's pod templates Kubernetes' too)."""
 
 from __future__ import annotations
 
 import copy
+from itertools import chain
 
 import kubernetes_validate
 import pytest
 from pdoperator.render import render_pdservice
+from pdoperator.render.engine_group import leader_worker_set_pod_templates
 
 from tests.k8s.keda_schema import scaled_object_errors
+from tests.k8s.lws_schema import leader_worker_set_errors
 from tests.pdoperator.render.conftest import VARIANTS
 
 KUBERNETES_VERSION = "1.35.0"
@@ -19,9 +23,13 @@ def assert_valid(objects):
     keda = [obj for obj in objects if obj["apiVersion"].startswith("keda.sh/")]
     for obj, errors in zip(keda, scaled_object_errors(keda) if keda else [], strict=True):
         assert errors == [], f"ScaledObject {obj['metadata']['name']}: {errors}"
-    for obj in objects:
-        if obj in keda:
-            continue
+    groups = [obj for obj in objects if obj["kind"] == "LeaderWorkerSet"]
+    for obj in groups:
+        assert leader_worker_set_errors(obj) == [], f"LeaderWorkerSet {obj['metadata']['name']}"
+    for obj in [
+        *(obj for obj in objects if obj not in keda + groups),
+        *chain(*map(leader_worker_set_pod_templates, groups)),
+    ]:
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -94,3 +102,26 @@ def test_the_check_rejects_a_wrongly_typed_resource_quantity(example_pds, defaul
     sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = {"gi": 1}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_leader_worker_set_check_refuses_unknown_and_wrongly_typed_fields(example_pds, defaults):
+    """Control for LeaderWorkerSets: the pinned CRD's schema, unknown fields refused as strict validation
+    would, down into the pod templates."""
+    (group, *_) = [
+        obj
+        for obj in render_pdservice(example_pds("deepseek-v3-multinode"), defaults)
+        if obj["kind"] == "LeaderWorkerSet"
+    ]
+    assert leader_worker_set_errors(group) == []
+    broken = copy.deepcopy(group)
+    broken["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    broken["spec"]["notAField"] = 1
+    broken["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["argz"] = []
+    broken["spec"]["startupPolicy"] = "WhenReady"
+    assert leader_worker_set_errors(broken) == [
+        "/spec: Additional properties are not allowed ('notAField' was unexpected)",
+        "/spec/leaderWorkerTemplate/size: '2' is not of type 'integer'",
+        "/spec/leaderWorkerTemplate/workerTemplate/spec/containers/0: Additional properties are not allowed "
+        "('argz' was unexpected)",
+        "/spec/startupPolicy: 'WhenReady' is not one of ['LeaderCreated', 'LeaderReady']",
+    ]
