@@ -8,7 +8,7 @@ dest="$root/.whl"
 python=${PYTHON:-$root/.venv/bin/python}
 [[ -x $python ]] || python=python3
 packages=(nixl-cu13 nixl pydantic pydantic_core annotated-types typing-inspection msgspec kopf python-json-logger iso8601 pytest-asyncio
-    kubernetes websocket-client requests-oauthlib oauthlib durationpy aiohttp-retry)
+    kubernetes websocket-client requests-oauthlib oauthlib durationpy aiohttp-retry cbor2 pyzmq)
 
 # PEP 503 names: case, '-', '_' and '.' do not matter.
 normalise() { tr '[:upper:]' '[:lower:]' <<<"$1" | sed -E 's/[-_.]+/-/g'; }
@@ -46,7 +46,8 @@ fi
 # nixl-cu13 ships the NIXL expert-parallel library too (~110 MB unpacked): not used, and it would push the tree past
 # the 64 MiB a GPU machine call can carry.
 for wheel in "$dest"/nixl_cu13-"$(pinned nixl-cu13)"-*.whl; do
-    if python3 -m zipfile -l "$wheel" | grep -q '^nixl_ep_cu13/'; then
+    # grep reads the whole listing (-q would stop early, and pipefail would count the lister's broken pipe)
+    if python3 -m zipfile -l "$wheel" | grep '^nixl_ep_cu13/' >/dev/null; then
         zip -q -d "$wheel" 'nixl_ep_cu13/*'
     fi
 done

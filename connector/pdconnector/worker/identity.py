@@ -26,6 +26,7 @@ from pdconnector.protocol.messages import (
     DeviceId,
     DoorbellPort,
     EngineId,
+    Host,
 )
 
 MAX_LAYOUT_FIELDS: Final = 64
@@ -33,9 +34,10 @@ MAX_LAYOUT_FIELDS: Final = 64
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One TP rank's transfer agent: how to reach it, where its regions start and on which device they live
-    (``cuda:device_id`` for VRAM; rank N of a GPU engine is on its own device, which every remote descriptor
-    must name), the UDP port of its doorbell on the engine's side-channel host (0: none), and where its
-    blocks' pages sit."""
+    (``cuda:device_id`` for VRAM, a device of the rank's own node; every remote descriptor must name it), the
+    address of the node it runs on (``host``: an engine larger than a node has ranks on several), the UDP port
+    of its doorbell there (0: none), and where its blocks' pages sit. A peer that predates ``host`` leaves it
+    out: its ranks are all on its side-channel host."""
 
     tp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
     agent_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -47,10 +49,13 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: DeviceId = 0
     doorbell_port: DoorbellPort = 0
     placement: BlockPlacement = BlockPlacement.LAYER_OUTER
+    host: Host | None = None
 
 
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An engine as its side channel describes it; ``ranks`` holds one entry per TP rank, in rank order."""
+    """An engine as its side channel describes it; ``ranks`` holds one entry per TP rank, in rank order, from
+    every node the engine spans (vLLM gathers the ranks' handshakes into the engine core on the first node,
+    whose side channel serves them all)."""
 
     engine_id: EngineId
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]

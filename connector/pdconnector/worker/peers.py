@@ -34,12 +34,14 @@ class PeerRegistry:
         return len(self._metadata)
 
     def load_engine(self, engine: EngineInfo, *, host: str | None = None) -> None:
-        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had.
-        ``host``: the engine's side-channel host, where its ranks' doorbells are (None: not known here)."""
+        """Load an engine's agents; drop the agents an earlier incarnation of the same engine id had. A rank's
+        doorbell is on its own node (``RankInfo.host``), else on ``host``: the engine's side-channel host, for
+        a peer that does not say (None: not known here)."""
         for rank in engine.ranks:
             name = self.load(rank.agent_metadata, engine_id=engine.engine_id, tp_rank=rank.tp_rank)
-            if host is not None:
-                self._context.set_doorbell(name, host, rank.doorbell_port)
+            doorbell_host = rank.host or host
+            if doorbell_host is not None:
+                self._context.set_doorbell(name, doorbell_host, rank.doorbell_port)
 
     def load(self, metadata: bytes, *, engine_id: str, tp_rank: int) -> str:
         """Load the agent of ``engine_id``'s rank ``tp_rank`` unless it is in already (replacing an earlier

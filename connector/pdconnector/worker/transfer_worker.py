@@ -82,7 +82,7 @@ BlockIds = Sequence[Sequence[int]]
 @dataclass(frozen=True)
 class WorkerConfig:
     engine_id: str
-    host: str = "127.0.0.1"  # this engine's side-channel address, put into registrations
+    host: str = "127.0.0.1"  # this rank's node: its doorbell listens here, registrations and RankInfo name it
     side_channel_port: int = 5600
     limits: RendezvousLimits = field(default_factory=RendezvousLimits)
     pull_lease_s: float = 30.0
@@ -358,6 +358,7 @@ class TransferWorker:
                 device_id=self._context.device_id,
                 doorbell_port=doorbell.port,
                 placement=self.layout.placement,
+                host=self.config.host,
             )
             self._context.bind(transport, own)
         except BaseException as error:

@@ -31,6 +31,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from pdconnector.layout import (
     AttentionSpec,
@@ -48,8 +49,10 @@ from pdconnector.protocol.rendezvous import RendezvousLimits
 from pdconnector.transport.base import Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.worker import EngineTransfers, WorkerConfig
+from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
 from pdconnector.worker.staging import StagingConfig
 
+from tests.pdconnector.worker.nodes import NODE_HOSTS, EngineNode
 from tests.pdconnector.worker.vram import PoolMemory
 
 A, S = LayerKind.ATTENTION, LayerKind.SSM
@@ -129,7 +132,11 @@ class Engine:
     its host pools as device ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU
     is; ``placement``: where every rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement`
     value, as vLLM's KV cache layout decides); ``staging``: every rank's staging buffer and path
-    (:class:`~pdconnector.worker.staging.StagingConfig` or its JSON form)."""
+    (:class:`~pdconnector.worker.staging.StagingConfig` or its JSON form); ``ranks``: the ranks of the engine
+    this process hosts, on the node at ``host`` (default all of them: a single-node engine with its own side
+    channel; otherwise one node of an engine larger than a node, :mod:`tests.pdconnector.worker.nodes`, which
+    :meth:`join` completes); ``side_channel_port``: the engine's side-channel port (0: a free one; the nodes
+    of one engine are all given the port their first node serves on, as every pod of a vLLM engine is)."""
 
     def __init__(
         self,
@@ -147,12 +154,16 @@ class Engine:
         worker_options: dict[str, float] | None = None,
         placement: str = BlockPlacement.LAYER_OUTER.value,
         staging: StagingConfig | dict[str, Any] | None = None,
+        ranks: list[int] | None = None,
+        host: str = NODE_HOSTS[0],
+        side_channel_port: int = 0,
     ) -> None:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
         self.memory = PoolMemory(device)
+        hosted = list(range(tp)) if ranks is None else ranks
         self.layouts = [
-            RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in range(tp)
+            RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in hosted
         ]
         self.buffers = [
             [self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions]
@@ -176,35 +187,55 @@ class Engine:
         regions = [[self.memory.region(p) for p in pools] for pools in self.pools]
         if first_device_id:
             regions = [
-                [replace(r, device_id=first_device_id + rank) for r in rank_regions]
-                for rank, rank_regions in enumerate(regions)
+                [replace(r, device_id=first_device_id + local_rank) for r in rank_regions]
+                for local_rank, rank_regions in enumerate(regions)
             ]
         limits = limits or {}
         config = WorkerConfig(
             engine_id=name,
-            side_channel_port=0,
+            host=host,
+            side_channel_port=side_channel_port,
             limits=RendezvousLimits(**limits),
             pull_lease_s=limits.get("registration_lease_s", 30.0),
             fence_s=fence_s,
             staging=_staging_config(staging),
             **(worker_options or {}),
         )
-        self.transfers = EngineTransfers(
-            self.model,
-            tp_size=tp,
-            num_blocks=num_blocks,
-            regions=regions,
-            transport_factory=factory,
-            config=config,
-            on_result=self._wake,
-            placement=BlockPlacement(placement),
+        plumbing = {
+            "num_blocks": num_blocks,
+            "regions": regions,
+            "transport_factory": factory,
+            "config": config,
+            "on_result": self._wake,
+            "placement": BlockPlacement(placement),
+        }
+        self.transfers: EngineTransfers | EngineNode = (
+            EngineTransfers(self.model, tp_size=tp, **plumbing)
+            if ranks is None
+            else EngineNode(self.model, tp_size=tp, ranks=ranks, **plumbing)
         )
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
-    def start(self) -> dict[str, Any]:
+    def start(self) -> dict[str, Any] | list[dict[str, Any]]:
+        """A whole engine: its coordinates. One node of an engine: its ranks' info, for :meth:`join`."""
+        if isinstance(self.transfers, EngineNode):
+            return [msgspec.to_builtins(rank) for rank in self.transfers.start()]
         self.transfers.start()
         return asdict(self.transfers.coordinates)
+
+    def join(self, ranks: list[dict[str, Any]], serve: bool) -> dict[str, Any] | None:
+        """One node of an engine: every node's ranks are known (``ranks``, engine-wide, in rank order); the
+        first node (``serve``) runs the side channel and returns the engine's coordinates."""
+        assert isinstance(self.transfers, EngineNode)
+        info = EngineInfo(
+            self.transfers.config.engine_id,
+            self.tp,
+            layout_summary(self.model),
+            tuple(msgspec.convert(rank, RankInfo) for rank in ranks),
+        )
+        coordinates = self.transfers.join(info, serve=serve)
+        return asdict(coordinates) if coordinates is not None else None
 
     def close(self) -> None:
         self.transfers.close()
@@ -241,7 +272,8 @@ class Engine:
         """The first ``limit`` pages that differ from the expectation of :meth:`check` (rank, region, block,
         bytes): where a failed check went wrong."""
         found = []
-        for rank, (layout, pools) in enumerate(zip(self.layouts, self.pools, strict=True)):
+        for layout, pools in zip(self.layouts, self.pools, strict=True):
+            rank = layout.tp_rank
             for region, (want, got) in enumerate(zip(self._expected(layout, received), pools, strict=True)):
                 per_block = self.memory.count_different(want, got, layout.block_stride)
                 found += [
@@ -270,7 +302,7 @@ class Engine:
     def transport_threads(self) -> list[dict[str, Any]]:
         """Per rank, the thread its transport was created on: its name and the device of its current CUDA
         context (:meth:`PoolMemory.current_device`)."""
-        return [self._transport_threads[rank] for rank in range(self.tp)]
+        return [self._transport_threads[layout.tp_rank] for layout in self.layouts]
 
     # --- transfers (every rank) -----------------------------------------------------------------------------
 
@@ -343,7 +375,7 @@ class Engine:
                 self._collect()
                 results = self._results[transfer_id]
                 remaining = deadline - time.monotonic()
-                if len({r["rank"] for r in results}) >= self.tp or remaining <= 0:
+                if len({r["rank"] for r in results}) >= len(self.layouts) or remaining <= 0:
                     return [dict(r) for r in results]
                 self._changed.wait(min(remaining, 0.05))
 
@@ -366,10 +398,10 @@ class Engine:
         return time.process_time() - start
 
     def _collect(self) -> None:
-        for rank, worker in enumerate(self.transfers.workers):
+        for layout, worker in zip(self.layouts, self.transfers.workers, strict=True):
             for result in worker.results():
                 entry = {
-                    "rank": rank,
+                    "rank": layout.tp_rank,
                     "kind": result.kind.value,
                     "outcome": result.outcome,
                     "detail": result.detail,

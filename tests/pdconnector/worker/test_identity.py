@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from pdconnector.layout import BlockPlacement, RankLayout
 from pdconnector.worker import (
@@ -93,3 +94,20 @@ def test_engine_info_requires_every_rank_in_order() -> None:
     rank = RankInfo(tp_rank=1, agent_name="a1", agent_metadata=b"", region_base_addresses=(), num_blocks=8)
     with pytest.raises(ValueError, match=r"ranks must be 0..1 in order, got \[1\]"):
         EngineInfo(engine_id="peer", tp_size=2, layout={}, ranks=(rank,))
+
+
+def test_a_rank_names_its_node_and_a_peer_that_predates_the_field_reads_as_on_the_side_channel_host() -> None:
+    rank = RankInfo(
+        tp_rank=0,
+        agent_name="a0",
+        agent_metadata=b"",
+        region_base_addresses=(),
+        num_blocks=8,
+        host="10.0.1.7",
+    )
+    wire = msgspec.msgpack.encode(rank)
+    assert msgspec.msgpack.decode(wire, type=RankInfo).host == "10.0.1.7"
+    older = {k: v for k, v in msgspec.structs.asdict(rank).items() if k != "host"}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(older), type=RankInfo).host is None
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.host"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({**older, "host": "10.0.1.7; rm -rf /"}), type=RankInfo)

@@ -9,6 +9,9 @@ registered. Models: a dense Qwen3-32B and the hybrid Nemotron-H (NVIDIA-Nemotron
 attention layers, SSM pages padded to the attention page by vLLM's hybrid allocator). Requests of 1k and 16k
 tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1; layer-outer caches pushed
 through the staged path too (gathered into a staging slot on the GPU, one WRITE, scattered on the GPU).
+Engines larger than a node: a TP-2 engine whose ranks run in two processes standing in for two nodes (each
+rank on its node's first device, reached through the first node's side channel), paired with a single-node
+TP-1 engine, pushed and pulled both ways.
 
 Checked on the device, never by copying pools to the host: every byte of every decode region equals the
 expectation (the prefill's tagged content at the request's blocks, the sentinel the pool was filled with
@@ -31,6 +34,7 @@ from pdconnector.layout import BlockPlacement, RankLayout, plan_transfer, tagged
 from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
 from tests.pdconnector.worker.engines import EngineHost, RemoteEngine, request_blocks, warm_hosts
+from tests.pdconnector.worker.nodes import one_side_spanning
 from tests.pdconnector.worker.scenarios import Pair, assert_received, assert_sent
 from tests.pdconnector.worker.vram import SuiteModel, gpu_suite
 
@@ -56,6 +60,19 @@ PAIR_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-{placement.value}" for model, p_tp, d
 STAGED_PAIRS = [(model, p_tp, d_tp, LAYER, "staged") for model in SUITE.models for p_tp, d_tp in TPS]
 STAGED_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-staged" for model, p_tp, d_tp, _, _ in STAGED_PAIRS]
 TOKEN_IDS = [f"{tokens // 1024}k" for tokens in SUITE.tokens]
+# Engines larger than a node (tests/pdconnector/worker/nodes.py): one side's ranks in two processes, one per
+# node, each rank on its node's first device, paired at heterogeneous TP with a single-node engine. Dense
+# caches head-outer, one descriptor per block: a READ between processes here runs UCX's software emulation
+# over tcp/lo (docs/benchmarks.md, "GPU memory"), and with both "nodes" reading at once a block-outer 16k pull
+# (131,072 descriptors) overran the 60 s wait; head-outer (2,048) took 8.8 s, as a single-node pull does.
+SPANNING_PAIRS = [
+    (model, p_tp, d_tp, BLOCK if model.spec.num_ssm_layers else HEAD, spanning)
+    for model in SUITE.models
+    for p_tp, d_tp, spanning in ((1, 2, "decode"), (2, 1, "prefill"))
+]
+SPANNING_IDS = [
+    f"{model.name}-P{p}-D{d}-{spanning}-on-2-nodes" for model, p, d, _, spanning in SPANNING_PAIRS
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +102,51 @@ def pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -
         options["staging"] = {"nbytes": 2 * slot, "slots": 2, "path": "staged"}
     prefill = hosts[0].create(f"prefill-{tag}", config, tp=p_tp, num_blocks=p_blocks, **options)
     decode = hosts[1].create(f"decode-{tag}", config, tp=d_tp, num_blocks=d_blocks, **options)
+    try:
+        coords = prefill.start()
+        decode.start()
+        yield Pair(prefill, decode, coords, model.name, (p_tp, d_tp), model.num_blocks, placement)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.fixture(scope="module")
+def second_node(
+    hosts: tuple[EngineHost, EngineHost], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineHost]:
+    """A third engine process: the second node of an engine spanning two."""
+    logs = SUITE.log_dir or tmp_path_factory.mktemp("second-node-logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    process = EngineHost(log=logs / "second-node.log")
+    try:
+        process.warm_nixl()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def spanning_pair(
+    request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost], second_node: EngineHost
+) -> Iterator[Pair]:
+    """A single-node engine and one spanning two nodes: the first node shares the process of its role's
+    single-node engines, the second node has its own."""
+    model, p_tp, d_tp, placement, spanning = request.param
+    own = hosts[0] if spanning == "prefill" else hosts[1]
+    single = hosts[1] if spanning == "prefill" else hosts[0]
+    prefill, decode = one_side_spanning(
+        single,
+        (own, second_node),
+        f"{model.name}-p{p_tp}d{d_tp}-{spanning}-spans",
+        dict(model.config),
+        tps=(p_tp, d_tp),
+        blocks=model.num_blocks,
+        spanning=spanning,
+        transport="nixl",
+        device=SUITE.device,
+        placement=placement.value,
+    )
     try:
         coords = prefill.start()
         decode.start()
@@ -238,3 +300,14 @@ def test_pull_reads_every_byte_of_a_scattered_request_and_nothing_else(
     pair: Pair, tokens: int, record_property: Any
 ) -> None:
     _move(pair, "pull", tokens, record_property)
+
+
+@pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("spanning_pair", SPANNING_PAIRS, indirect=True, ids=SPANNING_IDS)
+def test_an_engine_spanning_two_nodes_and_a_single_node_peer_move_every_byte_and_nothing_else(
+    spanning_pair: Pair, mode: str, tokens: int, record_property: Any
+) -> None:
+    """The checks of a single-node pair, the spanning engine's ranks reached through its first node's side
+    channel, each at its own node's address."""
+    _move(spanning_pair, mode, tokens, record_property)
