@@ -35,11 +35,15 @@ ERROR_KEY = "pd_error"
 # Pull: how long (ms) prefill holds the blocks it returned; decode READs them only within that time of its
 # arrival.
 REMOTE_HOLD_KEY = "remote_hold_ms"
+# Pull: which start of the prefill engine holds the blocks; decode READs them from that one only (a restarted
+# engine keeps its engine id, and the same block ids there hold other requests' KV).
+REMOTE_INCARNATION_KEY = "remote_incarnation"
 
 # Shared with the wire messages: ids travel in NIXL notifications and log lines, so keep them short and plain.
 TRANSFER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 ENGINE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,252}$"
 HOST_PATTERN = r"^[A-Za-z0-9.:\[\]%_-]{1,255}$"
+INCARNATION_PATTERN = r"^[0-9a-f]{16}$"
 
 
 class TransferMode(StrEnum):
@@ -52,14 +56,21 @@ def mint_transfer_id() -> str:
     return "tx-" + secrets.token_hex(12)
 
 
+def mint_incarnation() -> str:
+    """A fresh token for one start of an engine's connector (its side channel serves it)."""
+    return secrets.token_hex(8)
+
+
 @dataclass(frozen=True)
 class PrefillCoordinates:
-    """Where decode finds a prefill engine's connector."""
+    """Where decode finds a prefill engine's connector. ``incarnation``: the start of the engine that must
+    answer (a pull's blocks are held by one start only); empty: whichever runs there under ``engine_id``."""
 
     engine_id: str
     host: str
     side_channel_port: int
     tp_size: int
+    incarnation: str = ""
 
 
 def prefill_leg_params(mode: TransferMode, transfer_id: str) -> dict[str, Any]:
@@ -195,6 +206,11 @@ def parse_transfer_params(params: Mapping[str, Any]) -> TransferRequest:
         host=_matching_str(params, "remote_host", HOST_PATTERN),
         side_channel_port=_int_in(params, "remote_port", 1, 65535),
         tp_size=_int_in(params, "tp_size", 1, 1024),
+        incarnation=(
+            _matching_str(params, REMOTE_INCARNATION_KEY, INCARNATION_PATTERN)
+            if REMOTE_INCARNATION_KEY in params
+            else ""
+        ),
     )
     if mode is TransferMode.PUSH:
         return TransferRequest(mode=mode, role=EngineRole.DECODE, transfer_id=transfer_id, remote=remote)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pdconnector.protocol.params import (
     RECEIVED_KEY,
+    REMOTE_INCARNATION_KEY,
     TRANSFER_ID_KEY,
     TRANSFER_MODE_KEY,
     EngineRole,
@@ -198,6 +199,7 @@ class MockEngine:
             "remote_host": here.host,
             "remote_port": here.side_channel_port,
             "tp_size": here.tp_size,
+            REMOTE_INCARNATION_KEY: here.incarnation,
             "remote_num_tokens": num_tokens,
             TRANSFER_ID_KEY: transfer.transfer_id,
             TRANSFER_MODE_KEY: TransferMode.PULL.value,

@@ -297,8 +297,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             raise LayoutMismatch(
                 f"engine {self.config.engine_id}: TP ranks report different KV layouts: {sorted(summaries)}"
             )
-        info = EngineInfo(self.config.engine_id, self._tp_size, handshakes[0].layout, ranks)
         scheduler = self._sched()
+        info = EngineInfo(
+            self.config.engine_id,
+            self._tp_size,
+            handshakes[0].layout,
+            ranks,
+            incarnation=scheduler.engine.incarnation,
+        )
         scheduler.set_engine_info(_encoder.encode(info))
         self._server = SideChannelServer(
             self.config.side_channel_host,

@@ -27,19 +27,21 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdconnector.protocol.params import (
     ERROR_KEY,
     RECEIVED_KEY,
     REMOTE_HOLD_KEY,
+    REMOTE_INCARNATION_KEY,
     TRANSFER_ID_KEY,
     TRANSFER_MODE_KEY,
     EngineRole,
     TransferMode,
     TransferParamsError,
     TransferRequest,
+    mint_incarnation,
     parse_transfer_params,
 )
 from pdconnector.protocol.timeline import Stage
@@ -76,6 +78,7 @@ class EngineCoordinates:
     host: str
     side_channel_port: int
     tp_size: int
+    incarnation: str = field(default_factory=mint_incarnation)  # this start of the engine
 
 
 @dataclass
@@ -467,6 +470,7 @@ class SchedulerSide:
             "remote_host": self.engine.host,
             "remote_port": self.engine.side_channel_port,
             "tp_size": self.engine.tp_size,
+            REMOTE_INCARNATION_KEY: self.engine.incarnation,
             "remote_num_tokens": num_tokens,
             REMOTE_HOLD_KEY: int(self.config.lease_s * 1000),
         }

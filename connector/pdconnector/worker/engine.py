@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pdconnector.layout import BlockPlacement, KVModel, RankLayout
-from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.params import PrefillCoordinates, mint_incarnation
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.worker.identity import EngineInfo, layout_summary
 from pdconnector.worker.side_channel import SideChannelClient, SideChannelServer
@@ -46,6 +46,7 @@ class EngineTransfers:
             raise ValueError(f"regions: expected one list per TP rank ({tp_size}), got {len(regions)}")
         self.model = model
         self.tp_size = tp_size
+        self.incarnation = mint_incarnation()
         self._info: EngineInfo | None = None
         self.server = SideChannelServer(
             config.host, config.side_channel_port, engine_info=self.info, on_announce=self._on_announce
@@ -71,11 +72,15 @@ class EngineTransfers:
     @property
     def coordinates(self) -> PrefillCoordinates:
         """What the router hands to decode engines to reach this one."""
-        return PrefillCoordinates(self.engine_id, self.config.host, self.server.port, self.tp_size)
+        return PrefillCoordinates(
+            self.engine_id, self.config.host, self.server.port, self.tp_size, self.incarnation
+        )
 
     def start(self) -> EngineInfo:
         ranks = tuple(worker.start() for worker in self.workers)
-        self._info = EngineInfo(self.engine_id, self.tp_size, layout_summary(self.model), ranks)
+        self._info = EngineInfo(
+            self.engine_id, self.tp_size, layout_summary(self.model), ranks, incarnation=self.incarnation
+        )
         return self._info
 
     def info(self) -> EngineInfo:

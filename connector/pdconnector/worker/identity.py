@@ -28,6 +28,7 @@ from pdconnector.protocol.messages import (
     EngineId,
     Host,
 )
+from pdconnector.protocol.params import INCARNATION_PATTERN
 
 MAX_LAYOUT_FIELDS: Final = 64
 
@@ -55,12 +56,14 @@ class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An engine as its side channel describes it; ``ranks`` holds one entry per TP rank, in rank order, from
     every node the engine spans (vLLM gathers the ranks' handshakes into the engine core on the first node,
-    whose side channel serves them all)."""
+    whose side channel serves them all). ``incarnation``: this start of the engine (a restart, or a group of
+    nodes recreated, keeps the engine id and gets a new one; empty from a peer that predates it)."""
 
     engine_id: EngineId
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
     layout: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_LAYOUT_FIELDS)]
     ranks: Annotated[tuple[RankInfo, ...], msgspec.Meta(max_length=MAX_TP_SIZE)]
+    incarnation: Annotated[str, msgspec.Meta(pattern=f"^$|{INCARNATION_PATTERN}")] = ""
 
     def __post_init__(self) -> None:
         if [r.tp_rank for r in self.ranks] != list(range(self.tp_size)):

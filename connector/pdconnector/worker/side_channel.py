@@ -10,8 +10,10 @@ within one deadline (a peer that trickles bytes cannot hold a connection open), 
 serves at most ``max_connections`` at once, closing the ones beyond at once.
 
 The client caches by address and refetches when the engine id it is asked for is not the one
-it cached: a restarted pod gets a new engine id (and new agent names), and its old NIXL peer
-state must not be used. Lookups run on a small thread pool and return futures, so neither the
+it cached, or the incarnation (one start of the engine) is not: a restarted engine keeps its engine id
+but gets a new incarnation and new agent names, and its old NIXL peer state must not be used; a lookup
+naming an incarnation (a pull, whose blocks one start holds) fails with :class:`PeerGone` when another
+runs there. Lookups run on a small thread pool and return futures, so neither the
 engine step nor the transfer thread waits for the network; ``prewarm`` fetches a peer before its
 first request.
 """
@@ -223,7 +225,17 @@ def fetch_engine_info(
 @dataclass
 class _Cached:
     expected_engine_id: str
+    expected_incarnation: str
     future: Future[EngineInfo]
+
+    def serves(self, peer: PrefillCoordinates) -> bool:
+        """Whether this lookup answers for ``peer``: the same engine id, not failed, and the incarnation asked
+        for (any, when ``peer`` names none)."""
+        if self.expected_engine_id != peer.engine_id or _failed(self.future):
+            return False
+        if not peer.incarnation or self.expected_incarnation == peer.incarnation:
+            return True
+        return self.future.done() and self.future.result().incarnation == peer.incarnation
 
 
 class SideChannelClient:
@@ -247,18 +259,15 @@ class SideChannelClient:
         self._probes: dict[tuple[str, int], Future[EngineInfo]] = {}
 
     def lookup(self, peer: PrefillCoordinates) -> Future[EngineInfo]:
-        """The peer's info: cached if the cached engine id is the one asked for, fetched otherwise."""
+        """The peer's info: cached if the cached engine (and incarnation, where ``peer`` names one) is the one
+        asked for, fetched otherwise."""
         key = (peer.host, peer.side_channel_port)
         with self._lock:
             cached = self._cache.get(key)
-            if (
-                cached is not None
-                and cached.expected_engine_id == peer.engine_id
-                and not _failed(cached.future)
-            ):
+            if cached is not None and cached.serves(peer):
                 return cached.future
             future = self._pool.submit(self._fetch, peer)
-            self._cache[key] = _Cached(peer.engine_id, future)
+            self._cache[key] = _Cached(peer.engine_id, peer.incarnation, future)
             return future
 
     prewarm = lookup
@@ -294,6 +303,11 @@ class SideChannelClient:
             raise PeerGone(
                 f"side channel {peer.host}:{peer.side_channel_port} serves engine {info.engine_id!r}, not "
                 f"{peer.engine_id!r} (restarted or replaced)"
+            )
+        if peer.incarnation and info.incarnation != peer.incarnation:
+            raise PeerGone(
+                f"engine {peer.engine_id} restarted: incarnation {info.incarnation or '<unnamed>'} runs "
+                f"there, the request's blocks were held by incarnation {peer.incarnation}"
             )
         if info.tp_size != peer.tp_size:
             raise SideChannelError(

@@ -8,6 +8,7 @@ from pdconnector.protocol.params import (
     TransferMode,
     TransferParamsError,
     TransferRequest,
+    mint_incarnation,
     mint_transfer_id,
     parse_transfer_params,
     prefill_leg_params,
@@ -57,6 +58,26 @@ def test_the_pull_decode_leg_reads_back_with_the_remote_blocks_per_group():
     assert request.remote_block_ids == ((1, 2, 3), (7,))
 
 
+def test_a_pull_names_the_start_of_prefill_that_holds_its_blocks_and_older_answers_name_none():
+    answer = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1]],
+        "remote_engine_id": PREFILL.engine_id,
+        "remote_host": PREFILL.host,
+        "remote_port": PREFILL.side_channel_port,
+        "tp_size": PREFILL.tp_size,
+    }
+    incarnation = mint_incarnation()
+    with_start = parse_transfer_params(
+        pull_decode_leg_params({**answer, "remote_incarnation": incarnation}, "tx")
+    )
+    assert with_start.remote is not None and with_start.remote.incarnation == incarnation
+    without = parse_transfer_params(pull_decode_leg_params(answer, "tx"))
+    assert without.remote is not None and without.remote.incarnation == ""
+    assert mint_incarnation() != incarnation
+
+
 def test_a_flat_block_list_from_older_upstream_prefills_is_one_group():
     params = {**push_decode_leg_params("tx-1", PREFILL), "transfer_mode": "pull", "remote_block_ids": [4, 5]}
     assert parse_transfer_params(params).remote_block_ids == ((4, 5),)
@@ -100,6 +121,8 @@ DELETE = object()
         ({**broken("transfer_mode", "pull"), "remote_block_ids": [[1, -2]]}, "remote_block_ids"),
         ({**broken("transfer_mode", "pull"), "remote_block_ids": [[1], 2]}, "remote_block_ids"),
         ({**broken("transfer_mode", "pull"), "remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({**broken("remote_incarnation", "0123456789abcdeZ")}, "remote_incarnation"),
+        ({**broken("remote_incarnation", 7)}, "remote_incarnation"),
     ],
 )
 def test_unusable_parameters_raise_an_error_naming_the_key(params, key):

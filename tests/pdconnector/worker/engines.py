@@ -224,15 +224,17 @@ class Engine:
         self.transfers.start()
         return asdict(self.transfers.coordinates)
 
-    def join(self, ranks: list[dict[str, Any]], serve: bool) -> dict[str, Any] | None:
-        """One node of an engine: every node's ranks are known (``ranks``, engine-wide, in rank order); the
-        first node (``serve``) runs the side channel and returns the engine's coordinates."""
+    def join(self, ranks: list[dict[str, Any]], serve: bool, incarnation: str) -> dict[str, Any] | None:
+        """One node of an engine: every node's ranks are known (``ranks``, engine-wide, in rank order), and
+        the engine's ``incarnation``; the first node (``serve``) runs the side channel and returns the
+        engine's coordinates."""
         assert isinstance(self.transfers, EngineNode)
         info = EngineInfo(
             self.transfers.config.engine_id,
             self.tp,
             layout_summary(self.model),
             tuple(msgspec.convert(rank, RankInfo) for rank in ranks),
+            incarnation=incarnation,
         )
         coordinates = self.transfers.join(info, serve=serve)
         return asdict(coordinates) if coordinates is not None else None

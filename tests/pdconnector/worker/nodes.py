@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdconnector.layout import BlockPlacement, KVModel, RankLayout
-from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.params import PrefillCoordinates, mint_incarnation
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.worker import WorkerConfig
 from pdconnector.worker.identity import EngineInfo, RankInfo
@@ -141,7 +141,9 @@ class EngineNode:
             engine_info=self.info,
             on_announce=self._on_announce,
         )
-        return PrefillCoordinates(info.engine_id, self.config.host, self.server.port, info.tp_size)
+        return PrefillCoordinates(
+            info.engine_id, self.config.host, self.server.port, info.tp_size, info.incarnation
+        )
 
     def info(self) -> EngineInfo:
         if self._info is None:
@@ -172,7 +174,11 @@ class SpanningEngine:
             ranks = [
                 rank for node_ranks in pool.map(lambda node: node.start(), self.nodes) for rank in node_ranks
             ]
-        coordinates = [node.join(ranks=ranks, serve=index == 0) for index, node in enumerate(self.nodes)]
+        incarnation = mint_incarnation()  # the first node's engine core would mint it and tell the others
+        coordinates = [
+            node.join(ranks=ranks, serve=index == 0, incarnation=incarnation)
+            for index, node in enumerate(self.nodes)
+        ]
         return coordinates[0]
 
     def check(self, **kwargs: Any) -> dict[str, int]:

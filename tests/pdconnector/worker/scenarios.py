@@ -30,13 +30,19 @@ class Pair:
 
 @contextlib.contextmanager
 def started(
-    prefill: Any, decode: Any, model: str, tps: tuple[int, int], blocks: tuple[int, int]
+    prefill: Any,
+    decode: Any,
+    model: str,
+    tps: tuple[int, int],
+    blocks: tuple[int, int],
+    *,
+    placement: BlockPlacement = BlockPlacement.LAYER_OUTER,
 ) -> Iterator[Pair]:
     """Both engines started (decode is handed prefill's coordinates), both closed on the way out."""
     try:
         coords = prefill.start()
         decode.start()
-        yield Pair(prefill, decode, coords, model, tps, blocks)
+        yield Pair(prefill, decode, coords, model, tps, blocks, placement)
     finally:
         decode.close()
         prefill.close()

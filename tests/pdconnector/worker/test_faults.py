@@ -34,6 +34,7 @@ from tests.pdconnector.worker.engines import (
     Engine,
     request_blocks,
 )
+from tests.pdconnector.worker.nodes import free_port
 
 NUM_BLOCKS = 16
 TOKENS = 40  # three logical blocks of the dense model
@@ -461,3 +462,44 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again_and_it
         assert decode.transfers.workers[0].stats()["peers_dropped"] == 1
     finally:
         restarted.close()
+
+
+def test_a_pull_from_a_prefill_restarted_since_it_answered_fails_instead_of_reading_its_new_start() -> None:
+    """The prefill answered with its blocks, then restarted under the same engine id and address: the READ
+    must not go to the new start, whose same block ids hold other requests' KV (a silently wrong answer)."""
+    port = free_port()
+    first = Engine(
+        "prefill-r", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock", side_channel_port=port
+    )
+    decode = Engine("decode-r", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock")
+    try:
+        coords = first.start()
+        decode.start()
+        first.fill(blocks=SRC, num_tokens=TOKENS)
+        first.prefill_finished(transfer_id="tx-r", blocks=SRC, num_tokens=TOKENS, pull=True)
+        first.close()
+        second = Engine(
+            "prefill-r", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock", side_channel_port=port
+        )
+        try:
+            assert second.start()["side_channel_port"] == port
+            second.fill(blocks=SRC, num_tokens=TOKENS)  # what another request would have left there
+            decode.read(
+                transfer_id="tx-r",
+                prefill=coords,
+                remote_blocks=SRC,
+                blocks=DST,
+                num_tokens=TOKENS,
+                timeout_s=10,
+            )
+            results, elapsed = _timed_wait(decode, "tx-r", timeout_s=10)
+            assert _one(results)[0] == "failed_recving"
+            assert "held by incarnation" in results[0]["detail"], results
+            assert elapsed < 2.0, "fails at the handshake, not at the deadline"
+            assert decode.check(received=[]) == {"wrong_bytes": 0, "guard_bytes": 0}
+            assert second.stats()[0].get("notifications_refused", 0) == 0
+        finally:
+            second.close()
+    finally:
+        decode.close()
+        first.close()

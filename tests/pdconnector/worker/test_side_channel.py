@@ -9,10 +9,11 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import msgspec
 import pytest
-from pdconnector.protocol.params import PrefillCoordinates
+from pdconnector.protocol.params import PrefillCoordinates, mint_incarnation
 from pdconnector.worker import (
     EngineInfo,
     RankInfo,
@@ -22,7 +23,7 @@ from pdconnector.worker import (
     fetch_engine_info,
     layout_summary,
 )
-from pdconnector.worker.side_channel import MAGIC, MAX_FRAME_BYTES
+from pdconnector.worker.side_channel import MAGIC, MAX_FRAME_BYTES, PeerGone
 
 from tests.pdconnector.worker.engines import MODELS
 
@@ -104,6 +105,24 @@ def test_a_restarted_peer_is_fetched_again_and_its_old_identity_refused(
     )
     with pytest.raises(SideChannelError, match="serves engine 'prefill-a-restarted', not 'prefill-a'"):
         client.lookup(served.coords("prefill-a")).result(timeout=5)
+
+
+def test_a_lookup_naming_an_incarnation_gets_that_start_of_the_engine_or_peer_gone(
+    served: Served, client: SideChannelClient
+) -> None:
+    first, second = mint_incarnation(), mint_incarnation()
+    served.info = msgspec.structs.replace(engine_info("prefill-a"), incarnation=first)
+    any_start = served.coords("prefill-a")
+    assert client.lookup(any_start).result(timeout=5).incarnation == first
+    assert client.lookup(replace(any_start, incarnation=first)).result(timeout=5).incarnation == first
+    assert served.handshakes == 1  # the cached answer is the start asked for
+    served.info = msgspec.structs.replace(
+        served.info, incarnation=second
+    )  # restarted under the same engine id
+    assert client.lookup(replace(any_start, incarnation=second)).result(timeout=5).incarnation == second
+    assert served.handshakes == 2  # the cached start was not the one asked for
+    with pytest.raises(PeerGone, match=f"incarnation {second} runs there.*held by incarnation {first}"):
+        client.lookup(replace(any_start, incarnation=first)).result(timeout=5)
 
 
 def test_invalidate_forces_a_new_handshake(served: Served, client: SideChannelClient) -> None:

@@ -35,7 +35,7 @@ from pdconnector.transport.nixl_transport import nixl_unavailable_reason
 
 from tests.pdconnector.worker.engines import EngineHost, RemoteEngine, request_blocks, warm_hosts
 from tests.pdconnector.worker.nodes import one_side_spanning
-from tests.pdconnector.worker.scenarios import Pair, assert_received, assert_sent
+from tests.pdconnector.worker.scenarios import Pair, assert_received, assert_sent, started
 from tests.pdconnector.worker.vram import SuiteModel, gpu_suite
 
 SUITE = gpu_suite()
@@ -102,13 +102,8 @@ def pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -
         options["staging"] = {"nbytes": 2 * slot, "slots": 2, "path": "staged"}
     prefill = hosts[0].create(f"prefill-{tag}", config, tp=p_tp, num_blocks=p_blocks, **options)
     decode = hosts[1].create(f"decode-{tag}", config, tp=d_tp, num_blocks=d_blocks, **options)
-    try:
-        coords = prefill.start()
-        decode.start()
-        yield Pair(prefill, decode, coords, model.name, (p_tp, d_tp), model.num_blocks, placement)
-    finally:
-        decode.close()
-        prefill.close()
+    with started(prefill, decode, model.name, (p_tp, d_tp), model.num_blocks, placement=placement) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
@@ -147,13 +142,8 @@ def spanning_pair(
         device=SUITE.device,
         placement=placement.value,
     )
-    try:
-        coords = prefill.start()
-        decode.start()
-        yield Pair(prefill, decode, coords, model.name, (p_tp, d_tp), model.num_blocks, placement)
-    finally:
-        decode.close()
-        prefill.close()
+    with started(prefill, decode, model.name, (p_tp, d_tp), model.num_blocks, placement=placement) as pair:
+        yield pair
 
 
 def _counts(engine: RemoteEngine, name: str) -> list[int]:
