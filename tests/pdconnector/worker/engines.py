@@ -128,7 +128,8 @@ class Engine:
     """One engine: ``tp`` ranks, each with guarded pools and a transfer worker.
 
     ``model``: a name in :data:`MODELS` or an HF ``config.json`` (dict); ``device``: None for numpy host
-    pools, else the torch device of every pool (all ranks share it); ``first_device_id``: rank ``r`` registers
+    pools, else the torch device of every pool (all ranks share it), or a list: each hosted rank's own (a GPU
+    engine's rank ``r`` on ``cuda:r``); ``first_device_id``: rank ``r`` registers
     its host pools as device ``first_device_id + r``, standing in for a GPU engine's ``cuda:r`` where no GPU
     is; ``placement``: where every rank's block pages sit (a :class:`~pdconnector.layout.BlockPlacement`
     value, as vLLM's KV cache layout decides); ``staging``: every rank's staging buffer and path
@@ -149,7 +150,7 @@ class Engine:
         limits: dict[str, float] | None = None,
         fence_s: float = 60.0,
         transport_options: dict[str, Any] | None = None,
-        device: str | None = None,
+        device: str | list[str] | None = None,
         first_device_id: int = 0,
         worker_options: dict[str, float] | None = None,
         placement: str = BlockPlacement.LAYER_OUTER.value,
@@ -160,14 +161,18 @@ class Engine:
     ) -> None:
         self.model = MODELS[model] if isinstance(model, str) else model_from_hf_config(model)
         self.tp = tp
-        self.memory = PoolMemory(device)
         hosted = list(range(tp)) if ranks is None else ranks
+        devices = device if isinstance(device, list) else [device] * len(hosted)
+        if len(devices) != len(hosted):
+            raise ValueError(f"device: {len(devices)} devices for the {len(hosted)} ranks hosted here")
         self.layouts = [
             RankLayout(self.model, tp, rank, num_blocks, BlockPlacement(placement)) for rank in hosted
         ]
+        self.memories = [PoolMemory(d) for d in devices]  # per hosted rank, as the layouts
+        memory_of = dict(zip(hosted, self.memories, strict=True))
         self.buffers = [
-            [self.memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions]
-            for lay in self.layouts
+            [memory.full(r.nbytes + 2 * GUARD_BYTES, GUARD_FILL) for r in lay.regions]
+            for lay, memory in zip(self.layouts, self.memories, strict=True)
         ]
         self.pools = [[buf[GUARD_BYTES:-GUARD_BYTES] for buf in bufs] for bufs in self.buffers]
         self.reset()
@@ -180,11 +185,13 @@ class Engine:
             # Called on the rank's worker thread: what that thread looks like when the agent comes to exist.
             self._transport_threads[rank] = {
                 "thread": threading.current_thread().name,
-                "cuda_device": self.memory.current_device(),
+                "cuda_device": memory_of[rank].current_device(),
             }
             return create_transport(transport, f"{name}-r{rank}-{suffix}", **(transport_options or {}))  # type: ignore[arg-type]
 
-        regions = [[self.memory.region(p) for p in pools] for pools in self.pools]
+        regions = [
+            [memory.region(p) for p in pools] for pools, memory in zip(self.pools, self.memories, strict=True)
+        ]
         if first_device_id:
             regions = [
                 [replace(r, device_id=first_device_id + local_rank) for r in rank_regions]
@@ -244,7 +251,8 @@ class Engine:
         # An engine host process outlives its engines: give their pools back to the device, not to torch's
         # cache, where the next engine's differently sized pools could not use them.
         self.pools, self.buffers = [], []
-        self.memory.release()
+        for memory in set(self.memories):
+            memory.release()
 
     # --- pools ----------------------------------------------------------------------------------------------
 
@@ -253,7 +261,7 @@ class Engine:
         compute it."""
         for layout, pools in zip(self.layouts, self.pools, strict=True):
             write_tagged_blocks(layout, pools, blocks, blocks, num_tokens=num_tokens)
-        self.memory.synchronize()
+        self._synchronize()
 
     def check(self, received: list[dict[str, Any]]) -> dict[str, int]:
         """Compare every rank's pools with the expectation after the transfers in ``received`` ({dst, src,
@@ -261,9 +269,11 @@ class Engine:
 
         Returns the number of differing bytes inside the regions and outside them (guards)."""
         wrong = guards = 0
-        for layout, pools, buffers in zip(self.layouts, self.pools, self.buffers, strict=True):
-            expected = self._expected(layout, received)
-            wrong += sum(self.memory.count_different(a, b) for a, b in zip(expected, pools, strict=True))
+        for layout, pools, buffers, memory in zip(
+            self.layouts, self.pools, self.buffers, self.memories, strict=True
+        ):
+            expected = self._expected(layout, memory, received)
+            wrong += sum(memory.count_different(a, b) for a, b in zip(expected, pools, strict=True))
             guards += sum(
                 int((buf[:GUARD_BYTES] != GUARD_FILL).sum()) + int((buf[-GUARD_BYTES:] != GUARD_FILL).sum())
                 for buf in buffers
@@ -274,10 +284,11 @@ class Engine:
         """The first ``limit`` pages that differ from the expectation of :meth:`check` (rank, region, block,
         bytes): where a failed check went wrong."""
         found = []
-        for layout, pools in zip(self.layouts, self.pools, strict=True):
+        for layout, pools, memory in zip(self.layouts, self.pools, self.memories, strict=True):
             rank = layout.tp_rank
-            for region, (want, got) in enumerate(zip(self._expected(layout, received), pools, strict=True)):
-                per_block = self.memory.count_different(want, got, layout.block_stride)
+            expected = self._expected(layout, memory, received)
+            for region, (want, got) in enumerate(zip(expected, pools, strict=True)):
+                per_block = memory.count_different(want, got, layout.block_stride)
                 found += [
                     {"rank": rank, "region": region, "block": b, "bytes": int(n)}
                     for b, n in enumerate(per_block)
@@ -287,8 +298,9 @@ class Engine:
                     return found[:limit]
         return found
 
-    def _expected(self, layout: RankLayout, received: list[dict[str, Any]]) -> list[Any]:
-        expected = [self.memory.full(r.nbytes, DECODE_FILL) for r in layout.regions]
+    @staticmethod
+    def _expected(layout: RankLayout, memory: PoolMemory, received: list[dict[str, Any]]) -> list[Any]:
+        expected = [memory.full(r.nbytes, DECODE_FILL) for r in layout.regions]
         for transfer in received:
             write_tagged_blocks(
                 layout, expected, transfer["dst"], transfer["src"], num_tokens=transfer["num_tokens"]
@@ -299,7 +311,11 @@ class Engine:
         for pools in self.pools:
             for pool in pools:
                 pool[:] = DECODE_FILL
-        self.memory.synchronize()
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        for memory in set(self.memories):
+            memory.synchronize()
 
     def transport_threads(self) -> list[dict[str, Any]]:
         """Per rank, the thread its transport was created on: its name and the device of its current CUDA

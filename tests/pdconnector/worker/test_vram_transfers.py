@@ -11,7 +11,9 @@ tokens on randomly permuted blocks, pushed and pulled, at TP 1->1, 1->2 and 2->1
 through the staged path too (gathered into a staging slot on the GPU, one WRITE, scattered on the GPU).
 Engines larger than a node: a TP-2 engine whose ranks run in two processes standing in for two nodes (each
 rank on its node's first device, reached through the first node's side channel), paired with a single-node
-TP-1 engine, pushed and pulled both ways.
+TP-1 engine, pushed and pulled both ways. Two GPUs (skipped with fewer): each rank's pools on its own GPU,
+prefill and decode on separate GPUs (0 -> 1, 0 -> 0+1, 0+1 -> 1, 0+1 -> 1+0), every transport created with its
+rank's GPU current.
 
 Checked on the device, never by copying pools to the host: every byte of every decode region equals the
 expectation (the prefill's tagged content at the request's blocks, the sentinel the pool was filled with
@@ -60,6 +62,18 @@ PAIR_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-{placement.value}" for model, p_tp, d
 STAGED_PAIRS = [(model, p_tp, d_tp, LAYER, "staged") for model in SUITE.models for p_tp, d_tp in TPS]
 STAGED_IDS = [f"{model.name}-P{p_tp}-D{d_tp}-staged" for model, p_tp, d_tp, _, _ in STAGED_PAIRS]
 TOKEN_IDS = [f"{tokens // 1024}k" for tokens in SUITE.tokens]
+# Two GPUs: each rank's pools on its own device (device ids carried end to end), prefill and decode on
+# separate GPUs, and heterogeneous TP across them. Skipped with fewer than two CUDA devices.
+GPU_PLACEMENTS = (((0,), (1,)), ((0,), (0, 1)), ((0, 1), (1,)), ((0, 1), (1, 0)))
+TWO_GPU_PAIRS = [
+    (model, p_gpus, d_gpus, BLOCK if model.spec.num_ssm_layers or len(p_gpus) == len(d_gpus) else HEAD)
+    for model in SUITE.models
+    for p_gpus, d_gpus in GPU_PLACEMENTS
+]
+TWO_GPU_IDS = [
+    f"{model.name}-P{''.join(map(str, p))}-D{''.join(map(str, d))}-{placement.value}"
+    for model, p, d, placement in TWO_GPU_PAIRS
+]
 # Engines larger than a node (tests/pdconnector/worker/nodes.py): one side's ranks in two processes, one per
 # node, each rank on its node's first device, paired at heterogeneous TP with a single-node engine. Dense
 # caches head-outer, one descriptor per block: a READ between processes here runs UCX's software emulation
@@ -143,6 +157,26 @@ def spanning_pair(
         placement=placement.value,
     )
     with started(prefill, decode, model.name, (p_tp, d_tp), model.num_blocks, placement=placement) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def two_gpu_pair(request: pytest.FixtureRequest, hosts: tuple[EngineHost, EngineHost]) -> Iterator[Pair]:
+    """A prefill and a decode engine whose rank ``r`` has its pools on GPU ``p_gpus[r]`` / ``d_gpus[r]``."""
+    if (reason := SUITE.gpus_missing_reason(2)) is not None:
+        pytest.skip(reason)
+    model, p_gpus, d_gpus, placement = request.param
+    tag = f"{model.name}-p{''.join(map(str, p_gpus))}d{''.join(map(str, d_gpus))}-{placement.value}"
+    config, (p_blocks, d_blocks) = dict(model.config), model.num_blocks
+    options: dict[str, Any] = {"transport": "nixl", "placement": placement.value}
+    prefill = hosts[0].create(
+        f"prefill-{tag}", config, tp=len(p_gpus), num_blocks=p_blocks, device=SUITE.devices(p_gpus), **options
+    )
+    decode = hosts[1].create(
+        f"decode-{tag}", config, tp=len(d_gpus), num_blocks=d_blocks, device=SUITE.devices(d_gpus), **options
+    )
+    tps = (len(p_gpus), len(d_gpus))
+    with started(prefill, decode, model.name, tps, model.num_blocks, placement=placement) as pair:
         yield pair
 
 
@@ -301,3 +335,17 @@ def test_an_engine_spanning_two_nodes_and_a_single_node_peer_move_every_byte_and
     """The checks of a single-node pair, the spanning engine's ranks reached through its first node's side
     channel, each at its own node's address."""
     _move(spanning_pair, mode, tokens, record_property)
+
+
+@pytest.mark.parametrize("tokens", SUITE.tokens, ids=TOKEN_IDS)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("two_gpu_pair", TWO_GPU_PAIRS, indirect=True, ids=TWO_GPU_IDS)
+def test_ranks_on_their_own_gpus_move_every_byte_and_nothing_else(
+    two_gpu_pair: Pair, mode: str, tokens: int, record_property: Any, request: pytest.FixtureRequest
+) -> None:
+    """Every rank created its transport with its own GPU current; the single-GPU checks hold across GPUs."""
+    _, p_gpus, d_gpus, _ = request.node.callspec.params["two_gpu_pair"]
+    for engine, gpus in ((two_gpu_pair.prefill, p_gpus), (two_gpu_pair.decode, d_gpus)):
+        current = [t["cuda_device"] for t in engine.transport_threads()]
+        assert current == (list(gpus) if SUITE.device == "cuda" else [None] * len(gpus))
+    _move(two_gpu_pair, mode, tokens, record_property)

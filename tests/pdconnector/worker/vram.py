@@ -128,6 +128,20 @@ class GpuSuite:
     def model(self, name: str) -> SuiteModel:
         return next(m for m in self.models if m.name == name)
 
+    def devices(self, indices: tuple[int, ...]) -> list[str]:
+        """The pool device of each rank placed on GPU ``indices[r]`` (``cpu`` stands in for every GPU)."""
+        return [f"cuda:{i}" if self.device == "cuda" else self.device for i in indices]
+
+    def gpus_missing_reason(self, count: int) -> str | None:
+        """Why tests that place ranks on ``count`` GPUs cannot run (None: they can; on ``cpu`` they always
+        run, every GPU standing in as host memory)."""
+        if self.device != "cuda" or self.skip_reason is not None:
+            return self.skip_reason
+        import torch  # noqa: PLC0415 (only CUDA runs get here)
+
+        seen = torch.cuda.device_count()
+        return None if seen >= count else f"needs {count} CUDA devices, this machine has {seen}"
+
 
 def gpu_suite(env: Mapping[str, str] = os.environ) -> GpuSuite:
     device = env.get(DEVICE_ENV, "cuda")
