@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-TOOLS  := .cache/k8s-tools/bin/helm .cache/keda-schema/package-lock.json
+TOOLS  := .cache/k8s-tools/bin/helm .cache/keda-schema/package-lock.json .cache/apiserver/bin/pd-apiserver
 
 .PHONY: demo test lint crd rbac golden clean
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml constraints.txt
 # KEDA's ScaledObject schema for the render tests.
 .cache/keda-schema/package-lock.json: scripts/fetch-keda-schema.sh tests/k8s/keda/package-lock.json tests/k8s/keda/check.mjs
 	scripts/fetch-keda-schema.sh
+
+# The real CRD-serving API server and etcd, built from Debian's packages (cached outside the clone).
+.cache/apiserver/bin/pd-apiserver: scripts/build-apiserver.sh tests/k8s/apiserver/main.go tests/k8s/apiserver/debian-packages.lock
+	scripts/build-apiserver.sh
 
 demo: $(STAMP)
 	$(BIN)/pdctl demo

@@ -1,11 +1,14 @@
-"""Fixtures shared by every suite: the real kubectl and helm binaries."""
+"""Fixtures shared by every suite: the real kubectl and helm binaries, and the real CRD-serving API server."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.k8s.real_server import RealApiServer
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_TOOLS = REPO / ".cache" / "k8s-tools" / "bin"
@@ -27,3 +30,11 @@ def helm() -> Path:
 @pytest.fixture(scope="session")
 def kubectl() -> Path:
     return _k8s_tool("kubectl")
+
+
+@pytest.fixture(scope="session")
+def real_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApiServer]:
+    """One real CRD-serving API server for the session (``tests/k8s/real_server.py``); tests keep to their own
+    namespaces and objects. Never skipped: `make test` builds it, and a bare run says how."""
+    with RealApiServer(tmp_path_factory.mktemp("real-apiserver")) as server:
+        yield server

@@ -60,20 +60,36 @@ class _Generator(GenerateJsonSchema):
     """pydantic's generator, plus defaults of nested objects and no ``default: null``.
 
     The API server only defaults a nested field when its parent object exists, so
-    an object field defaulted by a model factory gets ``default: {}`` (or its
-    non-default content): then every default below it applies too, and CEL rules
-    can rely on them. Empty list/map factories get no default: absent and empty mean
-    the same thing and the schema stays quiet.
+    an object field defaulted by a model factory gets a default object. That object
+    is written out whole (every defaulted field below it, not ``{}``): the API server
+    checks each default against the schema and its CEL rules as written, without
+    applying the nested defaults first, so a rule reading a nested defaulted field
+    would fail on ``{}`` at CRD creation. Empty list/map factories get no default:
+    absent and empty mean the same thing and the schema stays quiet.
     """
 
     def get_default_value(self, schema: Any) -> Any:
         if "default_factory" in schema:
             value = schema["default_factory"]()
             if isinstance(value, BaseModel):
-                return value.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+                return default_object(value)
             return NoDefault
         default = super().get_default_value(schema)
         return NoDefault if default is None else default
+
+
+def default_object(model: BaseModel) -> dict[str, Any]:
+    """``model`` as a schema default: every field with a value, nested models whole, empty lists and maps left
+    out (absent and empty mean the same, and a field given without them gets none either)."""
+    dumped = model.model_dump(mode="json", by_alias=True, exclude_none=True)
+    for name, field in type(model).model_fields.items():
+        key = field.alias or name
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            dumped[key] = default_object(value)
+        elif isinstance(value, list | dict) and not value:
+            dumped.pop(key, None)
+    return dumped
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any], where: str) -> tuple[dict[str, Any], str | None]:
@@ -165,9 +181,10 @@ def openapi_schema() -> dict[str, Any]:
                 "description": "Versioned schema of this object: inference.pdoperator.dev/v1alpha1.",
             },
             "kind": {"type": "string", "description": "PDService."},
+            # The API server owns metadata's schema: it refuses a CRD whose root metadata node says anything
+            # but restrictions of name and generateName (a description included).
             "metadata": {
                 "type": "object",
-                "description": "Standard object metadata.",
                 "properties": {
                     "name": {
                         "type": "string",

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "pod's DNS name)",
     )
     parser.add_argument(
+        "--watch-timeout",
+        type=int,
+        default=HandlerSettings.watch_server_timeout_seconds,
+        metavar="SECONDS",
+        help="how long the API server keeps one watch open before the operator renews it (whole seconds)",
+    )
+    parser.add_argument(
         "--api-timeout",
         type=float,
         default=HandlerSettings.api_request_timeout_seconds,
@@ -130,9 +137,10 @@ def peering_priority(requested: int | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if min(args.kv_check_interval, args.api_timeout, args.autoscale_interval) <= 0:
+    if min(args.kv_check_interval, args.api_timeout, args.autoscale_interval, args.watch_timeout) <= 0:
         print(
-            "pd-operator: --kv-check-interval, --autoscale-interval and --api-timeout must be positive",
+            "pd-operator: --kv-check-interval, --autoscale-interval, --api-timeout and --watch-timeout "
+            "must be positive",
             file=sys.stderr,
         )
         return 2
@@ -151,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_check_interval_seconds=args.kv_check_interval,
         api_request_timeout_seconds=args.api_timeout,
         autoscale_interval_seconds=args.autoscale_interval,
+        watch_server_timeout_seconds=args.watch_timeout,
     )
     metrics_urls = (
         template_metrics_urls(args.router_metrics_url, args.engine_metrics_url)

@@ -44,7 +44,9 @@ class HandlerSettings:
     kv_check_interval_seconds: float = 15.0
     router_status_timeout_seconds: float = 3.0
     api_request_timeout_seconds: float = 30.0
-    watch_server_timeout_seconds: float = 300.0
+    # An integer: kopf sends it as the watch's timeoutSeconds, which the API server parses as one (300.0 is a
+    # 400 Bad Request).
+    watch_server_timeout_seconds: int = 300
     retry_delay_seconds: float = 5.0
     autoscale_interval_seconds: float = 15.0
     metrics_timeout_seconds: float = 3.0

@@ -10,6 +10,8 @@ from pdoperator.api import PDServiceSpec
 from pdoperator.api.rules import CEL_RULES
 from pdoperator.api.schema import SchemaError, _structural, schema_nodes
 
+from .conftest import cel_violations
+
 FORBIDDEN_KEYWORDS = ("$ref", "$defs", "anyOf", "allOf", "oneOf", "not", "title", "nullable")
 
 
@@ -29,7 +31,15 @@ def test_schema_uses_no_composition_or_references_anywhere(openapi):
 def test_every_node_has_a_type_and_a_description(openapi):
     for path, node in schema_nodes(openapi):
         assert node.get("type") in ("object", "array", "string", "integer", "boolean"), path
-        assert len(node.get("description", "")) >= 5, f"{path or '<root>'} has no useful description"
+        if path != ".metadata":
+            assert len(node.get("description", "")) >= 5, f"{path or '<root>'} has no useful description"
+
+
+def test_root_metadata_restricts_only_name_and_generate_name_as_the_api_server_demands(openapi):
+    """kube-apiserver refuses a CRD whose root metadata node says anything else, a description included."""
+    metadata = openapi["properties"]["metadata"]
+    assert set(metadata) <= {"type", "properties"}
+    assert set(metadata["properties"]) <= {"name", "generateName"}
 
 
 def test_objects_have_either_properties_or_a_map_value_schema(openapi):
@@ -86,13 +96,25 @@ def test_bounds_and_enums_come_from_the_model(openapi):
     assert openapi["properties"]["spec"]["required"] == ["model"]
 
 
-def test_nested_objects_default_to_empty_so_their_defaults_apply(openapi):
+def test_nested_objects_default_to_their_whole_defaulted_content(openapi, defaulted):
+    """A default is written out whole, equal to what nested defaulting would give: the API server checks
+    defaults as written, without applying the defaults below them (``{}`` failed every rule reading a nested
+    default at CRD creation), and stores the same spec whether the object was omitted or given empty."""
     spec = openapi["properties"]["spec"]["properties"]
     for name in ("prefill", "decode", "engine", "network", "router"):
-        assert spec[name]["default"] == {}, name
+        assert spec[name]["default"], name
+        assert spec[name]["default"] == defaulted(spec[name], {}), name
+    assert spec["engine"]["default"]["transport"]["backend"] == "UCX"
     assert spec["model"]["properties"]["source"]["default"] == {"huggingFace": {}}
     # Optional fields have no default at all (the API server would otherwise store nulls).
     assert "default" not in spec["ssm"]
+
+
+def test_every_cel_rule_holds_on_every_default_as_written(openapi):
+    """What kube-apiserver checks when the CRD is created (it does not default a default)."""
+    for path, node in schema_nodes(openapi):
+        if "default" in node:
+            assert not cel_violations(node, node["default"], path), path
 
 
 def test_every_default_is_valid_under_its_own_schema(openapi, defaulted):
