@@ -7,6 +7,7 @@ from typing import Any
 import kopf
 import pytest
 from pdoperator.cli import operator_main
+from pdoperator.reconcile.handlers import HandlerSettings, apply_kopf_settings
 from pdoperator.reconcile.kube import KubernetesApi
 
 
@@ -117,3 +118,27 @@ def test_the_router_image_comes_from_the_chart_environment() -> None:
         "m:1",
         "corp.local",
     )
+
+
+def test_the_watch_timeout_reaches_kopf_as_whole_seconds(
+    kopf_calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf sends it as the watch's timeoutSeconds, which kube-apiserver parses as an integer (300.0: 400)."""
+    settings = kopf.OperatorSettings()
+    apply_kopf_settings(settings, HandlerSettings())
+    assert str(settings.watching.server_timeout) == "300"
+    handed: list[HandlerSettings] = []
+    monkeypatch.setattr(operator_main, "register", lambda *args: handed.append(args[-1]))
+    operator_main.main(["--watch-timeout", "7"])
+    apply_kopf_settings(settings, handed[0])
+    assert str(settings.watching.server_timeout) == "7"
+
+
+def test_a_fractional_watch_timeout_is_refused(
+    kopf_calls: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        operator_main.main(["--watch-timeout", "2.5"])
+    assert exit_info.value.code == 2
+    assert "--watch-timeout" in capsys.readouterr().err
+    assert operator_main.main(["--watch-timeout", "0"]) == 2
