@@ -13,6 +13,10 @@ from pydantic import Field
 
 from pdoperator.api.base import ENV_VAR_NAME, QUANTITY, ApiModel
 
+# The largest integer bound the API server takes: it reads a schema's maximum as a JSON number and refuses one
+# beyond 2^53 ("Maximum boundary value must be of type integer"), failing every object that sets the field.
+MAX_JSON_INTEGER = 2**53 - 1
+
 
 class Toleration(ApiModel):
     """A Kubernetes toleration (core/v1 Toleration)."""
@@ -28,7 +32,9 @@ class Toleration(ApiModel):
         Field(description="Taint effect to match; unset matches all effects."),
     ] = None
     toleration_seconds: Annotated[
-        int | None, Field(description="How long a NoExecute taint is tolerated.", ge=0)
+        # Unbounded, pdctl took numbers beyond int64 that the API server refuses.
+        int | None,
+        Field(description="How long a NoExecute taint is tolerated.", ge=0, le=MAX_JSON_INTEGER),
     ] = None
 
 

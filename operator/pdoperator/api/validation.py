@@ -219,8 +219,12 @@ def _check_env(role: str, spec: RoleSpec, efa_enabled: bool) -> list[FieldError]
         if var.name in reserved:
             errors.append(FieldError(path, f"{var.name} is set by the operator; {reserved[var.name]}"))
         if var.name in first_index:
+            # env is a list-map keyed by name: the API server reports a duplicate on the item, not its name.
             errors.append(
-                FieldError(path, f"duplicate name {var.name} (first set in env[{first_index[var.name]}])")
+                FieldError(
+                    f"spec.{role}.env[{index}]",
+                    f"duplicate name {var.name} (first set in env[{first_index[var.name]}])",
+                )
             )
         first_index.setdefault(var.name, index)
     return errors

@@ -613,7 +613,7 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         document(
             {"prefill": {"env": [{"name": "A", "value": "1"}, {"name": "B"}, {"name": "A", "value": "2"}]}}
         ),
-        ["spec.prefill.env[2].name: duplicate name A (first set in env[0])"],
+        ["spec.prefill.env[2]: duplicate name A (first set in env[0])"],
     ),
     (
         "node selector key with a space",
