@@ -5,16 +5,19 @@ Measures, and prints:
   2. API writes per PDService until it is settled (by kind of write), and writes while idle;
   3. total time to reconcile N PDServices created at once (children created + status written).
 
-    .venv/bin/python e2e/bench/operator_bench.py [--sequential 30] [--burst 200]
+    .venv/bin/python e2e/bench/operator_bench.py [--sequential 30] [--burst 200] [--real-apiserver]
 
 The emulator is a single-threaded Python server: absolute numbers are the emulator's as much as
-the operator's, so compare runs on the same machine.
+the operator's, so compare runs on the same machine. With ``--real-apiserver`` the PDServices live on the
+real CRD-serving API server behind the emulator (the tests' one world: ``tests/k8s/operator_env.py``), so
+their validation, defaulting and storage are Kubernetes' own.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -34,6 +38,7 @@ from pdoperator.api import crd_manifest, parse_pdservice  # noqa: E402
 from pdoperator.render import RenderDefaults, render_pdservice  # noqa: E402
 
 from tests.k8s.harness import OperatorProcess, eventually, is_operator_request, writes_by_operator  # noqa: E402
+from tests.k8s.real_server import RealApiServer  # noqa: E402
 from tests.k8s.server import EmulatedCluster  # noqa: E402
 
 PDS_PATH = "/apis/inference.pdoperator.dev/v1alpha1/namespaces/{namespace}/pdservices"
@@ -56,6 +61,14 @@ def post(cluster: EmulatedCluster, path: str, body: dict[str, Any]) -> dict[str,
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def served(cluster: EmulatedCluster, path: str) -> bool:
+    try:
+        with urllib.request.urlopen(cluster.url + path, timeout=10) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def pdservice(name: str, namespace: str) -> dict[str, Any]:
@@ -102,6 +115,20 @@ def classify(write: str) -> str:
     return f"child {method.lower()}"
 
 
+@contextlib.contextmanager
+def world(tmp: pathlib.Path, real_apiserver: bool) -> Iterator[EmulatedCluster]:
+    """The emulator, in front of a real API server when asked, with the namespaces and the CRD."""
+    with contextlib.ExitStack() as stack:
+        real = stack.enter_context(RealApiServer(tmp / "apiserver")) if real_apiserver else None
+        cluster = stack.enter_context(EmulatedCluster(upstream=real))
+        for namespace in ("seq", "burst"):  # a namespace exists before anything is created in it
+            namespace_object = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+            post(cluster, "/api/v1/namespaces", namespace_object)
+        post(cluster, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
+        eventually(lambda: served(cluster, PDS_PATH.format(namespace="seq")), "the PDService CRD served", 30)
+        yield cluster
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -110,12 +137,14 @@ def main() -> int:
         "--sequential", type=int, default=30, help="PDServices created one at a time (latency)"
     )
     parser.add_argument("--burst", type=int, default=200, help="PDServices created at once (throughput)")
+    parser.add_argument(
+        "--real-apiserver", action="store_true", help="PDServices on the real API server behind the emulator"
+    )
     args = parser.parse_args()
     expected = len(render_pdservice(parse_pdservice(pdservice("x", "default")), RenderDefaults()))
 
-    with tempfile.TemporaryDirectory() as tmp, EmulatedCluster() as cluster:
+    with tempfile.TemporaryDirectory() as tmp, world(pathlib.Path(tmp), args.real_apiserver) as cluster:
         kubeconfig = cluster.write_kubeconfig(pathlib.Path(tmp) / "kubeconfig")
-        post(cluster, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd_manifest())
         operator = OperatorProcess(
             kubeconfig,
             pathlib.Path(tmp) / "operator.log",

@@ -1,5 +1,5 @@
 """A Kubernetes API server for tests: kmock 0.8's ``KubernetesEmulator``, completed enough for kopf and
-kubectl.
+kubectl, and the front of the one world the operator tests run in.
 
 kmock 0.8 stores objects in memory and serves them over HTTP, but as shipped neither kopf nor
 kubectl can work against it. This subclass (``ApiServerEmulator``) keeps kmock's server, request
@@ -7,33 +7,46 @@ recording (``list(emulator)``), discovery scaffold and object store (``emulator.
 replaces the resource endpoints with behaviour close to a real kube-apiserver:
 
 - metadata: ``uid``, ``resourceVersion`` (one global counter), ``generation`` (bumped when
-  anything but metadata/status changes), ``creationTimestamp``, ``generateName``;
+  anything but metadata/status changes, and once when deletion starts), ``creationTimestamp``,
+  ``generateName``; names and labels checked as ``ValidateObjectMeta`` does (422);
+- namespaces: ``default``, ``kube-system``, ``kube-public`` and ``kube-node-lease`` exist; a create in
+  any other namespace needs its Namespace first (404, as the NamespaceLifecycle admission plugin);
 - optimistic concurrency: a stale ``metadata.resourceVersion`` in a write answers 409;
   a failed JSON-patch ``test`` op answers 422 (kopf relies on it for finalizers);
 - patches: merge (RFC 7386), JSON patch (RFC 6902), strategic merge treated as merge after
-  dropping ``$``-directives (lists are replaced, not merged by key), apply patches as merge;
-  ``PUT`` replaces; a write that changes nothing bumps nothing and emits no event;
+  dropping ``$``-directives (lists are replaced, not merged by key; custom resources answer 415 as
+  the real server does), apply patches (``fieldManager`` required) as merge; any other type 415;
+  ``PUT`` replaces (custom resources need ``metadata.resourceVersion``); a write that changes
+  nothing bumps nothing and emits no event;
 - status subresource: ``/status`` writes change only ``.status``; main-resource writes keep it;
 - deletion: objects with finalizers get ``deletionTimestamp`` and go away when the last
-  finalizer is removed;
-- lists carry ``kind: <Kind>List``, ``apiVersion`` and the current ``resourceVersion``;
-  ``labelSelector`` (=, ==, !=, in, notin, exists, !exists) and ``fieldSelector``
-  (metadata.name, metadata.namespace) filter lists and watches;
+  finalizer is removed; an immediate deletion answers a ``Success`` Status;
+- lists sorted by namespace and name as etcd returns them, with ``kind: <Kind>List``,
+  ``apiVersion`` and the current ``resourceVersion``; ``labelSelector`` (=, ==, !=, in, notin,
+  exists, !exists) and ``fieldSelector`` (metadata.name, metadata.namespace) filter lists and watches;
 - watches: served as ``application/json`` lines; ``resourceVersion=N`` replays every event after
   N from the event log, without it the stream starts with the current objects taken atomically
-  with the subscription; ``sendInitialEvents`` ends the initial batch with the
-  ``k8s.io/initial-events-end`` bookmark; ``timeoutSeconds`` ends the stream;
+  with the subscription; ``sendInitialEvents`` (with ``resourceVersionMatch=NotOlderThan``) ends the
+  initial batch with the ``k8s.io/initial-events-end`` bookmark; ``timeoutSeconds`` (an integer)
+  ends the stream;
+- query parameters parsed as the real server parses them (``api_rules.py``: integer timeouts,
+  unsigned resourceVersions, ``fieldValidation``/``dryRun`` values, selector syntax);
 - discovery: core ``groupVersion`` is ``v1`` (kmock says ``/v1``); built-in kinds are declared up
   front and a created CustomResourceDefinition makes its resource discoverable (namespaced or
-  not, short names, status subresource), as the real server does;
-- ``/api/v1/namespaces`` (list) and ``/api/v1/namespaces/NAME`` are routed to the namespaces
-  resource (kmock's path parser takes them for a namespace scope).
+  not, short names, status subresource), as the real server does.
+
+With ``upstream`` (``forwarding.Upstream``), the emulator serves only the built-in groups the real
+CRD-serving server lacks (``EMULATED_GROUPS``) and forwards ``apiextensions.k8s.io`` and every other
+group to it, as kube-apiserver's aggregator forwards to an extension server; ``/apis`` lists both.
+Forwarded requests are recorded like served ones.
 
 Not emulated: protobuf bodies (answered 415; ``kubectl create namespace`` sends protobuf, ``kubectl
-apply`` sends JSON), schema validation or defaulting of any kind (no CEL, no OpenAPI pruning), garbage
-collection by ownerReferences, controllers (StatefulSets never get pods or status unless a test
-writes it), admission, authorization (every request is allowed: see ``rbac_requests``), table
-output (kubectl falls back to client-side printing), server-side apply field ownership.
+apply`` sends JSON), schema validation or defaulting of custom resources when served here (no CEL, no
+OpenAPI pruning: that is what the upstream is for), garbage collection by ownerReferences,
+controllers (StatefulSets never get pods or status unless a test writes it), admission beyond the
+namespace check, authorization (every request is allowed: see ``rbac_requests``), table output
+(kubectl falls back to client-side printing), server-side apply field ownership and
+``managedFields``, list pagination (``limit`` is ignored: every list is one page).
 """
 
 from __future__ import annotations
@@ -42,66 +55,57 @@ import asyncio
 import copy
 import datetime
 import json
-import re
+import random
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-import yaml
 from kmock._internal import enums, rendering
 
-STATUS_SUBRESOURCE = "status"
-
-# Built-in resources the operator and kubectl touch: (group/version/plural, kind, namespaced, subresources,
-# short names).
-_BUILTINS: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("v1/namespaces", "Namespace", False, ("status",), ("ns",)),
-    ("v1/configmaps", "ConfigMap", True, (), ("cm",)),
-    ("v1/secrets", "Secret", True, (), ()),
-    ("v1/services", "Service", True, ("status",), ("svc",)),
-    ("v1/endpoints", "Endpoints", True, (), ("ep",)),
-    ("v1/pods", "Pod", True, ("status",), ("po",)),
-    ("v1/events", "Event", True, (), ("ev",)),
-    ("v1/serviceaccounts", "ServiceAccount", True, (), ("sa",)),
-    ("apps/v1/statefulsets", "StatefulSet", True, ("status", "scale"), ("sts",)),
-    ("apps/v1/deployments", "Deployment", True, ("status", "scale"), ("deploy",)),
-    ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True, ("status",), ("pdb",)),
-    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, (), ("netpol",)),
-    ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", True, (), ()),
-    ("events.k8s.io/v1/events", "Event", True, (), ("ev",)),
-    ("coordination.k8s.io/v1/leases", "Lease", True, (), ()),
-    (
-        "apiextensions.k8s.io/v1/customresourcedefinitions",
-        "CustomResourceDefinition",
-        False,
-        ("status",),
-        ("crd", "crds"),
-    ),
-    ("rbac.authorization.k8s.io/v1/roles", "Role", True, (), ()),
-    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, (), ()),
-    ("rbac.authorization.k8s.io/v1/clusterroles", "ClusterRole", False, (), ()),
-    ("rbac.authorization.k8s.io/v1/clusterrolebindings", "ClusterRoleBinding", False, (), ()),
+from .api_rules import (
+    APPLY_PATCH,
+    PATCH_TYPES,
+    STRATEGIC_MERGE,
+    ApiError,
+    already_exists,
+    check_label_selector,
+    check_metadata,
+    check_watch_list,
+    check_write_options,
+    conflict,
+    decode_body,
+    field_selector_matches,
+    label_selector_matches,
+    merge_patch,
+    namespace_not_found,
+    not_found,
+    parse_k8s_path,
+    parse_resource_version,
+    parse_timeout_seconds,
+    qualified,
+    read_body,
+    request_action,
+    sent_resource_version,
+    strip_strategic_directives,
+    unsupported_patch,
 )
-_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
-CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
-NAMESPACES = kmock.resource("", "v1", "namespaces")
+from .resources import (
+    BUILTINS,
+    CRDS,
+    EMULATED_GROUPS,
+    INITIAL_NAMESPACES,
+    NAME_ALPHABET,
+    NAMESPACES,
+    STATUS_SUBRESOURCE,
+    VERBS,
+)
 
-
-class ApiError(Exception):
-    """A failure answered with a Kubernetes ``Status`` object."""
-
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-    def response(self) -> aiohttp.web.Response:
-        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"}
-        body |= {"message": self.message, "reason": self.reason, "code": self.code}
-        return aiohttp.web.json_response(body, status=self.code)
+if TYPE_CHECKING:
+    from .forwarding import Upstream
 
 
 @attrs.frozen
@@ -112,89 +116,6 @@ class WatchEvent:
     object: dict[str, Any]
 
 
-# ---------------------------------------------------------------- pure helpers
-
-
-def parse_k8s_path(path: str) -> tuple[kmock.resource | None, str | None, str | None, str | None]:
-    """``(resource, namespace, name, subresource)`` of an API path; resource None for discovery and other
-    paths."""
-    parts = [p for p in path.split("/") if p]
-    if len(parts) >= 2 and parts[0] == "api":
-        group, version, rest = "", parts[1], parts[2:]
-    elif len(parts) >= 3 and parts[0] == "apis":
-        group, version, rest = parts[1], parts[2], parts[3:]
-    else:
-        return None, None, None, None
-    if not rest:
-        return None, None, None, None
-    namespace = None
-    if rest[0] == "namespaces" and len(rest) >= 3:
-        namespace, rest = rest[1], rest[2:]
-    plural, name, sub = rest[0], (rest[1] if len(rest) > 1 else None), ("/".join(rest[2:]) or None)
-    return kmock.resource(group, version, plural), namespace, name, sub
-
-
-def _selector_terms(selector: str) -> list[str]:
-    # Commas split terms except inside "in (a,b)" sets.
-    return [t.strip() for t in re.split(r",(?![^()]*\))", selector) if t.strip()]
-
-
-def label_selector_matches(selector: str | None, labels: Mapping[str, str]) -> bool:
-    for term in _selector_terms(selector or ""):
-        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\((.*)\)", term):
-            key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",")}
-            if (op == "in") != (key in labels and labels[key] in values):
-                return False
-        elif m := re.fullmatch(r"([^!=\s]+)\s*(==|=|!=)\s*(\S*)", term):
-            key, op, value = m.groups()
-            if (op == "!=") == (labels.get(key) == value):
-                return False
-        elif term.startswith("!"):
-            if term[1:] in labels:
-                return False
-        elif term not in labels:
-            return False
-    return True
-
-
-def field_selector_matches(selector: str | None, obj: Mapping[str, Any]) -> bool:
-    meta = obj.get("metadata", {})
-    for term in _selector_terms(selector or ""):
-        m = re.fullmatch(r"([^!=]+?)\s*(==|=|!=)\s*(.*)", term)
-        if not m:
-            raise ApiError(400, "BadRequest", f"invalid field selector term {term!r}")
-        field, op, value = m.groups()
-        if field not in ("metadata.name", "metadata.namespace"):
-            raise ApiError(400, "BadRequest", f"field label not supported: {field}")
-        actual = meta.get(field.split(".", 1)[1])
-        if (op == "!=") == (actual == value):
-            return False
-    return True
-
-
-def strip_strategic_directives(patch: Any) -> Any:
-    """Drop ``$setElementOrder/...``, ``$patch``, ``$retainKeys`` and friends; what remains is applied as a
-    merge patch."""
-    if isinstance(patch, dict):
-        return {k: strip_strategic_directives(v) for k, v in patch.items() if not k.startswith("$")}
-    if isinstance(patch, list):
-        return [strip_strategic_directives(v) for v in patch]
-    return patch
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
 def _generation_relevant(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
 
@@ -203,13 +124,15 @@ def _now() -> str:
     return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# ---------------------------------------------------------------- the emulator
+def _api_version(resource: kmock.resource) -> str:
+    return f"{resource.group}/{resource.version}".lstrip("/")
 
 
 @attrs.define(kw_only=True)
 class ApiServerEmulator(kmock.KubernetesEmulator):
     """kmock's emulator completed for kopf and kubectl (see the module docstring for the list)."""
 
+    upstream: Upstream | None = None
     _revision: int = attrs.field(default=0, init=False)
     _events: list[WatchEvent] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition = attrs.field(factory=asyncio.Condition, init=False)
@@ -217,42 +140,40 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     _by_resource: dict[kmock.resource, dict[tuple[str | None, str], kmock.Object]] = attrs.field(
         factory=dict, init=False
     )
+    # Resources served from a CustomResourceDefinition (the real server treats them differently).
+    _custom: set[kmock.resource] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for key, kind, namespaced, subresources, shortnames in _BUILTINS:
+        for key, kind, namespaced, subresources, shortnames in BUILTINS:
+            if self.upstream is not None and kmock.resource(key).group not in EMULATED_GROUPS:
+                continue  # the upstream serves it
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind,
                 singular=kind.lower(),
                 namespaced=namespaced,
-                verbs=set(_VERBS),
+                verbs=set(VERBS),
                 subresources=set(subresources),
                 shortnames=set(shortnames),
             )
+        for name in INITIAL_NAMESPACES:
+            namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+            self._store(NAMESPACES, None, name, self._stamped(namespace))
 
-    # ---- requests: own parsing (kmock's parser breaks on /api/v1/namespaces) and routing
+    # ---- requests: own parsing (kmock's parser breaks on /api/v1/namespaces), routing and forwarding
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
-        body = await raw_request.read()
+        forwarded = self.upstream is not None and self.upstream.serves(raw_request.path)
         resource, namespace, name, subresource = parse_k8s_path(raw_request.path)
-        if resource is None:
+        if resource is None and not forwarded:
             return await super().__call__(raw_request)
-        data: Any = None
-        if body and "protobuf" in raw_request.headers.get("Content-Type", ""):
-            return ApiError(
-                415, "UnsupportedMediaType", "the emulator speaks JSON and YAML only, not protobuf"
-            ).response()
-        if body:
-            try:
-                data = json.loads(body)
-            except ValueError:
-                try:
-                    data = yaml.safe_load(body)  # apply patches may be YAML
-                except yaml.YAMLError:
-                    data = None
+        try:
+            body = await read_body(raw_request)
+        except ApiError as e:
+            return e.response()
+        content_type = raw_request.headers.get("Content-Type", "").split(";")[0].strip()
         method = enums.method(raw_request.method)
         params = dict(raw_request.query)
-        action = _action(method, name, params)
         request = rendering.Request(
             id=len(self._requests),
             raw_request=raw_request,
@@ -260,10 +181,10 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             method=raw_request.method,
             params=params,
             headers=dict(raw_request.headers),
-            data=data,
+            data=decode_body(body, content_type),
             body=body,
             text=body.decode(errors="replace"),
-            action=action,
+            action=request_action(method, name, params),
             resource=resource,
             namespace=namespace,
             name=name,
@@ -271,41 +192,62 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         )
         self._requests.append(request)
         try:
-            return await self._serve_resource(request)
+            if forwarded and self.upstream is not None:
+                if method == enums.method.POST and namespace is not None and name is None:
+                    self._require_namespace(namespace)  # admission runs in front of every group
+                return await self.upstream.forward(raw_request, body)
+            if body and "protobuf" in content_type:
+                raise ApiError(
+                    415, "UnsupportedMediaType", "the emulator speaks JSON and YAML only, not protobuf"
+                )
+            if body and request.data is None:
+                raise ApiError(
+                    400, "BadRequest", f"error decoding the body: {request.text[:100]!r} is no JSON"
+                )
+            return await self._serve_resource(request, content_type)
         except ApiError as e:
             return e.response()
 
-    async def _serve_resource(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _serve_resource(
+        self, request: rendering.Request, content_type: str
+    ) -> aiohttp.web.StreamResponse:
         assert request.resource is not None
         info = self._info(request.resource)
         if info is None:
-            raise ApiError(
-                404, "NotFound", f"the server could not find the requested resource ({request.resource})"
-            )
-        if request.subresource not in (None, STATUS_SUBRESOURCE):
-            raise ApiError(404, "NotFound", f"subresource {request.subresource!r} is not emulated")
+            raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
+        if request.subresource is not None and (
+            request.subresource != STATUS_SUBRESOURCE or STATUS_SUBRESOURCE not in info.subresources
+        ):
+            raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
         namespace = request.namespace if info.namespaced else None
         method = request.method
+        check_write_options(method.value, request.params)
         if method == enums.method.GET and request.params.get("watch") in ("true", "1"):
             return await self._watch(request, info)
         if method == enums.method.GET and request.name is None:
             return aiohttp.web.json_response(await self._list(request, info))
         if method == enums.method.GET:
-            return aiohttp.web.json_response(self._get(request.resource, namespace, request.name, info).raw)
+            return aiohttp.web.json_response(self._get(request.resource, namespace, request.name).raw)
         if method == enums.method.POST and request.name is None:
             return aiohttp.web.json_response(await self._create(request, info, namespace), status=201)
         if method in (enums.method.PATCH, enums.method.PUT) and request.name is not None:
-            return aiohttp.web.json_response(await self._write(request, info, namespace))
+            return aiohttp.web.json_response(await self._write(request, info, namespace, content_type))
         if method == enums.method.DELETE and request.name is not None:
-            return aiohttp.web.json_response(
-                await self._delete(request.resource, namespace, request.name, info)
-            )
+            return aiohttp.web.json_response(await self._delete(request.resource, namespace, request.name))
         raise ApiError(405, "MethodNotAllowed", f"{method.value} is not supported on {request.url.path}")
 
     # ---- discovery
 
     def _info(self, resource: kmock.resource) -> kmock.ResourceInfo | None:
-        return self.resources.get(resource)
+        # kmock answers an empty ResourceInfo for any resource it was never told of; a real server 404s.
+        return self.resources.get(resource) if resource in self.resources else None
+
+    async def _serve_apis(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_apis(request)
+        assert isinstance(payload, dict)
+        if self.upstream is not None:  # one /apis for both servers, as the aggregator answers it
+            payload["groups"] += await self.upstream.groups()
+        return payload
 
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
         payload = await super()._serve_version(request)
@@ -324,11 +266,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             if not version.get("served", True):
                 continue
             key = kmock.resource(spec["group"], version["name"], names["plural"])
+            self._custom.add(key)
             self.resources[key] = kmock.ResourceInfo(
                 kind=names["kind"],
                 singular=names.get("singular", names["kind"].lower()),
                 namespaced=spec.get("scope", "Namespaced") == "Namespaced",
-                verbs=set(_VERBS),
+                verbs=set(VERBS),
                 subresources={"status"} if "status" in version.get("subresources", {}) else set(),
                 shortnames=set(names.get("shortNames", [])),
                 categories=set(names.get("categories", [])),
@@ -338,6 +281,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         spec = crd.get("spec", {})
         for version in spec.get("versions", []):
             key = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
+            self._custom.discard(key)
             if key in self.resources:
                 del self.resources[key]
 
@@ -349,13 +293,15 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             return self.objects[key]
         return None
 
-    def _get(
-        self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo
-    ) -> kmock.Object:
+    def _get(self, resource: kmock.resource, namespace: str | None, name: str) -> kmock.Object:
         obj = self._live(resource, namespace, name)
         if obj is None:
-            raise ApiError(404, "NotFound", f'{resource.plural} "{name}" not found')
+            raise not_found(resource, name)
         return obj
+
+    def _require_namespace(self, namespace: str) -> None:
+        if self._live(NAMESPACES, None, namespace) is None:
+            raise namespace_not_found(namespace)
 
     async def _emit(self, resource: kmock.resource, type_: str, obj: dict[str, Any]) -> None:
         self._events.append(WatchEvent(self._revision, resource, type_, obj))
@@ -366,106 +312,150 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self._revision += 1
         return str(self._revision)
 
+    def _stamped(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj["metadata"].update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_revision(),
+            generation=1,
+            creationTimestamp=_now(),
+        )
+        return obj
+
+    def _store(self, resource: kmock.resource, namespace: str | None, name: str, obj: dict[str, Any]) -> None:
+        key = (resource, namespace, name)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+            self._by_resource.setdefault(resource, {})[(namespace, name)] = self.objects[key]
+
     async def _create(
         self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None
     ) -> dict[str, Any]:
-        assert request.resource is not None
+        resource = request.resource
+        assert resource is not None
         if not isinstance(request.data, dict):
             raise ApiError(400, "BadRequest", "the body of a create must be an object")
-        if request.params.get("dryRun"):
-            return request.data
         obj = copy.deepcopy(request.data)
+        if resource in self._custom and not (obj.get("apiVersion") and obj.get("kind")):
+            # Custom resources decode as unstructured objects, which need their type (built-ins take it
+            # from the URL).
+            message = (
+                f"the object provided is unrecognized (must be of type {info.kind}): Object 'Kind' is missing"
+            )
+            raise ApiError(400, "BadRequest", message)
         meta = obj.setdefault("metadata", {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        name = meta.get("name")
-        if not name:
-            raise ApiError(422, "Invalid", "metadata.name: Required value: name or generateName is required")
         if info.namespaced:
+            if meta.get("namespace") and namespace and meta["namespace"] != namespace:
+                message = (
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
+                raise ApiError(400, "BadRequest", message)
             meta["namespace"] = namespace or meta.get("namespace") or "default"
+            self._require_namespace(meta["namespace"])
         else:
             meta.pop("namespace", None)
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + "".join(random.choices(NAME_ALPHABET, k=5))
+        check_metadata(str(info.kind), resource.group, resource.plural, obj)
+        name = meta["name"]
         if STATUS_SUBRESOURCE in info.subresources:
             obj.pop("status", None)
         async with self._lock:
-            key = (request.resource, meta.get("namespace"), name)
-            if self._live(*key) is not None:
-                raise ApiError(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
-            meta.update(
-                uid=str(uuid.uuid4()),
-                resourceVersion=self._next_revision(),
-                generation=1,
-                creationTimestamp=_now(),
-            )
-            if key in self.objects:
-                self.objects[key].create(obj)
-            else:
-                self.objects[key] = obj
-                self._by_resource.setdefault(request.resource, {})[key[1:]] = self.objects[key]
-            if request.resource == CRDS:
+            if self._live(resource, meta.get("namespace"), name) is not None:
+                raise already_exists(resource, name)
+            if request.params.get("dryRun"):  # what would be stored, less the revision it never got
+                meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
+                return obj
+            self._stamped(obj)
+            self._store(resource, meta.get("namespace"), name, obj)
+            if resource == CRDS:
                 self._register_crd(obj)
-            await self._emit(request.resource, "ADDED", obj)
+            await self._emit(resource, "ADDED", obj)
         return obj
 
     async def _write(
-        self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None
+        self, request: rendering.Request, info: kmock.ResourceInfo, namespace: str | None, content_type: str
     ) -> dict[str, Any]:
-        assert request.resource is not None and request.name is not None
-        content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+        resource, name = request.resource, request.name
+        assert resource is not None and name is not None
+        custom = resource in self._custom
+        if request.method == enums.method.PATCH:
+            if content_type not in PATCH_TYPES or (custom and content_type == STRATEGIC_MERGE):
+                raise unsupported_patch(custom)
+            if content_type == APPLY_PATCH and not request.params.get("fieldManager"):
+                message = "Required value: is required for apply patch"
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f'PatchOptions.meta.k8s.io "" is invalid: fieldManager: {message}',
+                    {"group": "meta.k8s.io", "kind": "PatchOptions"},
+                )
+        sent_version = sent_resource_version(request)
+        if request.method == enums.method.PUT:
+            self._check_update_body(request, custom, sent_version)
         async with self._lock:
-            live = self._live(request.resource, namespace, request.name)
-            if live is None:
-                raise ApiError(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+            live = self._get(resource, namespace, name)
             old = copy.deepcopy(live.raw)
             new = self._patched(old, request, content_type)
-            if request.params.get("dryRun"):
-                return new
-            sent_version = (
-                (request.data or {}).get("metadata", {}).get("resourceVersion")
-                if isinstance(request.data, dict)
-                else None
-            )
             if sent_version and sent_version != old["metadata"].get("resourceVersion"):
-                message = (
-                    f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": '
-                    "the object has been modified"
-                )
-                raise ApiError(409, "Conflict", message)
+                raise conflict(resource, name)
             new = self._restrict_to_scope(old, new, request.subresource, info)
-            if new == old:
-                return old
+            check_metadata(str(info.kind), resource.group, resource.plural, new)
+            if new == old or request.params.get("dryRun"):
+                return new
             if _generation_relevant(new) != _generation_relevant(old):
                 new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
             new["metadata"]["resourceVersion"] = self._next_revision()
-            key = (request.resource, namespace, request.name)
+            key = (resource, namespace, name)
             meta = new["metadata"]
             if meta.get("deletionTimestamp") and not meta.get("finalizers"):
                 self.objects[key].delete()
-                await self._emit(request.resource, "DELETED", new)
+                await self._emit(resource, "DELETED", new)
             else:
                 self.objects[key].history.append(new)
-                await self._emit(request.resource, "MODIFIED", new)
+                await self._emit(resource, "MODIFIED", new)
         return new
+
+    @staticmethod
+    def _check_update_body(request: rendering.Request, custom: bool, sent_version: str | None) -> None:
+        if not isinstance(request.data, dict):
+            raise ApiError(400, "BadRequest", "the body of an update must be an object")
+        body_name = (request.data.get("metadata") or {}).get("name")
+        if body_name != request.name:
+            url_name = request.name
+            message = (
+                f"the name of the object ({body_name or ''}) does not match the name on the URL ({url_name})"
+            )
+            raise ApiError(400, "BadRequest", message)
+        if custom and not sent_version:
+            # Custom resources allow no unconditional update (built-ins such as ConfigMaps do).
+            assert request.resource is not None
+            message = "metadata.resourceVersion: Invalid value: 0: must be specified for an update"
+            raise ApiError(
+                422, "Invalid", f'{qualified(request.resource)} "{request.name}" is invalid: {message}'
+            )
 
     @staticmethod
     def _patched(old: dict[str, Any], request: rendering.Request, content_type: str) -> dict[str, Any]:
         data = request.data
         if request.method == enums.method.PUT:
-            if not isinstance(data, dict):
-                raise ApiError(400, "BadRequest", "the body of an update must be an object")
+            assert isinstance(data, dict)
             return copy.deepcopy(data)
         if content_type == "application/json-patch+json":
             if not isinstance(data, list):
-                raise ApiError(400, "BadRequest", "a JSON patch must be a list of operations")
+                raise ApiError(
+                    400, "BadRequest", "error decoding patch: a JSON patch must be a list of operations"
+                )
             try:
                 return jsonpatch.apply_patch(old, data)
-            except jsonpatch.JsonPatchTestFailed as e:
-                raise ApiError(422, "Invalid", f"the JSON patch test failed: {e}") from e
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as e:
-                raise ApiError(422, "Invalid", f"the JSON patch cannot be applied: {e}") from e
+                # The real server says no more than this for a failed test or a missing path.
+                message = "the server rejected our request due to an error in our request"
+                raise ApiError(422, "Invalid", message, {}) from e
         if not isinstance(data, dict):
-            raise ApiError(400, "BadRequest", "a merge patch must be an object")
-        if content_type == "application/strategic-merge-patch+json":
+            raise ApiError(400, "BadRequest", "error decoding patch: a merge patch must be an object")
+        if content_type == STRATEGIC_MERGE:
             data = strip_strategic_directives(data)
         return merge_patch(old, data)
 
@@ -491,6 +481,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             "uid",
             "creationTimestamp",
             "deletionTimestamp",
+            "deletionGracePeriodSeconds",
             "generation",
             "resourceVersion",
         ):
@@ -500,16 +491,18 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                 meta.pop(field, None)
         return result
 
-    async def _delete(
-        self, resource: kmock.resource, namespace: str | None, name: str, info: kmock.ResourceInfo
-    ) -> dict[str, Any]:
+    async def _delete(self, resource: kmock.resource, namespace: str | None, name: str) -> dict[str, Any]:
         async with self._lock:
-            live = self._get(resource, namespace, name, info)
+            live = self._get(resource, namespace, name)
             obj = copy.deepcopy(live.raw)
             meta = obj["metadata"]
             if meta.get("finalizers"):
                 if not meta.get("deletionTimestamp"):
+                    # What the real server's registry does when finalizers hold an object: the deletion is
+                    # immediate once they go, and controllers see a new generation.
                     meta["deletionTimestamp"] = _now()
+                    meta["deletionGracePeriodSeconds"] = 0
+                    meta["generation"] = meta.get("generation", 1) + 1
                     meta["resourceVersion"] = self._next_revision()
                     live.history.append(obj)
                     await self._emit(resource, "MODIFIED", obj)
@@ -519,7 +512,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             if resource == CRDS:
                 self._unregister_crd(obj)
             await self._emit(resource, "DELETED", obj)
-        return obj
+        details = {"name": name, "group": resource.group, "kind": resource.plural, "uid": meta["uid"]}
+        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}
+        return body | {"details": {k: v for k, v in details.items() if v}}
 
     # ---- reading
 
@@ -535,18 +530,23 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     def _snapshot(self, request: rendering.Request, info: kmock.ResourceInfo) -> list[dict[str, Any]]:
         assert request.resource is not None
-        candidates = self._by_resource.get(request.resource, {}).values()
-        return [obj.raw for obj in candidates if not obj.deleted and self._matching(request, info, obj.raw)]
+        check_label_selector(request.params.get("labelSelector"))
+        candidates = self._by_resource.get(request.resource, {})
+        return [
+            obj.raw
+            for _, obj in sorted(candidates.items(), key=lambda item: (item[0][0] or "", item[0][1]))
+            if not obj.deleted and self._matching(request, info, obj.raw)
+        ]
 
     async def _list(self, request: rendering.Request, info: kmock.ResourceInfo) -> dict[str, Any]:
         assert request.resource is not None
+        parse_resource_version(request.params.get("resourceVersion", ""), watch=False)
         async with self._lock:
             items = self._snapshot(request, info)
             revision = str(self._revision)
-        api_version = f"{request.resource.group}/{request.resource.version}".lstrip("/")
         return {
             "kind": f"{info.kind}List",
-            "apiVersion": api_version,
+            "apiVersion": _api_version(request.resource),
             "metadata": {"resourceVersion": revision},
             "items": items,
         }
@@ -555,29 +555,28 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self, request: rendering.Request, info: kmock.ResourceInfo
     ) -> aiohttp.web.StreamResponse:
         assert request.resource is not None and request._raw_request is not None
-        since = request.params.get("resourceVersion") or ""
-        initial_events = request.params.get("sendInitialEvents") == "true" or since in ("", "0")
-        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        params = request.params
+        check_watch_list(params)
+        timeout = parse_timeout_seconds(params)
+        since = parse_resource_version(params.get("resourceVersion", ""), watch=True)
+        initial_events = params.get("sendInitialEvents") == "true" or not since
         async with self._lock:
             if initial_events:
                 backlog = [{"type": "ADDED", "object": obj} for obj in self._snapshot(request, info)]
                 cursor = len(self._events)
             else:
-                if not since.isdigit():
-                    raise ApiError(400, "BadRequest", f"invalid resourceVersion {since!r}")
+                assert since is not None
+                check_label_selector(params.get("labelSelector"))
                 cursor = next(
-                    (i for i, e in enumerate(self._events) if e.revision > int(since)), len(self._events)
+                    (i for i, e in enumerate(self._events) if e.revision > since), len(self._events)
                 )
                 backlog = []
             revision = str(self._revision)
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        if (
-            request.params.get("sendInitialEvents") == "true"
-            and request.params.get("allowWatchBookmarks") == "true"
-        ):
+        if params.get("sendInitialEvents") == "true" and params.get("allowWatchBookmarks") == "true":
             bookmark = {
                 "kind": info.kind,
-                "apiVersion": f"{request.resource.group}/{request.resource.version}".lstrip("/"),
+                "apiVersion": _api_version(request.resource),
                 "metadata": {
                     "resourceVersion": revision,
                     "annotations": {"k8s.io/initial-events-end": "true"},
@@ -588,7 +587,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             await response.prepare(request._raw_request)
             for event in backlog:
                 await response.write(json.dumps(event).encode() + b"\n")
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout or None):
                 while True:
                     events, cursor = self._events[cursor:], len(self._events)
                     for event in self._relevant(events, request, info):
@@ -616,20 +615,3 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return [
             obj.raw for obj in self._by_resource.get(kmock.resource(resource), {}).values() if not obj.deleted
         ]
-
-
-def _action(method: enums.method, name: str | None, params: Mapping[str, str]) -> enums.action | None:
-    if method == enums.method.GET:
-        return (
-            enums.action.WATCH
-            if params.get("watch") in ("true", "1")
-            else enums.action.LIST
-            if name is None
-            else enums.action.FETCH
-        )
-    return {
-        enums.method.POST: enums.action.CREATE,
-        enums.method.PATCH: enums.action.UPDATE,
-        enums.method.PUT: enums.action.UPDATE,
-        enums.method.DELETE: enums.action.DELETE,
-    }.get(method)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from kmock._internal import rendering
 
-from .emulator import parse_k8s_path
+from .api_rules import parse_k8s_path
 
 T = TypeVar("T")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

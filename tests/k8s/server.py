@@ -5,6 +5,10 @@ benchmarks can drive it with real clients (kubectl, the kubernetes client, an op
         cluster.write_kubeconfig(path)
         subprocess.run(["kubectl", "--kubeconfig", path, "get", "pods"])
         cluster.objects("apps/v1/statefulsets")
+
+``EmulatedCluster(upstream=real_server)`` is the one world: the emulator serves the built-in groups and
+forwards CustomResourceDefinitions and every CRD group to the real server (``forwarding.py``); ``objects``
+and ``get`` read each resource from whichever server holds it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import yaml
 from kmock._internal import rendering
 
 from .emulator import ApiServerEmulator
+from .forwarding import Upstream
+from .real_server import RealApiServer
+from .resources import EMULATED_GROUPS
 
 T = TypeVar("T")
 
@@ -28,7 +35,8 @@ T = TypeVar("T")
 class EmulatedCluster:
     """An ``ApiServerEmulator`` served on ``127.0.0.1:<free port>`` from its own event loop thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, upstream: RealApiServer | None = None) -> None:
+        self.upstream = upstream
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="k8s-emulator", daemon=True)
         self._stack: Any = None
@@ -47,7 +55,9 @@ class EmulatedCluster:
         self._loop.close()
 
     async def _start(self) -> None:
-        self.emulator = ApiServerEmulator()
+        real = self.upstream
+        forward = None if real is None else Upstream(real.url, real.token, real.certificate)
+        self.emulator = ApiServerEmulator(upstream=forward)
         server = kmock.Server(self.emulator)
         await self.emulator.__aenter__()
         await server.__aenter__()
@@ -62,6 +72,8 @@ class EmulatedCluster:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._stack.__aexit__(None, None, None)
         assert self.emulator is not None
+        if self.emulator.upstream is not None:
+            await self.emulator.upstream.close()
         await self.emulator.__aexit__(None, None, None)
 
     def call_async(self, fn: Callable[[], Any], timeout: float = 30) -> Any:
@@ -83,17 +95,34 @@ class EmulatedCluster:
     # ---- test conveniences
 
     def objects(self, resource: str) -> list[dict[str, Any]]:
-        """Current objects of a resource such as ``"apps/v1/statefulsets"``."""
+        """Current objects of a resource such as ``"apps/v1/statefulsets"``, from the server that holds it."""
+        if self._upstream_holds(resource):
+            assert self.upstream is not None
+            code, listing, _ = self.upstream.request("GET", f"/apis/{resource}")
+            assert code == 200, f"listing {resource} on the real server: {code} {listing}"
+            return list(listing["items"])
         assert self.emulator is not None
         emulator = self.emulator
         return self.call(lambda: emulator.live_objects(resource))
 
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        if self._upstream_holds(resource):
+            assert self.upstream is not None
+            group_version, plural = resource.rsplit("/", 1)
+            scope = f"/namespaces/{namespace}" if namespace is not None else ""
+            code, obj, _ = self.upstream.request("GET", f"/apis/{group_version}{scope}/{plural}/{name}")
+            assert code in (200, 404), (
+                f"reading {resource} {namespace}/{name} on the real server: {code} {obj}"
+            )
+            return obj if code == 200 else None
         for obj in self.objects(resource):
             meta = obj["metadata"]
             if meta["name"] == name and meta.get("namespace") == namespace:
                 return obj
         return None
+
+    def _upstream_holds(self, resource: str) -> bool:
+        return self.upstream is not None and kmock.resource(resource).group not in EMULATED_GROUPS
 
     def requests(self) -> list[rendering.Request]:
         assert self.emulator is not None

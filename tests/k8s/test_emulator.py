@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.k8s.emulator import label_selector_matches, parse_k8s_path
+from tests.k8s.api_rules import label_selector_matches, parse_k8s_path
 from tests.k8s.server import EmulatedCluster
 
 CM = "/api/v1/namespaces/ns/configmaps"
@@ -32,6 +32,8 @@ WIDGETS = "/apis/example.com/v1/namespaces/ns/widgets"
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[EmulatedCluster]:
     with EmulatedCluster() as c:
+        for namespace in ("ns", "other"):
+            assert call(c, "POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})[0] == 201
         yield c
 
 
@@ -116,7 +118,13 @@ def test_crds_become_discoverable_and_status_is_a_separate_subresource(cluster: 
         cluster,
         "POST",
         WIDGETS,
-        {"metadata": {"name": "w"}, "spec": {"size": 1}, "status": {"ignored": True}},
+        {
+            "apiVersion": "example.com/v1",
+            "kind": "Widget",
+            "metadata": {"name": "w"},
+            "spec": {"size": 1},
+            "status": {"ignored": True},
+        },
     )
     assert "status" not in obj
     _, obj = call(
@@ -135,6 +143,14 @@ def test_crds_become_discoverable_and_status_is_a_separate_subresource(cluster: 
         "application/merge-patch+json",
     )
     assert (obj["spec"], obj["status"], obj["metadata"]["generation"]) == ({"size": 2}, {"ok": True}, 2)
+
+
+def test_a_namespace_must_exist_before_objects_are_created_in_it(cluster: EmulatedCluster) -> None:
+    code, status = call(cluster, "POST", "/api/v1/namespaces/nowhere/configmaps", {"metadata": {"name": "c"}})
+    assert (code, status["reason"], status["message"]) == (404, "NotFound", 'namespaces "nowhere" not found')
+    assert (
+        call(cluster, "POST", "/api/v1/namespaces/default/configmaps", {"metadata": {"name": "c"}})[0] == 201
+    )
 
 
 def test_core_discovery_reports_group_version_v1(cluster: EmulatedCluster) -> None:
@@ -196,7 +212,7 @@ def test_watch_from_a_resource_version_replays_later_events_as_json_lines(cluste
 def test_a_watch_without_resource_version_starts_with_the_current_objects_then_streams(
     cluster: EmulatedCluster,
 ) -> None:
-    call(cluster, "POST", "/api/v1/namespaces/other/configmaps", {"metadata": {"name": "before"}})
+    call(cluster, "POST", "/api/v1/namespaces/other/configmaps", {"metadata": {"name": "a-before"}})
     received: list[dict[str, Any]] = []
 
     def watch() -> None:
@@ -207,9 +223,9 @@ def test_a_watch_without_resource_version_starts_with_the_current_objects_then_s
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    call(cluster, "POST", "/api/v1/namespaces/other/configmaps", {"metadata": {"name": "after"}})
+    call(cluster, "POST", "/api/v1/namespaces/other/configmaps", {"metadata": {"name": "b-after"}})
     watcher.join(10)
-    assert [e["object"]["metadata"]["name"] for e in received] == ["before", "after"]
+    assert [e["object"]["metadata"]["name"] for e in received] == ["a-before", "b-after"]
 
 
 def test_paths_map_to_resources_including_namespaces_themselves() -> None:

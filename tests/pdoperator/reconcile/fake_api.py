@@ -12,7 +12,7 @@ from typing import Any
 from pdoperator.reconcile.kinds import ResourceKind
 from pdoperator.reconcile.kube import KubeApiError
 
-from tests.k8s.emulator import label_selector_matches, merge_patch
+from tests.k8s.api_rules import label_selector_matches, merge_patch
 
 
 class FakeKubeApi:

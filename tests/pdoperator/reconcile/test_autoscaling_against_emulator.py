@@ -1,6 +1,7 @@
-"""The real operator process sizes a PDService's roles from ``/metrics`` it reads over HTTP, against the
-kmock-based API emulator: a load step scales decode up, a steady load writes nothing, a drop drains the
-highest ordinals out of the router first and shrinks the StatefulSet only once the router says they are idle.
+"""The real operator process sizes a PDService's roles from ``/metrics`` it reads over HTTP, in the one world
+of the tests (the emulator in front of the real API server that holds the PDService): a load step scales
+decode up, a steady load writes nothing, a drop drains the highest ordinals out of the router first and
+shrinks the StatefulSet only once the router says they are idle.
 
 The metrics come from a fake source that plays the router and the engines from what the operator wrote: the
 router reports the engines its ConfigMap marks draining (with the requests a test leaves on them), and each
@@ -21,7 +22,7 @@ from pdconnector.router.config import parse_router_config
 
 from tests.k8s.fake_http import FakeHttpServer
 from tests.k8s.harness import Kubectl, eventually, writes_by_operator
-from tests.k8s.operator_env import operator_on_emulator
+from tests.k8s.operator_env import operator_in_one_world
 from tests.k8s.server import EmulatedCluster
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -143,7 +144,7 @@ def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # the KV transfer check stays out of the way: its writes are not the autoscaler's
     args += ["--kv-check-interval", "3600"]
     workdir = tmp_path_factory.mktemp("autoscaling-operator")
-    with metrics.server, operator_on_emulator(kubectl, workdir, args) as (cluster, cli, _):
+    with metrics.server, operator_in_one_world(kubectl, workdir, args) as (cluster, cli, _):
         metrics.cluster = cluster
         manifest = yaml.safe_load(EXAMPLE.read_text())
         manifest["metadata"] = {"name": NAME, "namespace": NAMESPACE}

@@ -1,9 +1,10 @@
-"""Engines that span nodes, with the real operator and kubectl against the API emulator: LeaderWorkerSets
+"""Engines that span nodes, with the real operator and kubectl in the one world of the tests: LeaderWorkerSets
 created, scaled, rolled out and deleted like StatefulSets, roles counted in groups, and nothing written at
-rest. (The emulator serves any resource path, so a cluster without the CRD is tested on the fake API:
+rest. The pinned LeaderWorkerSet CRD is installed whole on the real API server, so every LeaderWorkerSet the
+operator writes passes its real schema. (A cluster without the CRD is tested on the fake API:
 ``test_reconciler.py``.)
 
-The emulator runs no controllers: the tests play the LeaderWorkerSet controller by writing its status.
+Nothing runs controllers: the tests play the LeaderWorkerSet controller by writing its status.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pdoperator.rbac import is_granted
 from tests.k8s.harness import eventually, is_operator_request, rbac_attributes
 from tests.k8s.lws_schema import CRD_PATH as LWS_CRD
 from tests.k8s.lws_schema import leader_worker_set_errors
-from tests.k8s.operator_env import operator_on_emulator
-from tests.pdoperator.reconcile.test_operator_against_emulator import (
+from tests.k8s.operator_env import install_crd, one_world, running_operator
+from tests.pdoperator.reconcile.operator_scenarios import (
     STS,
     Env,
     FakeRouterStatus,
@@ -41,16 +42,13 @@ def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     router = FakeRouterStatus()
     args = ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"]
     workdir = tmp_path_factory.mktemp("operator")
-    # The emulator validates no schema and takes no body over 1 MiB: the CRD without its 1.3 MB schema.
-    crd = yaml.safe_load(LWS_CRD.read_text())
-    for version in crd["spec"]["versions"]:
-        version["schema"] = {
-            "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-        }
-    (workdir / "lws-crd.yaml").write_text(yaml.safe_dump(crd))
-    with router.server, operator_on_emulator(kubectl, workdir, args) as running:
-        running[1].run("apply", "--validate=false", "-f", str(workdir / "lws-crd.yaml"))
-        yield Env(*running, router)
+    namespaces = ("groups", "rollout", "refit", "gone")
+    # The LeaderWorkerSet CRD is there before the operator starts, as on a cluster prepared for spanning roles
+    # (the operator starting without it is tested on the fake API).
+    with router.server, one_world(kubectl, workdir, namespaces) as (real, cluster, cli):
+        install_crd(cli, real, LWS_CRD, "/apis/leaderworkerset.x-k8s.io/v1")
+        with running_operator(cluster, cli, workdir / "operator.log", args) as operator:
+            yield Env(cluster, cli, operator, router)
 
 
 def deepseek(namespace: str, **roles: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""The real operator process against the kmock-based API emulator, driven by the real kubectl.
+"""The real operator process in the one world of the tests, driven by the real kubectl: the emulator serves
+the children (StatefulSets, Services, ConfigMaps...) and forwards PDServices to the real CRD-serving API
+server, which validates, defaults and stores them (``tests/k8s/operator_env.py``).
 
-One emulator and one operator serve the whole module (start-up costs seconds); every scenario
-uses its own PDService so the scenarios stay independent. The last test checks every request
-the operator made during the module against the RBAC rules.
+One world and one operator serve the whole module (start-up costs seconds); every scenario
+uses its own PDService and namespace so the scenarios stay independent. The last test checks every
+request the operator made during the module against the RBAC rules.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import pathlib
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import yaml
@@ -23,169 +23,37 @@ from pdoperator.reconcile.diff import is_subset
 from pdoperator.render import RenderDefaults, render_pdservice
 from pdoperator.render.names import LABEL_COMPAT
 
-from tests.k8s.fake_http import FakeHttpServer
-from tests.k8s.harness import (
-    Kubectl,
-    OperatorProcess,
-    eventually,
-    is_operator_request,
-    rbac_attributes,
-    writes_by_operator,
-)
-from tests.k8s.operator_env import operator_on_emulator, watching_pdservices
-from tests.k8s.server import EmulatedCluster
-
-REPO = pathlib.Path(__file__).resolve().parents[3]
-EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
-PDS = "inference.pdoperator.dev/v1alpha1/pdservices"
-STS = "apps/v1/statefulsets"
-DEPLOY = "apps/v1/deployments"
-CM = "v1/configmaps"
-CHILD_RESOURCES = (
-    STS,
-    DEPLOY,
-    "v1/services",
+from tests.k8s.harness import OperatorProcess, eventually, is_operator_request, rbac_attributes
+from tests.k8s.operator_env import operator_in_one_world, watching_pdservices
+from tests.pdoperator.reconcile.operator_scenarios import (
+    CHILD_RESOURCES,
     CM,
-    "networking.k8s.io/v1/networkpolicies",
-    "policy/v1/poddisruptionbudgets",
+    DEPLOY,
+    EXAMPLE,
+    PDS,
+    STS,
+    Env,
+    FakeRouterStatus,
+    apply,
+    condition,
+    kind_of,
+    mark_ready,
+    quiet,
+    tiny,
+    wait_children,
 )
 
-
-class FakeRouterStatus:
-    """Serves ``GET /<namespace>/<name>/status`` like the router does; PDServices without counts get 404."""
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], tuple[int, int]] = {}
-        self.server = FakeHttpServer(self.answer)
-
-    def answer(self, path: str) -> tuple[str, str] | None:
-        parts = path.strip("/").split("/")
-        key = (parts[0], parts[1]) if len(parts) == 3 else ("", "")
-        if key not in self.counts:
-            return None
-        verified, unverified = self.counts[key]
-        transfers = {"verified": verified, "unverified": unverified}
-        return "application/json", json.dumps({"mode": "push", "transfers": transfers})
-
-    @property
-    def url_template(self) -> str:
-        return self.server.base_url + "/{namespace}/{name}/status"
-
-
-@dataclass
-class Env:
-    cluster: EmulatedCluster
-    kubectl: Kubectl
-    operator: OperatorProcess
-    router: FakeRouterStatus
-
-    def pds(self, namespace: str, name: str) -> dict[str, Any]:
-        obj = self.cluster.get(PDS, namespace, name)
-        assert obj is not None, f"PDService {namespace}/{name} is gone"
-        return obj
-
-    def status(self, namespace: str, name: str) -> dict[str, Any]:
-        return self.pds(namespace, name).get("status") or {}
-
-    def children(self, namespace: str, instance: str) -> dict[tuple[str, str], dict[str, Any]]:
-        found = {}
-        for resource in CHILD_RESOURCES:
-            for obj in self.cluster.objects(resource):
-                meta = obj["metadata"]
-                if (
-                    meta.get("namespace") == namespace
-                    and (meta.get("labels") or {}).get("app.kubernetes.io/instance") == instance
-                ):
-                    found[(resource, meta["name"])] = obj
-        return found
-
-    def events(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        return [
-            e
-            for e in self.cluster.objects("v1/events")
-            if e.get("involvedObject", {}).get("name") == name and e["metadata"]["namespace"] == namespace
-        ]
-
-    def operator_writes_since(self, index: int) -> list[str]:
-        return writes_by_operator(self.cluster.requests()[index:])
-
-    def request_count(self) -> int:
-        return len(self.cluster.requests())
+# Every namespace the scenarios use but team-h, which one of them creates itself.
+NAMESPACES = [f"team-{x}" for x in "abcdefgijk"]
 
 
 @pytest.fixture(scope="module")
 def env(kubectl: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     router = FakeRouterStatus()
     args = ["-A", "--router-status-url", router.url_template, "--kv-check-interval", "0.5"]
-    with router.server, operator_on_emulator(kubectl, tmp_path_factory.mktemp("operator"), args) as running:
+    workdir = tmp_path_factory.mktemp("operator")
+    with router.server, operator_in_one_world(kubectl, workdir, args, NAMESPACES) as running:
         yield Env(*running, router)
-
-
-def tiny(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
-    manifest = yaml.safe_load(EXAMPLE.read_text())
-    manifest["metadata"] = {"name": name, "namespace": namespace}
-    for path, value in spec.items():
-        node = manifest["spec"]
-        keys = path.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
-    return manifest
-
-
-def apply(env: Env, manifest: dict[str, Any]) -> None:
-    env.kubectl.apply(yaml.safe_dump(manifest))
-
-
-def wait_children(env: Env, namespace: str, name: str) -> dict[tuple[str, str], dict[str, Any]]:
-    """Every rendered child exists (and carries this PDService's current generation of rendering)."""
-    pds = eventually(lambda: env.cluster.get(PDS, namespace, name), f"PDService {namespace}/{name}")
-    count = len(render_pdservice(parse_pdservice(pds), RenderDefaults()))
-    return eventually(
-        lambda: (c := env.children(namespace, name)) and len(c) == count and c,
-        f"{count} children of {namespace}/{name}",
-    )
-
-
-def mark_ready(env: Env, namespace: str, name: str) -> None:
-    """Play the StatefulSet and Deployment controllers: every replica updated and ready."""
-    for resource, kind in ((STS, "statefulset"), (DEPLOY, "deployment")):
-        for obj in env.cluster.objects(resource):
-            meta = obj["metadata"]
-            if meta["namespace"] != namespace or meta["labels"].get("app.kubernetes.io/instance") != name:
-                continue
-            replicas = obj["spec"].get("replicas", 1)
-            status = {
-                "observedGeneration": meta["generation"],
-                "replicas": replicas,
-                "readyReplicas": replicas,
-                "updatedReplicas": replicas,
-            }
-            if kind == "statefulset":
-                status |= {"currentRevision": "rev", "updateRevision": "rev", "availableReplicas": replicas}
-            else:
-                status |= {"availableReplicas": replicas}
-            patch = json.dumps({"status": status})
-            env.kubectl.run(
-                "patch",
-                kind,
-                meta["name"],
-                "-n",
-                namespace,
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                patch,
-            )
-
-
-def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next(c for c in status.get("conditions", []) if c["type"] == type_)
-
-
-def quiet(env: Env, seconds: float = 1.0) -> None:
-    """Let in-flight reconciliations finish (the operator reacts within milliseconds here)."""
-    time.sleep(seconds)
 
 
 # ---------------------------------------------------------------- scenarios
@@ -196,8 +64,8 @@ def test_applying_the_tiny_example_creates_every_rendered_child_owned_by_the_pds
     children = wait_children(env, "default", "tiny")
     pds_obj = env.pds("default", "tiny")
     rendered = render_pdservice(parse_pdservice(pds_obj), RenderDefaults())
-    assert {(m["kind"], m["metadata"]["name"]) for m in rendered} == {(_kind(r), n) for r, n in children}
-    by_name = {(_kind(r), n): obj for (r, n), obj in children.items()}
+    assert {(m["kind"], m["metadata"]["name"]) for m in rendered} == {(kind_of(r), n) for r, n in children}
+    by_name = {(kind_of(r), n): obj for (r, n), obj in children.items()}
     for manifest in rendered:
         live = by_name[(manifest["kind"], manifest["metadata"]["name"])]
         assert is_subset({k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}, live), (
@@ -225,17 +93,6 @@ def test_applying_the_tiny_example_creates_every_rendered_child_owned_by_the_pds
         ),
         "ChildrenCreated",
     )
-
-
-def _kind(resource: str) -> str:
-    return {
-        STS: "StatefulSet",
-        DEPLOY: "Deployment",
-        "v1/services": "Service",
-        CM: "ConfigMap",
-        "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
-        "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
-    }[resource]
 
 
 def test_ready_children_make_the_pdservice_ready_with_per_role_counts_and_printer_columns_show_them(
@@ -350,22 +207,22 @@ def test_switching_push_to_pull_rolls_both_roles_to_one_new_compat_hash(env: Env
 
 
 def test_an_invalid_spec_is_reported_once_with_the_field_and_touches_no_children(env: Env) -> None:
-    bad = tiny("bad", "team-d")
-    bad["spec"]["engine"]["runtime"] = "vllm"  # the mock transport needs the mock engine
+    # A rule the CRD cannot express (the real server checks the rest itself: see the next test).
+    bad = tiny("bad", "team-d", prefill__extraArgs=["--port=9000"])
     apply(env, bad)
     status = eventually(
         lambda: (s := env.status("team-d", "bad")).get("phase") == "Invalid" and s, "phase Invalid"
     )
     spec_valid = condition(status, "SpecValid")
     assert (spec_valid["status"], spec_valid["reason"]) == ("False", "InvalidSpec")
-    assert "spec.engine" in spec_valid["message"]
+    assert "spec.prefill.extraArgs[0]" in spec_valid["message"]
     warnings = eventually(
         lambda: [
             e for e in env.events("team-d", "bad") if e["type"] == "Warning" and e["reason"] == "InvalidSpec"
         ],
         "a warning",
     )
-    assert len(warnings) == 1 and "spec.engine" in warnings[0]["message"]
+    assert len(warnings) == 1 and "spec.prefill.extraArgs[0]" in warnings[0]["message"]
     assert env.children("team-d", "bad") == {}
     mark = env.request_count()
     time.sleep(3)  # kopf would retry an ordinary failure within seconds: a permanent one is not retried
@@ -378,7 +235,8 @@ def test_a_valid_pdservice_made_invalid_keeps_its_children_as_they_are(env: Env)
     wait_children(env, "team-d", "turns-bad")
     quiet(env)
     before = env.children("team-d", "turns-bad")
-    env.kubectl.run(
+    # The real server refuses what its CEL rules catch, naming the field: nothing reaches the operator.
+    refused = env.kubectl.run(
         "patch",
         "pds",
         "turns-bad",
@@ -387,6 +245,18 @@ def test_a_valid_pdservice_made_invalid_keeps_its_children_as_they_are(env: Env)
         "--type=merge",
         "-p",
         '{"spec":{"engine":{"runtime":"vllm"}}}',
+        check=False,
+    )
+    assert refused.returncode != 0 and "spec.engine.transport.backend" in refused.stderr
+    env.kubectl.run(
+        "patch",
+        "pds",
+        "turns-bad",
+        "-n",
+        "team-d",
+        "--type=merge",
+        "-p",
+        '{"spec":{"decode":{"extraArgs":["--port=9000"]}}}',
     )
     eventually(lambda: env.status("team-d", "turns-bad").get("phase") == "Invalid", "phase Invalid")
     after = env.children("team-d", "turns-bad")
