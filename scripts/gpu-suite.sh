@@ -5,6 +5,11 @@
 # `pytest -m gpu` test, then e2e/gpu/demo.py when it exists, and writes REPORT_DIR/gpu-suite.json (counts, durations,
 # exit codes, versions) next to the logs. Exits non-zero when anything failed or no test passed.
 # PD_GPU_BENCH_ARGS: extra arguments for the benchmark (e.g. "--tokens 16384 --models qwen3-32b-tp8").
+# Real vLLM: when scripts/gpu-vllm.sh installed it into PD_GPU_VLLM_DIR (default /tmp/pd-vllm), its activate.sh puts
+# it on PYTHONPATH and points pdctl at that machine's site, and the step "vllm" runs the real-engine tests
+# (tests/e2e/gpu/test_real_vllm.py: e2e/gpu/demo.py --engine vllm through the router).
+# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo vllm" (default: all of them, "vllm" only when
+# vLLM is installed); one machine call holds ~10 minutes, so a call may run only some (e.g. "vllm").
 #   usage: scripts/gpu-suite.sh REPORT_DIR
 #   PD_GPU_SUITE_DEVICE=cpu runs the suite on host memory instead (see tests/pdconnector/worker/vram.py).
 set -uo pipefail
@@ -20,6 +25,13 @@ python=${PYTHON:-python3}
 bench_limit=${PD_GPU_BENCH_TIMEOUT_S:-180}
 suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-300}
 demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-90}
+vllm_limit=${PD_GPU_VLLM_TIMEOUT_S:-480}
+vllm_dir=${PD_GPU_VLLM_DIR:-/tmp/pd-vllm}
+vllm_tests=tests/e2e/gpu/test_real_vllm.py
+default_steps="bench tests device demo"
+[[ -f $vllm_dir/activate.sh ]] && default_steps+=" vllm"
+steps=" ${PD_GPU_SUITE_STEPS:-$default_steps} "
+step() { [[ $steps == *" $1 "* ]]; }
 scratch=$(mktemp -d /tmp/pd-gpu-suite.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 started=$(date +%s)
@@ -41,7 +53,21 @@ else
     echo "no wheels in .whl/: run scripts/fetch-gpu-wheels.sh on the CPU machine and carry .whl along" | tee "$report/install.log"
     install_rc=1
 fi
+if [[ -f $vllm_dir/activate.sh ]]; then
+    # vLLM's scratch install and the machine's site (pdctl reads PDCTL_SITE); ours first below: same pins.
+    # shellcheck disable=SC1091
+    . "$vllm_dir/activate.sh"
+    echo "vLLM from $vllm_dir (site $PDCTL_SITE)" | tee -a "$report/install.log"
+elif step vllm; then
+    echo "no vLLM in $vllm_dir: run scripts/gpu-vllm.sh $vllm_dir first (scripts/fetch-gpu-vllm.sh lists the calls)" |
+        tee -a "$report/install.log"
+fi
 export PYTHONPATH="$scratch:$root/connector:$root/operator${PYTHONPATH:+:$PYTHONPATH}"
+# The project runs from its source folders there, not installed: give it the distribution metadata it reads its
+# version from (pdoperator.render.defaults), as an editable install would.
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | head -n 1)
+mkdir -p "$scratch/pd_operator-$version.dist-info"
+printf 'Metadata-Version: 2.1\nName: pd-operator\nVersion: %s\n' "$version" >"$scratch/pd_operator-$version.dist-info/METADATA"
 export PD_GPU_SUITE_LOG_DIR="$report/engine-logs"
 
 echo "== machine"
@@ -50,7 +76,7 @@ echo "== machine"
 import importlib.metadata, json, platform, sys
 
 versions = {"python": platform.python_version()}
-for dist in ("torch", "numpy", "pytest", "nixl", "nixl-cu13", "msgspec", "pydantic"):
+for dist in ("torch", "numpy", "pytest", "nixl", "nixl-cu13", "msgspec", "pydantic", "vllm"):
     try:
         versions[dist] = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -72,7 +98,7 @@ EOF
 
 echo "== transfer benchmark"
 bench_rc=""
-if ((install_rc == 0)); then
+if ((install_rc == 0)) && step bench; then
     # shellcheck disable=SC2086 # PD_GPU_BENCH_ARGS is a list of arguments
     limited "$bench_limit" "$python" -m pdconnector.bench.gpu_transfer_bench "$report/bench" ${PD_GPU_BENCH_ARGS:-} 2>&1 | tee "$report/bench.log"
     bench_rc=${PIPESTATUS[0]}
@@ -80,10 +106,11 @@ fi
 
 echo "== gpu tests"
 # Only the files holding gpu tests: vLLM is not installed here, and modules importing it must not be collected.
-mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | sort)
+# The real-engine tests are their own step (minutes of engine start-up).
+mapfile -t files < <(grep -rl --include='test_*.py' 'pytest.mark.gpu' tests | grep -vxF "$vllm_tests" | sort)
 printf '%s\n' "${files[@]}" | tee "$report/gpu-test-files.txt"
 pytest_rc=""
-if ((install_rc == 0 && ${#files[@]})); then
+if ((install_rc == 0 && ${#files[@]})) && step tests; then
     limited "$suite_limit" "$python" -m pytest -m gpu -v -p no:cacheprovider --durations=10 --junitxml="$report/gpu-suite.xml" "${files[@]}" 2>&1 |
         tee "$report/pytest.log"
     pytest_rc=${PIPESTATUS[0]}
@@ -93,7 +120,7 @@ echo "== device-id tests"
 # Host-memory tests of ranks on devices other than 0 (descriptors, region tables, the worker's device binding and
 # transfers between ranks labelled cuda:3.. and cuda:5..): this machine has one GPU, so they stand in for cuda:N > 0.
 device_rc=""
-if ((install_rc == 0)); then
+if ((install_rc == 0)) && step device; then
     limited 120 "$python" -m pytest -v -p no:cacheprovider -k "device" --junitxml="$report/device-ids.xml" \
         tests/pdconnector/layout/test_plan.py tests/pdconnector/layout/test_descriptors.py tests/pdconnector/transport/test_descriptors.py \
         tests/pdconnector/worker/test_devices.py tests/pdconnector/worker/test_transfers.py 2>&1 | tee "$report/device-ids.log"
@@ -101,20 +128,30 @@ if ((install_rc == 0)); then
 fi
 
 demo_rc=""
-if [[ -f e2e/gpu/demo.py ]]; then
+if [[ -f e2e/gpu/demo.py ]] && step demo; then
     echo "== e2e/gpu/demo.py"
     limited "$demo_limit" "$python" e2e/gpu/demo.py "$report" 2>&1 | tee "$report/demo.log"
     demo_rc=${PIPESTATUS[0]}
 fi
 
+vllm_rc=""
+if ((install_rc == 0)) && step vllm; then
+    echo "== real vLLM ($vllm_tests)"
+    limited "$vllm_limit" "$python" -m pytest -m gpu -v -rs -p no:cacheprovider --junitxml="$report/vllm.xml" "$vllm_tests" 2>&1 |
+        tee "$report/vllm.log"
+    vllm_rc=${PIPESTATUS[0]}
+    # The demo's figures next to the summary (its engine logs and state sit deeper than a report should).
+    cp "$PD_GPU_SUITE_LOG_DIR/real-vllm/gpu-demo.json" "$report/vllm-demo.json" 2>/dev/null
+fi
+
 echo "== summary ($report/gpu-suite.json)"
-"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" <<'EOF'
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-device_rc, bench_rc = sys.argv[6], sys.argv[7]
+device_rc, bench_rc, vllm_rc, steps = sys.argv[6], sys.argv[7], sys.argv[8], sys.argv[9].split()
 
 
 def code(value):  # an exit code; empty: that step did not run
@@ -150,29 +187,34 @@ def junit_summary(junit):  # counts and per-case entries of one pytest junit fil
 
 tests, cases = junit_summary(report / "gpu-suite.xml")
 device_tests, _ = junit_summary(report / "device-ids.xml")
+vllm_tests, vllm_cases = junit_summary(report / "vllm.xml")
 versions_file = report / "versions.json"
 summary = {
     "ok": False,
     "device": os.environ.get("PD_GPU_SUITE_DEVICE", "cuda"),
     "tests": tests,
+    "steps": steps,
     "device_id_tests": device_tests,
+    "vllm_tests": vllm_tests,  # real engines (tests/e2e/gpu/test_real_vllm.py); skipped: no CUDA or no vLLM
     "install_exit_code": install_rc,
     "pytest_exit_code": code(pytest_rc),
     "device_id_exit_code": code(device_rc),
     "demo_exit_code": code(demo_rc),  # null: e2e/gpu/demo.py does not exist
     "bench_exit_code": code(bench_rc),
+    "vllm_exit_code": code(vllm_rc),
     "wall_s": wall_s,
     "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
 }
+# Every step asked for ran and passed (demo: when the file exists); the pytest steps passed at least one test.
 summary["ok"] = (
     install_rc == 0
-    and code(pytest_rc) == 0
-    and tests["passed"] > 0
-    and code(device_rc) == 0
+    and ("tests" not in steps or (code(pytest_rc) == 0 and tests["passed"] > 0))
+    and ("device" not in steps or code(device_rc) == 0)
     and code(demo_rc) in (None, 0)
-    and code(bench_rc) == 0
+    and ("bench" not in steps or code(bench_rc) == 0)
+    and ("vllm" not in steps or (code(vllm_rc) == 0 and vllm_tests["passed"] > 0))
 )
-(report / "gpu-suite.json").write_text(json.dumps(summary | {"cases": cases}, indent=2) + "\n")
+(report / "gpu-suite.json").write_text(json.dumps(summary | {"cases": cases + vllm_cases}, indent=2) + "\n")
 print(json.dumps(summary))
 sys.exit(0 if summary["ok"] else 1)
 EOF

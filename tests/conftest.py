@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.k8s.real_server import RealApiServer
+if TYPE_CHECKING:
+    from tests.k8s.real_server import RealApiServer
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_TOOLS = REPO / ".cache" / "k8s-tools" / "bin"
@@ -36,5 +38,8 @@ def kubectl() -> Path:
 def real_apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealApiServer]:
     """One real CRD-serving API server for the session (``tests/k8s/real_server.py``); tests keep to their own
     namespaces and objects. Never skipped: `make test` builds it, and a bare run says how."""
+    # Imported here: the GPU machine runs this conftest without the Kubernetes test tools (kmock).
+    from tests.k8s.real_server import RealApiServer  # noqa: PLC0415
+
     with RealApiServer(tmp_path_factory.mktemp("real-apiserver")) as server:
         yield server

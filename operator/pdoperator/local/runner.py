@@ -106,13 +106,34 @@ def up(plan: LocalPlan, state_dir: Path) -> list[RunningProcess]:
     engines = [local for local in plan.processes if local.role is not ComponentRole.ROUTER]
     routers = [local for local in plan.processes if local.role is ComponentRole.ROUTER]
     try:
-        # Engines boot side by side (a vLLM engine takes most of a minute), the router once they answer.
-        start(engines, state_dir)
+        # Engines boot side by side (a vLLM engine takes most of a minute), except those sharing a GPU; the
+        # router once they answer.
+        for wave in boot_waves(engines):
+            start(wave, state_dir)
         start(routers, state_dir)
     except BaseException:
         down(state_dir)
         raise
     return read_state(state_dir)
+
+
+def _gpus(local: LocalProcess) -> set[str]:
+    return {gpu for gpu in local.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if gpu.strip()}
+
+
+def boot_waves(engines: Sequence[LocalProcess]) -> list[list[LocalProcess]]:
+    """Engines in start order, grouped so no two of a group share a GPU. vLLM sizes its KV cache by profiling
+    the GPU's memory while it starts and counts any other process's allocations in that time as its own: two
+    engines starting side by side on one GPU left one of them a negative cache (seen on the H200)."""
+    waves: list[list[LocalProcess]] = []
+    for engine in engines:
+        gpus = _gpus(engine)
+        wave = next((w for w in waves if not gpus & set().union(*map(_gpus, w))), None)
+        if wave is None:
+            waves.append([engine])
+        else:
+            wave.append(engine)
+    return waves
 
 
 def write_router_config(state_dir: Path, text: str) -> None:

@@ -67,6 +67,7 @@ def test_every_example_is_ok(capsys):
         "OK inference/qwen3-32b",
         "OK default/tiny-autoscaled",
         "OK default/tiny",
+        "OK default/tiny-gpu-vllm",
         "OK default/tiny-gpu",
     ]
 
