@@ -197,7 +197,6 @@ def send(
         report.problems.append(f"request {index}: {type(error).__name__}: {error}")
         return
     elapsed = time.monotonic() - started
-    prefill, decode = headers.get("x-pd-prefill"), headers.get("x-pd-decode")
     problems = []
     if status != 200:
         problems.append(f"HTTP {status}: {json.dumps(body)[:300]}")
@@ -205,14 +204,28 @@ def send(
         problems.append(
             "the answer differs from the mock model's reference: decode did not get the prompt's KV"
         )
+    record(report, index=index, elapsed=elapsed, headers=headers, names=names, problems=problems)
+
+
+def record(
+    report: ModeReport,
+    *,
+    index: int,
+    elapsed: float,
+    headers: dict[str, str],
+    names: dict[str, set[str]],
+    problems: list[str],
+) -> None:
+    """One answer's outcome: the engines that served it (one prefill and one decode of this run, or a
+    problem), and its latency when nothing was wrong."""
+    prefill, decode = headers.get("x-pd-prefill"), headers.get("x-pd-decode")
     if prefill not in names["prefill"] or decode not in names["decode"]:
         problems.append(
             f"served by x-pd-prefill={prefill} x-pd-decode={decode}, not by one prefill and one decode engine"
         )
-    if prefill is not None:
-        report.engines["prefill"] = sorted({*report.engines["prefill"], prefill})
-    if decode is not None:
-        report.engines["decode"] = sorted({*report.engines["decode"], decode})
+    for role, engine in (("prefill", prefill), ("decode", decode)):
+        if engine is not None:
+            report.engines[role] = sorted({*report.engines[role], engine})
     if problems:
         report.failures += 1
         report.problems += [f"request {index}: {problem}" for problem in problems]
@@ -257,22 +270,12 @@ def send_real(
         report.problems.append(f"request {index}: {type(error).__name__}: {error}")
         return
     elapsed = time.monotonic() - started
-    prefill, decode = headers.get("x-pd-prefill"), headers.get("x-pd-decode")
     problems = (
         [f"HTTP {status}: {str(body)[:300]}"]
         if status != 200
         else real_engines.differences(real.reference[index], real_engines.Answer.of(body))
     )
-    if prefill not in names["prefill"] or decode not in names["decode"]:
-        problems.append(f"served by x-pd-prefill={prefill} x-pd-decode={decode}")
-    for role, engine in (("prefill", prefill), ("decode", decode)):
-        if engine is not None:
-            report.engines[role] = sorted({*report.engines[role], engine})
-    if problems:
-        report.failures += 1
-        report.problems += [f"request {index}: {problem}" for problem in problems]
-    else:
-        report.latencies_s.append(elapsed)
+    record(report, index=index, elapsed=elapsed, headers=headers, names=names, problems=problems)
 
 
 def exercise_real(report: ModeReport, state_dir: Path, real: RealEngines, budget: Budget) -> None:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import pathlib
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
@@ -145,3 +148,18 @@ class EmulatedCluster:
         }
         path.write_text(yaml.safe_dump(config))
         return path
+
+
+def call(
+    cluster: EmulatedCluster, method: str, path: str, body: Any = None, content_type: str = "application/json"
+) -> tuple[int, Any]:
+    """One JSON request to the cluster's front, without credentials: ``(status, decoded body)``."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        cluster.url + path, data=data, method=method, headers={"Content-Type": content_type}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.k8s.api_rules import label_selector_matches, parse_k8s_path
-from tests.k8s.server import EmulatedCluster
+from tests.k8s.server import EmulatedCluster, call
 
 CM = "/api/v1/namespaces/ns/configmaps"
 CRD = {
@@ -35,20 +35,6 @@ def cluster() -> Iterator[EmulatedCluster]:
         for namespace in ("ns", "other"):
             assert call(c, "POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})[0] == 201
         yield c
-
-
-def call(
-    cluster: EmulatedCluster, method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        cluster.url + path, data=data, method=method, headers={"Content-Type": content_type}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_created_objects_get_server_metadata(cluster: EmulatedCluster) -> None:

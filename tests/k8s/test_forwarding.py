@@ -15,7 +15,7 @@ import pytest
 
 from tests.k8s.harness import eventually
 from tests.k8s.real_server import RealApiServer
-from tests.k8s.server import EmulatedCluster
+from tests.k8s.server import EmulatedCluster, call
 
 GROUP = "forwarding.example.com"
 CRD = {
@@ -58,20 +58,6 @@ def cluster(real_apiserver: RealApiServer) -> Iterator[EmulatedCluster]:
         assert code == 201, answer
         eventually(lambda: call(front, "GET", f"/apis/{GROUP}/v1")[0] == 200, "the CRD served")
         yield front
-
-
-def call(
-    cluster: EmulatedCluster, method: str, path: str, body: Any = None, content_type: str = "application/json"
-) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(
-        cluster.url + path, data=data, method=method, headers={"Content-Type": content_type}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_apis_lists_the_emulated_groups_and_the_real_servers(cluster: EmulatedCluster) -> None:
