@@ -9,6 +9,7 @@ the CRD-serving half built here; ``envtest.KubeApiServer``: a full kube-apiserve
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import pathlib
@@ -46,7 +47,7 @@ def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10) -
         process.wait(timeout)
 
 
-class ControlPlane:
+class ControlPlane(abc.ABC):
     """etcd plus ``server_name`` from ``binaries`` on 127.0.0.1, state under ``workdir`` (kept across
     ``restart()``)."""
 
@@ -73,16 +74,18 @@ class ControlPlane:
 
     # ---- what a subclass says
 
+    @abc.abstractmethod
     def prepare(self) -> None:
         """Write credentials (and certificates) under ``workdir`` before the first start."""
 
+    @abc.abstractmethod
     def server_args(self) -> list[str]:
-        raise NotImplementedError
+        """The server binary's flags."""
 
     @property
+    @abc.abstractmethod
     def certificate(self) -> pathlib.Path:
         """The PEM file a client trusts the server's serving certificate with."""
-        raise NotImplementedError
 
     # ---- lifecycle
 
