@@ -8,7 +8,7 @@ dest="$root/.whl"
 python=${PYTHON:-$root/.venv/bin/python}
 [[ -x $python ]] || python=python3
 packages=(nixl-cu13 nixl pydantic pydantic_core annotated-types typing-inspection msgspec kopf python-json-logger iso8601 pytest-asyncio
-    kubernetes websocket-client requests-oauthlib oauthlib durationpy aiohttp-retry cbor2 pyzmq)
+    kubernetes websocket-client requests-oauthlib oauthlib durationpy aiohttp-retry cbor2 pyzmq pytest-timeout)
 
 # PEP 503 names: case, '-', '_' and '.' do not matter.
 normalise() { tr '[:upper:]' '[:lower:]' <<<"$1" | sed -E 's/[-_.]+/-/g'; }

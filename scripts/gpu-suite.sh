@@ -8,8 +8,13 @@
 # Real vLLM: when scripts/gpu-vllm.sh installed it into PD_GPU_VLLM_DIR (default /tmp/pd-vllm), its activate.sh puts
 # it on PYTHONPATH and points pdctl at that machine's site, and the step "vllm" runs the real-engine tests
 # (tests/e2e/gpu/test_real_vllm.py: e2e/gpu/demo.py --engine vllm through the router).
-# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo vllm" (default: all of them, "vllm" only when
-# vLLM is installed); one machine call holds ~10 minutes, so a call may run only some (e.g. "vllm").
+# The step "connector" runs the connector's real-engine tests (tests/pdconnector/vllm: dense and hybrid, push and
+# pull, the direct and the staged path, both layouts, failures, the router) with the engines on the GPU
+# (PD_VLLM_TEST_DEVICE=cuda); PD_GPU_CONNECTOR_K narrows them with pytest's -k (each engine pair starts in ~1 min,
+# so the whole set takes more than one call).
+# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm" (default: all of them,
+# "connector" and "vllm" only when vLLM is installed); one machine call holds ~10 minutes, so a call may run only
+# some (e.g. "vllm").
 #   usage: scripts/gpu-suite.sh REPORT_DIR
 #   PD_GPU_SUITE_DEVICE=cpu runs the suite on host memory instead (see tests/pdconnector/worker/vram.py).
 set -uo pipefail
@@ -26,10 +31,13 @@ bench_limit=${PD_GPU_BENCH_TIMEOUT_S:-180}
 suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-300}
 demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-90}
 vllm_limit=${PD_GPU_VLLM_TIMEOUT_S:-480}
+connector_limit=${PD_GPU_CONNECTOR_TIMEOUT_S:-540}
 vllm_dir=${PD_GPU_VLLM_DIR:-/tmp/pd-vllm}
 vllm_tests=tests/e2e/gpu/test_real_vllm.py
+connector_tests=(tests/pdconnector/vllm/test_connector_dense.py tests/pdconnector/vllm/test_connector_hybrid.py
+    tests/pdconnector/vllm/test_connector_failures.py tests/pdconnector/vllm/test_router_over_engines.py)
 default_steps="bench tests device demo"
-[[ -f $vllm_dir/activate.sh ]] && default_steps+=" vllm"
+[[ -f $vllm_dir/activate.sh ]] && default_steps+=" connector vllm"
 steps=" ${PD_GPU_SUITE_STEPS:-$default_steps} "
 step() { [[ $steps == *" $1 "* ]]; }
 scratch=$(mktemp -d /tmp/pd-gpu-suite.XXXXXX)
@@ -58,7 +66,7 @@ if [[ -f $vllm_dir/activate.sh ]]; then
     # shellcheck disable=SC1091
     . "$vllm_dir/activate.sh"
     echo "vLLM from $vllm_dir (site $PDCTL_SITE)" | tee -a "$report/install.log"
-elif step vllm; then
+elif step vllm || step connector; then
     echo "no vLLM in $vllm_dir: run scripts/gpu-vllm.sh $vllm_dir first (scripts/fetch-gpu-vllm.sh lists the calls)" |
         tee -a "$report/install.log"
 fi
@@ -134,6 +142,15 @@ if [[ -f e2e/gpu/demo.py ]] && step demo; then
     demo_rc=${PIPESTATUS[0]}
 fi
 
+connector_rc=""
+if ((install_rc == 0)) && step connector; then
+    echo "== the connector on real vLLM engines on the GPU (${connector_tests[*]})"
+    PD_VLLM_TEST_DEVICE=cuda limited "$connector_limit" "$python" -m pytest -v -rs -p no:cacheprovider --durations=10 \
+        --junitxml="$report/connector.xml" ${PD_GPU_CONNECTOR_K:+-k "$PD_GPU_CONNECTOR_K"} "${connector_tests[@]}" 2>&1 |
+        tee "$report/connector.log"
+    connector_rc=${PIPESTATUS[0]}
+fi
+
 vllm_rc=""
 if ((install_rc == 0)) && step vllm; then
     echo "== real vLLM ($vllm_tests)"
@@ -145,13 +162,13 @@ if ((install_rc == 0)) && step vllm; then
 fi
 
 echo "== summary ($report/gpu-suite.json)"
-"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" <<'EOF'
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" "$connector_rc" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-device_rc, bench_rc, vllm_rc, steps = sys.argv[6], sys.argv[7], sys.argv[8], sys.argv[9].split()
+device_rc, bench_rc, vllm_rc, steps, connector_rc = sys.argv[6], sys.argv[7], sys.argv[8], sys.argv[9].split(), sys.argv[10]
 
 
 def code(value):  # an exit code; empty: that step did not run
@@ -188,6 +205,7 @@ def junit_summary(junit):  # counts and per-case entries of one pytest junit fil
 tests, cases = junit_summary(report / "gpu-suite.xml")
 device_tests, _ = junit_summary(report / "device-ids.xml")
 vllm_tests, vllm_cases = junit_summary(report / "vllm.xml")
+connector_tests, connector_cases = junit_summary(report / "connector.xml")
 versions_file = report / "versions.json"
 summary = {
     "ok": False,
@@ -196,12 +214,14 @@ summary = {
     "steps": steps,
     "device_id_tests": device_tests,
     "vllm_tests": vllm_tests,  # real engines (tests/e2e/gpu/test_real_vllm.py); skipped: no CUDA or no vLLM
+    "connector_tests": connector_tests,  # the connector's real-engine tests with the engines on the GPU
     "install_exit_code": install_rc,
     "pytest_exit_code": code(pytest_rc),
     "device_id_exit_code": code(device_rc),
     "demo_exit_code": code(demo_rc),  # null: e2e/gpu/demo.py does not exist
     "bench_exit_code": code(bench_rc),
     "vllm_exit_code": code(vllm_rc),
+    "connector_exit_code": code(connector_rc),
     "wall_s": wall_s,
     "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
 }
@@ -213,8 +233,11 @@ summary["ok"] = (
     and code(demo_rc) in (None, 0)
     and ("bench" not in steps or code(bench_rc) == 0)
     and ("vllm" not in steps or (code(vllm_rc) == 0 and vllm_tests["passed"] > 0))
+    and ("connector" not in steps or (code(connector_rc) == 0 and connector_tests["passed"] > 0))
 )
-(report / "gpu-suite.json").write_text(json.dumps(summary | {"cases": cases + vllm_cases}, indent=2) + "\n")
+(report / "gpu-suite.json").write_text(
+    json.dumps(summary | {"cases": cases + vllm_cases + connector_cases}, indent=2) + "\n"
+)
 print(json.dumps(summary))
 sys.exit(0 if summary["ok"] else 1)
 EOF

@@ -34,6 +34,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.pdconnector.vllm.engine_device import ENGINE_DEVICE, device_engine_args, device_engine_env
+
 LOOPBACK = "127.0.0.1"
 # First start on a loaded 2-core machine can take minutes (testing-here.md saw up to 5).
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
@@ -60,16 +62,12 @@ def free_port() -> int:
 
 
 def base_engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for a vLLM CPU engine on this machine (small KV space, no telemetry).
-
-    ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM's automatic binding pins every CPU engine's worker to
-    core 0, so two engines and their transfer threads share one core and transfers stall.
-    """
+    """Environment for a vLLM engine on this machine's test device (:mod:`engine_device`; on the CPU: a small
+    KV space), no telemetry, offline."""
     env = dict(os.environ)
     env.update(
         {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            **device_engine_env(),
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",
@@ -117,6 +115,7 @@ def engine_args(
         "--seed",
         "0",
     ]
+    args += device_engine_args()
     if block_size is not None:
         args += ["--block-size", str(block_size)]
     if kv_transfer_config is not None:
@@ -582,7 +581,7 @@ def upstream_kv_transfer_config(connector: UpstreamConnector, role: str, engine_
     return {
         "kv_connector": connector.value,
         "kv_role": role,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": ENGINE_DEVICE.value,
         "engine_id": engine_id,
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }

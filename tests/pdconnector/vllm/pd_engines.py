@@ -13,7 +13,7 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from pdconnector.protocol.params import (
     push_decode_leg_params,
 )
 
+from tests.pdconnector.vllm.engine_device import DEFAULT_BLOCK_SIZE, ENGINE_DEVICE, ON_GPU
 from tests.pdconnector.vllm.harness import (
     LOOPBACK,
     Completion,
@@ -42,13 +43,23 @@ from tests.pdconnector.vllm.harness import (
 
 CONNECTOR_MODULE = "pdconnector.vllm.connector"
 ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
-BLOCK_SIZE = 128  # vLLM's default on the CPU backend (dense); the hybrid's attention block is larger
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # dense; the hybrid's attention block is larger
 # What the connector tests compare: a few generated tokens, logprobs within float32 noise, prompts around a
 # block.
 MAX_TOKENS = 6
 LOGPROB_ATOL = 1e-4
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
 CONCURRENT = 16
+# The ways a pair can move KV (connector settings for both engines): the block-outer layout (a block's pages
+# of every layer in one run, the default) written directly, and the per-layer layout with every push gathered
+# into prefill's staging buffer, written as one run into decode's and scattered there.
+CONNECTOR_PATHS: dict[str, dict[str, Any]] = {
+    "block-outer-direct": {},
+    "per-layer-staged": {"kv_cache_layout": "LBHNC", "staging_mib": 64, "transfer_path": "staged"},
+}
+# The dense tests run both on the GPU; on the CPU one (2 cores: every pair costs CI minutes), the staged path
+# being run there by the TP tests.
+DENSE_PATHS = tuple(CONNECTOR_PATHS) if ON_GPU else ("block-outer-direct",)
 
 
 def reserve_ports(count: int) -> list[int]:
@@ -76,7 +87,7 @@ def connector_config(
         "kv_connector": "PDConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": kv_role,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": ENGINE_DEVICE.value,
         "engine_id": engine_id,
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {
@@ -96,6 +107,11 @@ class PDPair:
     prefill_engine_id: str
     prefill_side_channel_port: int
     prefill_tp_size: int = 1
+    connector_extra: dict[str, Any] = field(default_factory=dict)  # the pair's CONNECTOR_PATHS entry
+
+    @property
+    def stages_pushes(self) -> bool:
+        return self.connector_extra.get("transfer_path") == "staged"
 
     @property
     def coordinates(self) -> PrefillCoordinates:
@@ -182,12 +198,14 @@ def pd_pair(
     timeout_s: float = 30.0,
     decode_prefix_caching: bool = False,
     decode_args: Sequence[str] = (),
+    extra: dict[str, Any] | None = None,
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
 
     ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off
     everywhere else), so a P/D request there receives only the blocks after its local prefix hit.
-    ``decode_args``: more engine arguments for decode."""
+    ``decode_args``: more engine arguments for decode. ``extra``: connector settings for both
+    (:data:`CONNECTOR_PATHS`)."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
@@ -195,7 +213,7 @@ def pd_pair(
         model_dir,
         log_dir,
         kv_transfer_config=connector_config(
-            prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy
+            prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy, extra=extra
         ),
         env=ENGINE_ENV,
         port=prefill_http,
@@ -205,7 +223,7 @@ def pd_pair(
         model_dir,
         log_dir,
         kv_transfer_config=connector_config(
-            decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy
+            decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy, extra=extra
         ),
         env=ENGINE_ENV,
         port=decode_http,
@@ -216,7 +234,7 @@ def pd_pair(
     )
     with running_servers(prefill, decode):
         warm_up(prefill, decode)
-        yield PDPair(prefill, decode, prefill_id, prefill_sc)
+        yield PDPair(prefill, decode, prefill_id, prefill_sc, connector_extra=dict(extra or {}))
 
 
 WARM_UP_LENGTHS = (1, 600)  # the shortest and longest prompts the tests send

@@ -34,6 +34,8 @@ from tests.pdconnector.vllm.harness import (
 from tests.pdconnector.vllm.pd_engines import (
     BLOCK_SIZE,
     CONCURRENT,
+    CONNECTOR_PATHS,
+    DENSE_PATHS,
     LOGPROB_ATOL,
     MAX_TOKENS,
     PROMPT_LENGTHS,
@@ -101,9 +103,11 @@ def test_a_decode_with_a_cached_prompt_prefix_receives_only_the_blocks_after_it_
 # --- the shared pair (prefix caching off on both engines) ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dense_pair(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
-    with pd_pair("ours-dense", dense_model, engine_log_dir) as pair:
+@pytest.fixture(scope="module", params=DENSE_PATHS)
+def dense_pair(dense_model: Path, engine_log_dir: Path, request: pytest.FixtureRequest) -> Iterator[PDPair]:
+    with pd_pair(
+        f"ours-dense-{request.param}", dense_model, engine_log_dir, extra=CONNECTOR_PATHS[request.param]
+    ) as pair:
         yield pair
 
 
@@ -158,6 +162,7 @@ def transfer_counters(pair: PDPair) -> dict[str, float]:
             prefill, "vllm:pd_kv_transfers", labels={"direction": "send", "outcome": "written"}
         ),
         "prefill_bytes": metric_sum(prefill, "vllm:pd_kv_received_bytes"),
+        "prefill_staged": metric_sum(prefill, "vllm:pd_kv_staging_events", labels={"event": "writes_staged"}),
     }
 
 
@@ -170,12 +175,13 @@ def test_engines_export_each_transfer_its_bytes_and_its_wait_on_their_metrics(de
     pushed = dense_pair.push(prompt_of(300, seed=41), MAX_TOKENS)
     pulled = dense_pair.pull(prompt_of(BLOCK_SIZE + 1, seed=42), MAX_TOKENS)
     blocks = sum((r.decode.kv_transfer_params or {})[RECEIVED_KEY]["blocks"] for r in (pushed, pulled))
-    assert blocks == 3 + 2
+    assert blocks == -(-300 // BLOCK_SIZE) + 2
     want = {
         "decode_received": 2,
         "decode_bytes": blocks * KV_BYTES_PER_BLOCK,
         "prefill_written": 2,
         "prefill_bytes": 0,
+        "prefill_staged": 1 if dense_pair.stages_pushes else 0,  # the push; a pull is always read directly
     }
     # prefill's releases reach its /metrics a step or two after decode's answer
     deadline = time.monotonic() + 20
