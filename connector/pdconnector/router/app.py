@@ -71,6 +71,8 @@ def dispatch_settings(config: RouterConfig, options: RouterOptions) -> DispatchS
         + config.timeouts.transfer_s
         + config.timeouts.decode_first_token_s,
         total_timeout_s=options.total_timeout_s,
+        max_attempts=config.retries.attempts,
+        retry_budget_s=config.retries.budget_s,
         connector=config.connector,
         retry_after_s=max(1, math.ceil(options.health.interval_s)),
     )

@@ -3,8 +3,9 @@ requests)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdconnector.protocol.params import EngineRole, PrefillCoordinates
 from pdconnector.router.prefix import PrefixIndex
@@ -69,6 +70,19 @@ class Backend:
     queued_prompt_tokens: int = 0  # uncached prompt tokens of the prefill legs chosen here, not yet done
     kv_usage: float | None = None  # decode: KV cache usage 0..1, from its metrics
     engine_sequences: int | None = None  # decode: running + waiting sequences, from its metrics
+    # Set when the health checks eject the engine: every leg in flight on it ends then. A re-admitted engine
+    # gets a fresh one, so legs sent to it afterwards are not ended by the old ejection.
+    ejected: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def eject(self, error: str) -> None:
+        self.healthy = False
+        self.last_error = error
+        self.ejected.set()
+        self.forget_cache()  # it may come back as a new process with an empty cache
+
+    def readmit(self) -> None:
+        self.healthy = True
+        self.ejected = asyncio.Event()
 
     def forget_cache(self) -> None:
         """The engine restarted or was ejected: what the router knew of its cache no longer holds."""

@@ -101,6 +101,23 @@ class Timeouts(_ConfigModel):
     ] = 60.0
 
 
+MAX_ATTEMPTS = 10
+
+
+class Retries(_ConfigModel):
+    """How hard the router tries a request whose leg failed before anything reached its client
+    (spec.router.retries)."""
+
+    attempts: Annotated[
+        int,
+        Field(ge=1, le=MAX_ATTEMPTS, description="Most prefill/decode pairs one request is tried on."),
+    ] = 3
+    budget_s: Annotated[
+        float,
+        Field(gt=0, le=3600, description="A failed request is tried again only this long after it arrived."),
+    ] = 30.0
+
+
 class CacheAware(_ConfigModel):
     """How the cache-aware policy hashes prompts (as the engines do) and weighs cache against load."""
 
@@ -158,6 +175,7 @@ class RouterConfig(_ConfigModel):
     prefill: RoleBackends
     decode: RoleBackends
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    retries: Retries = Field(default_factory=Retries)
     max_request_body_bytes: Annotated[int, Field(ge=1024)] = DEFAULT_MAX_REQUEST_BODY_BYTES
     api_key_env: Annotated[
         str | None,

@@ -24,8 +24,7 @@ def record_failure(backend: Backend, error: str, failures_to_eject: int) -> None
     backend.consecutive_failures += 1
     backend.last_error = error
     if backend.healthy and backend.consecutive_failures >= failures_to_eject:
-        backend.healthy = False
-        backend.forget_cache()  # it may come back as a new process with an empty cache
+        backend.eject(error)
         log.warning(
             "backend ejected",
             extra={"backend": backend.name, "role": backend.spec.role.value, "error": error},
@@ -35,7 +34,7 @@ def record_failure(backend: Backend, error: str, failures_to_eject: int) -> None
 def record_success(backend: Backend) -> None:
     if not backend.healthy:
         log.info("backend re-admitted", extra={"backend": backend.name, "role": backend.spec.role.value})
-    backend.healthy = True
+        backend.readmit()
     backend.consecutive_failures = 0
     backend.last_error = None
 

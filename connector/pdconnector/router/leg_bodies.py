@@ -25,6 +25,15 @@ def prefill_error(answer: dict[str, Any]) -> str | None:
     return None
 
 
+def aborted(payload: dict[str, Any] | None) -> bool:
+    """The engine aborted the request instead of finishing it (vLLM answers ``finish_reason: "abort"`` for
+    requests it drops at shutdown): nothing it returned can be used."""
+    choices = payload.get("choices") if payload else None
+    return isinstance(choices, list) and any(
+        isinstance(choice, dict) and choice.get("finish_reason") == "abort" for choice in choices
+    )
+
+
 def prefill_body(client_body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     body = {
         k: v

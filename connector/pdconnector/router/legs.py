@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from pdconnector.router.backends import Backend
+
+T = TypeVar("T")
 
 
 class FailureKind(StrEnum):
@@ -22,6 +24,8 @@ class FailureKind(StrEnum):
     PROTOCOL = "protocol"  # the engine answered something that is not what the contract says
     REPORTED = "reported"  # the engine answered 200 with a body that reports it failed
     TIMEOUT = "timeout"
+    EJECTED = "ejected"  # the router's health checks ejected the engine while the leg was in flight
+    ABORTED = "aborted"  # the engine aborted the request (vLLM's finish_reason "abort", e.g. at SIGTERM)
 
 
 class LegError(Exception):
@@ -162,3 +166,20 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
         task.cancel()
     if pending:
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def until_ejected(backend: Backend, leg: Awaitable[T]) -> T:
+    """Run ``leg`` against ``backend``; when the health checks eject the backend first, end the leg at once
+    (its connection closes, so the engine, if it still listens, aborts the request) and raise ``EJECTED``."""
+    leg_task = asyncio.ensure_future(leg)
+    ejected = asyncio.ensure_future(backend.ejected.wait())
+    try:
+        await asyncio.wait((leg_task, ejected), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when the request itself is cancelled: neither may outlive it
+        ejected.cancel()
+        await cancel_and_wait(leg_task)
+    if leg_task.cancelled():
+        raise LegError(
+            backend, FailureKind.EJECTED, f"ejected while the leg was in flight: {backend.last_error}"
+        )
+    return leg_task.result()

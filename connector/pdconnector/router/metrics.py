@@ -101,8 +101,15 @@ class RouterMetrics:
         )
         self.retries = Counter(
             "pd_router_retries",
-            "Legs retried on another backend after a connect error",
-            ["role"],
+            "Requests tried again on another pair before anything reached their client, by the role of the "
+            "leg that failed and the cause (a failure kind, or kv_transfer)",
+            ["role", "cause"],
+            registry=self.registry,
+        )
+        self.retry_seconds = Counter(
+            "pd_router_retry_seconds",
+            "Seconds requests spent in attempts that failed and were retried, by cause",
+            ["cause"],
             registry=self.registry,
         )
 

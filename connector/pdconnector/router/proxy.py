@@ -1,9 +1,12 @@
 """The request path: pick a prefill and a decode engine, run both legs, relay decode's answer to the client.
 
-Pull and push-sequential run the legs one after the other; push runs them concurrently so decode registers its
-blocks while prefill computes. Connect errors are retried on other backends as long as no byte reached the
-client; everything else becomes an OpenAI-style error (or, mid-stream, an SSE error event). A cancelled client
-request cancels both legs, which closes their connections so the engines abort and free their blocks.
+Pull and push-sequential run the legs one after the other; push runs them concurrently so decode registers
+its blocks while prefill computes. A request whose leg failed for a reason of the engine's (unreachable,
+broken off, timed out, ejected by the health checks, aborted, its KV transfer failed) is tried again on
+another pair, with a new transfer id, as long as nothing reached its client and its retry budget (attempts,
+seconds) allows; what fails otherwise becomes an OpenAI-style error (or, mid-stream, an SSE error event). A
+leg ends when its engine is ejected. A cancelled client request cancels both legs, which closes their
+connections so the engines abort and free their blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -20,7 +23,6 @@ import aiohttp
 from aiohttp import web
 
 from pdconnector.protocol.params import (
-    TRANSFER_FAILED_CODES,
     EngineRole,
     TransferMode,
     mint_transfer_id,
@@ -32,8 +34,10 @@ from pdconnector.router import errors
 from pdconnector.router.backends import Backend, BackendPool
 from pdconnector.router.cache_aware import PromptBlocks
 from pdconnector.router.cache_state import CacheState
+from pdconnector.router.failures import error_for_client, retry_for, transfer_failed
 from pdconnector.router.health import eject_now
 from pdconnector.router.leg_bodies import (
+    aborted,
     decode_body,
     prefill_body,
     prefill_error,
@@ -51,6 +55,7 @@ from pdconnector.router.legs import (
     cancel_and_wait,
     open_stream,
     sse_data,
+    until_ejected,
 )
 from pdconnector.router.metrics import RequestOutcome, RouterMetrics
 from pdconnector.router.selection import NoBackend, Selector, pick_backend
@@ -72,7 +77,10 @@ class DispatchSettings:
     prefill_timeout_s: float = 60.0
     decode_first_byte_timeout_s: float = 120.0
     total_timeout_s: float = 600.0
+    # A request is tried on at most this many prefill/decode pairs, and tried again only while this many
+    # seconds have not passed since it arrived (config.Retries).
     max_attempts: int = 3
+    retry_budget_s: float = 30.0
     # "vllm": the engines run upstream vLLM's NIXL connectors, whose push decode leg names the prefill
     # request.
     connector: Literal["builtin", "vllm"] = "builtin"
@@ -108,6 +116,8 @@ class Exchange:
     queued: tuple[Backend, int] | None = None  # the prefill whose queued prompt tokens count this prompt's
     # role -> seconds to the answer (decode: to its first byte)
     legs: dict[str, float] = field(default_factory=dict)
+    retries: list[dict[str, Any]] = field(default_factory=list)  # the attempts that failed and were retried
+    pending_retry: tuple[LegError, str, float] | None = None  # failure, cause, seconds: retried once picked
 
     def headers(self) -> dict[str, str]:
         headers = {"X-Request-Id": self.request_id}
@@ -152,6 +162,7 @@ class Dispatcher:
     def _pick_prefill(self, exchange: Exchange, partner: Backend | None = None) -> Backend:
         """Choose the request's prefill; it holds the request's KV from now until decode takes it."""
         exchange.prefill = self._pick(EngineRole.PREFILL, exchange, partner)
+        self._retry_started(exchange)
         self._hold_kv(exchange, exchange.prefill)
         if self.cache is not None:
             self._queue_prompt(exchange, exchange.prefill)  # before routed(): it counts what is held now
@@ -212,12 +223,15 @@ class Dispatcher:
         with self._occupy(backend):
             try:
                 async with asyncio.timeout(self.settings.prefill_timeout_s):
-                    answer, _ = await call_json(
-                        self.session,
+                    answer, _ = await until_ejected(
                         backend,
-                        request.endpoint.value,
-                        body,
-                        {"X-Request-Id": exchange.request_id},
+                        call_json(
+                            self.session,
+                            backend,
+                            request.endpoint.value,
+                            body,
+                            {"X-Request-Id": exchange.request_id},
+                        ),
                     )
             except TimeoutError as exc:
                 raise LegError(
@@ -227,6 +241,8 @@ class Dispatcher:
                 ) from exc
             finally:
                 self._unqueue_prompt(exchange)
+        if aborted(answer):
+            raise LegError(backend, FailureKind.ABORTED, "prefill aborted the request (shutting down?)")
         if (reported := prefill_error(answer)) is not None:
             # In push mode decode would otherwise wait out its transfer deadline for KV that will never be
             # written.
@@ -256,23 +272,33 @@ class Dispatcher:
             try:
                 with self._occupy(backend):
                     async with asyncio.timeout_at(deadline):
-                        answer, raw = await call_json(
-                            self.session, backend, request.endpoint.value, body, headers
+                        answer, raw = await until_ejected(
+                            backend, call_json(self.session, backend, request.endpoint.value, body, headers)
                         )
             except TimeoutError as exc:
                 raise LegError(backend, FailureKind.TIMEOUT, "decode gave no answer in time") from exc
+            if aborted(answer):
+                raise LegError(backend, FailureKind.ABORTED, "decode aborted the request (shutting down?)")
             self._leg_answered(EngineRole.DECODE, exchange, sent)
             return DecodeStarted(backend=backend, body=answer, raw=raw)
         first_byte_deadline = min(deadline, loop.time() + self.settings.decode_first_byte_timeout_s)
         stream: EventStream | None = None
+        events: AsyncIterator[SseEvent] | None = None
+
+        async def first_event() -> SseEvent | None:
+            nonlocal stream, events
+            stream = await open_stream(self.session, backend, request.endpoint.value, body, headers)
+            events = aiter(stream.events())
+            return await anext(events, None)
+
         self._enter(backend)
         try:
             async with asyncio.timeout_at(first_byte_deadline):
-                stream = await open_stream(self.session, backend, request.endpoint.value, body, headers)
-                events = aiter(stream.events())
-                first = await anext(events, None)
+                first = await until_ejected(backend, first_event())
             if first is None:
                 raise LegError(backend, FailureKind.BROKEN, "decode closed the stream before the first event")
+            if aborted(first.data):
+                raise LegError(backend, FailureKind.ABORTED, "decode aborted the request (shutting down?)")
         except BaseException as exc:
             if stream is not None:
                 stream.close()
@@ -281,6 +307,7 @@ class Dispatcher:
                 raise LegError(backend, FailureKind.TIMEOUT, "decode sent no first token in time") from exc
             raise
         self._leg_answered(EngineRole.DECODE, exchange, sent)
+        assert events is not None
         return DecodeStarted(backend=backend, stream=stream, events=events, first_event=first)
 
     def _finish_stream(self, started: DecodeStarted) -> None:
@@ -296,120 +323,121 @@ class Dispatcher:
             self._finish_stream(task.result())
 
     # --- orchestration --------------------------------------------------------------------------------------
-    def _note_failure(self, error: LegError, role: EngineRole) -> None:
-        self.metrics.leg_errors.labels(role.value, error.kind.value).inc()
+    def _note_failure(self, error: LegError) -> None:
+        self.metrics.leg_errors.labels(error.backend.spec.role.value, error.kind.value).inc()
         if error.kind is FailureKind.CONNECT:
             eject_now(error.backend, error.detail)
 
-    def _retryable(self, error: LegError, exchange: Exchange) -> bool:
-        """Connect errors (nothing reached the engine) are retried elsewhere; other failures end the
-        request."""
-        if error.kind is not FailureKind.CONNECT:
-            return False
-        role = error.backend.spec.role
-        self._note_failure(error, role)
-        exchange.failed.add(error.backend.name)
-        self.metrics.retries.labels(role.value).inc()
-        log.warning(
-            "retrying on another backend",
-            extra={"request_id": exchange.request_id, "backend": error.backend.name, "role": role.value},
-        )
-        return True
-
-    async def _with_retries(
-        self, role: EngineRole, exchange: Exchange, attempt: Callable[[], Awaitable[Any]]
-    ) -> Any:
-        for _ in range(self.settings.max_attempts):
+    async def _attempts(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
+        """Run the request on one pair after another until one starts answering, a failure is the request's
+        own, or the retry budget is spent; the last failure is what the client hears."""
+        attempt = self._concurrent if self.settings.dispatch is Dispatch.PUSH else self._sequential
+        loop = asyncio.get_running_loop()
+        failed: LegError | None = None
+        for number in range(1, self.settings.max_attempts + 1):
+            tried_at = loop.time()
             try:
-                return await attempt()
+                return await attempt(request, exchange, deadline)
+            except errors.RouterError:
+                # No pair left to try. Where the engines that failed were ejected, the refusal names them
+                # all; otherwise the failure that sent us here is the answer.
+                if failed is not None and failed.kind not in (FailureKind.CONNECT, FailureKind.EJECTED):
+                    raise failed from None
+                raise
             except LegError as error:
-                if not self._retryable(error, exchange):
+                failed = error
+                self._note_failure(error)
+                retry = retry_for(error, exchange.prefill)
+                now = loop.time()
+                if (
+                    retry is None
+                    or number == self.settings.max_attempts
+                    or now - exchange.started_at > self.settings.retry_budget_s
+                    or now >= deadline
+                ):
                     raise
-        raise self._exhausted(role.value)
+                exchange.pending_retry = (error, retry.cause, now - tried_at)
+                exchange.failed.update(backend.name for backend in retry.avoid)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _exhausted(self, what: str) -> errors.RouterError:
-        return errors.RouterError(
-            502,
-            f"Could not connect to a {what} backend in {self.settings.max_attempts} attempts",
-            "upstream_error",
-            "connect_retries_exhausted",
+    def _retry_started(self, exchange: Exchange) -> None:
+        """A failed attempt's successor has its engines: count the retry (one that found no pair is none)."""
+        if exchange.pending_retry is None:
+            return
+        error, cause, seconds = exchange.pending_retry
+        exchange.pending_retry = None
+        role = error.backend.spec.role.value
+        self.metrics.retries.labels(role, cause).inc()
+        self.metrics.retry_seconds.labels(cause).inc(seconds)
+        exchange.retries.append(
+            {"role": role, "backend": error.backend.name, "cause": cause, "ms": round(seconds * 1e3, 3)}
+        )
+        log.warning(
+            "retrying on another pair",
+            extra={
+                "request_id": exchange.request_id,
+                "backend": error.backend.name,
+                "role": role,
+                "cause": cause,
+                "failed_transfer_id": exchange.transfer_id,
+                "error": error.detail,
+            },
         )
 
     async def _sequential(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
+        """One attempt, the legs one after the other."""
         push = self.settings.dispatch is Dispatch.PUSH_SEQUENTIAL
-        exchange.transfer_id = mint_transfer_id()
         mode = TransferMode.PUSH if push else TransferMode.PULL
-
-        async def run_prefill() -> dict[str, Any]:
-            if push:
-                exchange.decode = self._pick(EngineRole.DECODE, exchange)
-            prefill = self._pick_prefill(exchange, partner=exchange.decode if push else None)
-            return await self._prefill_leg(
-                prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
-            )
-
-        answer = await self._with_retries(EngineRole.PREFILL, exchange, run_prefill)
-        assert exchange.prefill is not None
+        exchange.decode = self._pick(EngineRole.DECODE, exchange) if push else None
+        prefill = self._pick_prefill(exchange, partner=exchange.decode)
+        exchange.transfer_id = mint_transfer_id()
+        answer = await self._prefill_leg(
+            prefill, request, prefill_leg_params(mode, exchange.transfer_id), exchange
+        )
         if push:
-            decode_params = push_decode_leg_params(
-                exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
-            )
+            decode_params = push_decode_leg_params(exchange.transfer_id, prefill.spec.prefill_coordinates())
         else:
             returned = answer.get("kv_transfer_params")
             if not isinstance(returned, dict):
-                self.metrics.transfer_failures.inc()
                 raise errors.transfer_failed(
-                    f"prefill engine {exchange.prefill.name} returned no kv_transfer_params (is its KV "
+                    f"prefill engine {prefill.name} returned no kv_transfer_params (is its KV "
                     "connector configured?)"
                 )
             decode_params = pull_decode_leg_params(returned, exchange.transfer_id)
-
-        async def run_decode() -> DecodeStarted:
-            if exchange.decode is None or exchange.decode.name in exchange.failed:
-                exchange.decode = self._pick(EngineRole.DECODE, exchange, partner=exchange.prefill)
-            return await self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
-
-        started = await self._with_retries(EngineRole.DECODE, exchange, run_decode)
+            exchange.decode = self._pick(EngineRole.DECODE, exchange, partner=prefill)
+        started = await self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
         self._release_kv(exchange)
         return started
 
     async def _concurrent(self, request: ClientRequest, exchange: Exchange, deadline: float) -> DecodeStarted:
-        for _ in range(self.settings.max_attempts):
-            exchange.decode = self._pick(EngineRole.DECODE, exchange)
-            self._pick_prefill(exchange, partner=exchange.decode)
-            exchange.transfer_id = mint_transfer_id()
-            decode_params = push_decode_leg_params(
-                exchange.transfer_id, exchange.prefill.spec.prefill_coordinates()
+        """One attempt, both legs at once."""
+        exchange.decode = self._pick(EngineRole.DECODE, exchange)
+        chosen = self._pick_prefill(exchange, partner=exchange.decode)
+        exchange.transfer_id = mint_transfer_id()
+        decode_params = push_decode_leg_params(exchange.transfer_id, chosen.spec.prefill_coordinates())
+        if self.settings.connector == "vllm":
+            decode_params["remote_request_id"] = upstream_engine_request_id(
+                request.endpoint, exchange.request_id
             )
-            if self.settings.connector == "vllm":
-                decode_params["remote_request_id"] = upstream_engine_request_id(
-                    request.endpoint, exchange.request_id
-                )
-            prefill = asyncio.create_task(
-                self._prefill_leg(
-                    exchange.prefill,
-                    request,
-                    prefill_leg_params(TransferMode.PUSH, exchange.transfer_id),
-                    exchange,
-                )
+        prefill = asyncio.create_task(
+            self._prefill_leg(
+                chosen, request, prefill_leg_params(TransferMode.PUSH, exchange.transfer_id), exchange
             )
-            decode = asyncio.create_task(
-                self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
-            )
-            try:
-                started = await self._first_decode_answer(prefill, decode)
-            except BaseException as exc:
-                # If one leg fails the other is aborted: decode would wait for KV in vain, prefill would hold
-                # blocks.
-                await cancel_and_wait(prefill, decode)
-                self._discard(decode)
-                if isinstance(exc, LegError) and self._retryable(exc, exchange):
-                    continue
-                raise
-            exchange.pending_prefill = None if prefill.done() else prefill
-            self._release_kv(exchange)
-            return started
-        raise self._exhausted("prefill/decode pair")
+        )
+        decode = asyncio.create_task(
+            self._decode_leg(exchange.decode, request, decode_params, exchange, deadline)
+        )
+        try:
+            started = await self._first_decode_answer(prefill, decode)
+        except BaseException:
+            # If one leg fails the other is aborted: decode would wait for KV in vain, prefill would hold
+            # blocks.
+            await cancel_and_wait(prefill, decode)
+            self._discard(decode)
+            raise
+        exchange.pending_prefill = None if prefill.done() else prefill
+        self._release_kv(exchange)
+        return started
 
     async def _first_decode_answer(
         self, prefill: asyncio.Task[Any], decode: asyncio.Task[DecodeStarted]
@@ -437,10 +465,7 @@ class Dispatcher:
             try:
                 if self.cache is not None:
                     exchange.prompt = await self.cache.prompt_blocks(self.session, self.pool, request)
-                if self.settings.dispatch is Dispatch.PUSH:
-                    started = await self._concurrent(request, exchange, deadline)
-                else:
-                    started = await self._sequential(request, exchange, deadline)
+                started = await self._attempts(request, exchange, deadline)
             except LegError as error:
                 router_error = self._classify(error, exchange)
                 outcome = (
@@ -480,6 +505,7 @@ class Dispatcher:
                     "transfer_id": exchange.transfer_id,
                     "seconds": round(loop.time() - exchange.started_at, 4),
                     "legs_ms": {role: round(seconds * 1e3, 3) for role, seconds in exchange.legs.items()},
+                    "retries": exchange.retries,
                 },
             )
 
@@ -489,44 +515,9 @@ class Dispatcher:
         return response
 
     def _classify(self, error: LegError, exchange: Exchange) -> errors.RouterError:
-        role = error.backend.spec.role
-        engine = error.backend.describe()
-        if error.kind is not FailureKind.CONNECT:  # connect failures were counted when they were retried
-            self._note_failure(error, role)
-        if error.kind is FailureKind.TIMEOUT:
-            phase = "the prefill leg" if role is EngineRole.PREFILL else "decode's answer"
-            return errors.RouterError(
-                504,
-                f"Timed out waiting for {phase} on {engine} for transfer {exchange.transfer_id}: "
-                f"{error.detail}",
-                "timeout",
-                f"{role.value}_timeout",
-            )
-        engine_code = (
-            (error.body or {}).get("error", {}).get("code")
-            if isinstance((error.body or {}).get("error"), dict)
-            else None
-        )
-        if engine_code in TRANSFER_FAILED_CODES:
+        if transfer_failed(error):
             self.metrics.transfer_failures.inc()
-            return errors.transfer_failed(
-                f"{role.value} engine {engine} for transfer {exchange.transfer_id}: {error.detail}"
-            )
-        if (
-            error.kind is FailureKind.STATUS
-            and error.status is not None
-            and 400 <= error.status < 500
-            and error.status not in (401, 403, 404)
-        ):
-            # The engine judged the request itself (e.g. prompt longer than the context): that is the client's
-            # to fix.
-            return errors.RouterError(
-                error.status,
-                f"Rejected by the {role.value} engine: {error.detail}",
-                "invalid_request_error",
-                f"{role.value}_rejected",
-            )
-        return errors.upstream_failed(role.value, engine, exchange.transfer_id, error.detail)
+        return error_for_client(error, exchange.transfer_id)
 
     def _record_transfer(self, report: Evidence | None) -> None:
         # Upstream vLLM connectors never report how KV arrived: their answers prove nothing either way.
@@ -567,13 +558,19 @@ class Dispatcher:
         await forward(started.first_event)
         self.metrics.ttft.labels(self.settings.dispatch.value).observe(loop.time() - exchange.started_at)
         failure: errors.RouterError | None = None
+
+        async def forward_rest() -> None:
+            assert started.events is not None
+            async for event in started.events:
+                await forward(event)
+
         try:
             async with asyncio.timeout_at(deadline):
-                async for event in started.events:
-                    await forward(event)
+                await until_ejected(started.backend, forward_rest())
         except TimeoutError:
             failure = errors.timed_out("the decode stream to finish", self.settings.total_timeout_s)
         except LegError as error:
+            self._note_failure(error)
             failure = self._classify(error, exchange)
         if failure is None and not finished and not error_seen:
             failure = errors.upstream_failed(

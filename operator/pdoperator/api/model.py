@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdoperator.api.autoscaling import AutoscalingSpec
 from pdoperator.api.base import DNS_SUBDOMAIN, QUANTITY, SECRET_KEY, ApiModel
 from pdoperator.api.roles import RoleSpec
-from pdoperator.api.routing import CacheAwareSpec, RoutingPolicy
+from pdoperator.api.routing import CacheAwareSpec, RetriesSpec, RoutingPolicy
 
 GROUP = "inference.pdoperator.dev"
 VERSION = "v1alpha1"
@@ -360,6 +360,10 @@ class RouterSpec(ApiModel):
     cache_aware: Annotated[
         CacheAwareSpec | None,
         Field(description="Block size and weights of the cache-aware policy (defaults apply when unset)."),
+    ] = None
+    retries: Annotated[
+        RetriesSpec | None,
+        Field(description="Retries of failed requests before their first token (defaults apply when unset)."),
     ] = None
     api_key_secret_ref: Annotated[
         SecretKeyRef | None,

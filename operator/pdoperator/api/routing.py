@@ -60,3 +60,18 @@ class CacheAwareSpec(ApiModel):
             description="Decode: a full KV cache counts as this many running sequences.", ge=0, le=MAX_WEIGHT
         ),
     ] = 4
+
+
+class RetriesSpec(ApiModel):
+    """How hard the router tries a request whose prefill or decode leg failed for a reason of the engine's
+    (unreachable, broken off, ejected by the health checks, aborted, its KV transfer failed) before any token
+    reached its client: again on another prefill/decode pair, with a new transfer."""
+
+    attempts: Annotated[
+        int,
+        Field(description="Most prefill/decode pairs a request is tried on (1: never retried).", ge=1, le=10),
+    ] = 3
+    budget_seconds: Annotated[
+        int,
+        Field(description="A failed request is tried again only this long after it arrived.", ge=1, le=3600),
+    ] = 30

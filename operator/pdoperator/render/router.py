@@ -8,6 +8,7 @@ from pdconnector.router.config import (
     DEFAULT_API_KEY_ENV,
     ROUTER_CONFIG_FILENAME,
     EngineBackend,
+    Retries,
     RoleBackends,
     RouterConfig,
     Timeouts,
@@ -15,6 +16,7 @@ from pdconnector.router.config import (
 )
 
 from pdoperator.api.model import PDService
+from pdoperator.api.routing import RetriesSpec
 
 from .cache_routing import KV_EVENTS_PORT, publishes_kv_events, router_cache_aware
 from .defaults import RenderDefaults
@@ -88,9 +90,17 @@ def build_router_config(pds: PDService, defaults: RenderDefaults) -> RouterConfi
             transfer_s=float(spec.engine.transfer_timeout_seconds),
             decode_first_token_s=defaults.router_decode_first_token_timeout_seconds,
         ),
+        retries=router_retries(spec.router.retries),
         max_request_body_bytes=defaults.router_max_request_body_bytes,
         api_key_env=DEFAULT_API_KEY_ENV if spec.router.api_key_secret_ref else None,
     )
+
+
+def router_retries(retries: RetriesSpec | None) -> Retries:
+    """spec.router.retries as the router reads it (the router's defaults when unset)."""
+    if retries is None:
+        return Retries()
+    return Retries(attempts=retries.attempts, budget_s=float(retries.budget_seconds))
 
 
 def render_router_configmap(pds: PDService, defaults: RenderDefaults) -> dict[str, Any]:

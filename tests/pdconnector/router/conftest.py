@@ -48,7 +48,10 @@ CANNED_ANSWERS: dict[str, tuple[int, dict[str, Any]]] = {
         200,
         {"choices": [{"index": 0, "text": " t1"}], "kv_transfer_params": {"pd_error": "transfer_id missing"}},
     ),
+    # What vLLM answers for a request it dropped at shutdown (SIGTERM).
+    "aborted": (200, {"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}),
 }
+KV_WAIT_S = 5.0  # a decode with kv_sources fails the transfer after this long, as a transfer timeout does
 
 
 @dataclass
@@ -58,7 +61,8 @@ class FakeEngine:
     name: str
     role: str
     host: str
-    behaviour: str = "ok"  # ok | error500 | hang | transfer_failed | reject400 | die_mid_stream | pd_error
+    # ok | hang | die_mid_stream | stall_mid_stream (after its first event) | one of CANNED_ANSWERS
+    behaviour: str = "ok"
     bodies: list[dict[str, Any]] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: int = 0
@@ -72,6 +76,10 @@ class FakeEngine:
     stream_reports: bool = (
         True  # the final stream event carries kv_transfer_params, as the mock engine's do (vLLM's never)
     )
+    # decode: answer only once one of these prefills answered the request's transfer, as a real decode waits
+    # for its KV (else fail it as a transfer timeout after KV_WAIT_S)
+    kv_sources: list[FakeEngine] = field(default_factory=list)
+    prefilled: set[str] = field(default_factory=set)  # prefill: the transfers it answered
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -99,13 +107,26 @@ class FakeEngine:
                 status, answer = CANNED_ANSWERS[self.behaviour]
                 return web.json_response(answer, status=status)
             if self.role == "prefill":
-                return web.json_response(self.prefill_answer(body))
+                answer = self.prefill_answer(body)
+                self.prefilled.add(body["kv_transfer_params"]["transfer_id"])
+                return web.json_response(answer)
+            if self.kv_sources and not await self.kv_arrived(body["kv_transfer_params"]["transfer_id"]):
+                status, answer = CANNED_ANSWERS["transfer_failed"]
+                return web.json_response(answer, status=status)
             if body.get("stream"):
                 return await self.stream(request, body)
             return web.json_response(self.decode_answer(body))
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
+
+    async def kv_arrived(self, transfer_id: str) -> bool:
+        deadline = asyncio.get_running_loop().time() + KV_WAIT_S
+        while not any(transfer_id in source.prefilled for source in self.kv_sources):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def prefill_answer(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body["kv_transfer_params"]
@@ -143,6 +164,8 @@ class FakeEngine:
             if self.behaviour == "die_mid_stream" and index == 1:
                 request.transport.close()  # type: ignore[union-attr]
                 return response
+            if self.behaviour == "stall_mid_stream":
+                await self.release.wait()
             await asyncio.sleep(0.01)
         await response.write(b"data: [DONE]\n\n")
         return response

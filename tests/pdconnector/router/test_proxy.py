@@ -187,15 +187,18 @@ PATIENT = {"connect_s": 1, "prefill_s": 30, "transfer_s": 30, "decode_first_toke
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
-    ("behaviour", "detail"),
+    "failure",  # the prefills' behaviour, the detail the client reads, the retry's cause
     [
-        ("error500", "HTTP 500: engine exploded"),
-        ("pd_error", "it kept no KV for decode: transfer_id missing"),
+        ("error500", "HTTP 500: engine exploded", "status"),
+        ("pd_error", "it kept no KV for decode: transfer_id missing", "reported"),
     ],
 )
-async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_engine_and_transfer(
-    cluster, make_router, behaviour, detail, stream
+async def test_each_failed_push_prefill_ends_its_waiting_decode_leg_and_the_last_names_engine_and_transfer(
+    cluster, make_router, failure, stream
 ):
+    """Each prefill fails once the decode leg is in flight: each attempt ends its decode leg at once and the
+    request is tried on the other prefill; with none left, the client hears the last failure."""
+    behaviour, detail, cause = failure
     decode = cluster.decode[0]
     decode.behaviour = "hang"  # as a decode engine waiting for KV that prefill will never write
     for p in cluster.prefill:
@@ -207,17 +210,23 @@ async def test_a_failed_push_prefill_ends_the_waiting_decode_leg_at_once_naming_
     response = await client.post("/v1/completions", json={**COMPLETION, "stream": stream})
     assert loop.time() - started < 1.0
     assert response.status == 502
-    prefill = next(p for p in cluster.prefill if p.bodies)
-    transfer_id = prefill.bodies[0]["kv_transfer_params"]["transfer_id"]
+    transfer_id = response.headers["x-pd-transfer-id"]
+    last = next(
+        p for p in cluster.prefill if p.bodies[-1]["kv_transfer_params"]["transfer_id"] == transfer_id
+    )
+    assert all(len(p.bodies) == 1 for p in cluster.prefill)  # one attempt on each, then none left
     error = (await response.json())["error"]
     assert error["code"] == "prefill_failed"
     assert error["message"] == (
-        f"The prefill leg failed on {prefill.name} (engine id {prefill.name}-c0ffee, "
-        f"http://{prefill.host}:{cluster.prefill_port})"
+        f"The prefill leg failed on {last.name} (engine id {last.name}-c0ffee, "
+        f"http://{last.host}:{cluster.prefill_port})"
         f" for transfer {transfer_id}: {detail}"
     )
-    assert response.headers["x-pd-transfer-id"] == transfer_id
-    await until(lambda: decode.cancelled == 1)
+    await until(lambda: decode.cancelled == 2)
+    metrics = await (await client.get("/metrics")).text()
+    assert f'pd_router_retries_total{{cause="{cause}",role="prefill"}} 1.0' in metrics, [
+        line for line in metrics.splitlines() if "retries_total{" in line
+    ]
     for engine in cluster.prefill + cluster.decode:
         engine.behaviour = "ok"
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
@@ -251,7 +260,7 @@ async def test_push_with_every_prefill_down_is_a_prompt_503_naming_each_and_reco
         await cluster.stop(p)
     client = await make_router(mode="push", timeouts=PATIENT)
     response = await client.post("/v1/completions", json=COMPLETION)
-    assert response.status == 503
+    assert response.status == 503, await response.text()
     assert response.headers["Retry-After"] == "1"
     error = (await response.json())["error"]
     assert error["code"] == "no_prefill_backend"
@@ -266,18 +275,17 @@ async def test_push_with_every_prefill_down_is_a_prompt_503_naming_each_and_reco
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
 
 
-async def test_decode_failure_aborts_running_prefill_leg(cluster, make_router):
+async def test_each_failed_decode_leg_aborts_its_running_prefill_leg(cluster, make_router):
     for p in cluster.prefill:
         p.behaviour = "hang"
     for d in cluster.decode:
         d.behaviour = "error500"
-        d.wait_for = cluster.prefill[0]
-    cluster.prefill[1].behaviour = "hang"
     client = await make_router(mode="push", policy="round-robin")
     response = await client.post("/v1/completions", json=COMPLETION)
     assert response.status == 502
-    await asyncio.sleep(0.1)
-    assert sum(p.cancelled for p in cluster.prefill) == 1
+    # one attempt on each decode, each with its own prefill leg, each ended when its decode leg failed
+    assert [len(d.bodies) for d in cluster.decode] == [1, 1]
+    await until(lambda: sum(p.cancelled for p in cluster.prefill) == 2)
 
 
 async def test_transfer_failure_reported_by_decode_is_a_transfer_error(cluster, make_router):

@@ -192,6 +192,14 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.router.cacheAware.blockSize: must be at least 1 (got 0)"],
     ),
     (
+        "router retries out of range",
+        document({"router": {"retries": {"attempts": 0, "budgetSeconds": 7200}}}),
+        [
+            "spec.router.retries.attempts: must be at least 1 (got 0)",
+            "spec.router.retries.budgetSeconds: must be at most 3600 (got 7200)",
+        ],
+    ),
+    (
         "api key ref without key",
         document({"router": {"apiKeySecretRef": {"name": "api"}}}),
         ["spec.router.apiKeySecretRef.key: required"],

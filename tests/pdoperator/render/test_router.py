@@ -57,6 +57,15 @@ def test_router_config_carries_mode_model_policy_and_prefill_coordinates(make_pd
     assert config.api_key_env is None
 
 
+def test_the_retry_budget_reaches_the_router_and_defaults_to_three_pairs_within_thirty_seconds(make_pds):
+    assert build_router_config(make_pds(), RenderDefaults()).retries.model_dump() == {
+        "attempts": 3,
+        "budget_s": 30.0,
+    }
+    pds = make_pds({"router": {"retries": {"attempts": 1, "budgetSeconds": 5}}})
+    assert build_router_config(pds, RenderDefaults()).retries.model_dump() == {"attempts": 1, "budget_s": 5.0}
+
+
 def test_the_cluster_domain_comes_from_the_defaults(make_pds):
     config = build_router_config(make_pds(), RenderDefaults(cluster_domain="corp.internal"))
     assert config.decode.backends[0].host == "svc-decode-0.svc-decode.ml.svc.corp.internal"
