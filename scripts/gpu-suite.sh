@@ -10,8 +10,8 @@
 # (tests/e2e/gpu/test_real_vllm.py: e2e/gpu/demo.py --engine vllm through the router).
 # The step "connector" runs the connector's real-engine tests (tests/pdconnector/vllm: dense and hybrid, push and
 # pull, the direct and the staged path, both layouts, failures, the router) with the engines on the GPU
-# (PD_VLLM_TEST_DEVICE=cuda); PD_GPU_CONNECTOR_K narrows them with pytest's -k (each engine pair starts in ~1 min,
-# so the whole set takes more than one call).
+# (PD_VLLM_TEST_DEVICE=cuda); PD_GPU_CONNECTOR_TESTS (files) and PD_GPU_CONNECTOR_K (pytest's -k) narrow them
+# (each engine pair starts in ~1 min, so the whole set takes more than one call).
 # PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm" (default: all of them,
 # "connector" and "vllm" only when vLLM is installed); one machine call holds ~10 minutes, so a call may run only
 # some (e.g. "vllm").
@@ -34,8 +34,10 @@ vllm_limit=${PD_GPU_VLLM_TIMEOUT_S:-480}
 connector_limit=${PD_GPU_CONNECTOR_TIMEOUT_S:-540}
 vllm_dir=${PD_GPU_VLLM_DIR:-/tmp/pd-vllm}
 vllm_tests=tests/e2e/gpu/test_real_vllm.py
-connector_tests=(tests/pdconnector/vllm/test_connector_dense.py tests/pdconnector/vllm/test_connector_hybrid.py
-    tests/pdconnector/vllm/test_connector_failures.py tests/pdconnector/vllm/test_router_over_engines.py)
+# shellcheck disable=SC2206 # PD_GPU_CONNECTOR_TESTS is a list of test files
+connector_tests=(${PD_GPU_CONNECTOR_TESTS:-tests/pdconnector/vllm/test_connector_dense.py
+    tests/pdconnector/vllm/test_connector_hybrid.py tests/pdconnector/vllm/test_connector_failures.py
+    tests/pdconnector/vllm/test_router_over_engines.py})
 default_steps="bench tests device demo"
 [[ -f $vllm_dir/activate.sh ]] && default_steps+=" connector vllm"
 steps=" ${PD_GPU_SUITE_STEPS:-$default_steps} "

@@ -73,6 +73,7 @@ class FailureReason(StrEnum):
     WRITE_TIMEOUT = "write_timeout"
     INVALID_REGISTRATION = "invalid_registration"
     INCOMPATIBLE = "incompatible"  # TP sizes, KV groups or layout fingerprints do not fit together
+    UNREACHABLE = "unreachable"  # the peer's side channel refused, timed out or broke off: gone or frozen
     CAPACITY = "capacity"  # the rendezvous table is full
     CANCELLED = "cancelled"  # the prefill request was aborted
     ALREADY_CLOSED = "already_closed"  # a registration arrived after the transfer ended

@@ -272,11 +272,14 @@ class DecodeSide:
             except (ConnectionError, OSError, ValueError, TransportError) as error:
                 assert self._side_channel is not None
                 self._side_channel.invalidate(command.prefill)
-                self._fail(
-                    transfer_id,
-                    FailureReason.INCOMPATIBLE,
-                    f"handshake with {command.prefill.engine_id} failed: {error}",
+                # Not answering (refused, timed out, broken off: gone or frozen) is no incompatibility; an
+                # answer that cannot be read or loaded is.
+                reason = (
+                    FailureReason.UNREACHABLE
+                    if isinstance(error, (ConnectionError, OSError))
+                    else FailureReason.INCOMPATIBLE
                 )
+                self._fail(transfer_id, reason, f"handshake with {command.prefill.engine_id} failed: {error}")
                 continue
             waiting.timeline.mark(Milestone.HANDSHAKEN, now)
             if isinstance(command, ExpectPush):

@@ -215,7 +215,8 @@ def test_decode_fails_promptly_when_the_prefill_side_channel_is_unreachable(
         timeout_s=10,
     )
     results, elapsed = _timed_wait(decode, "tx-nobody", 5)
-    assert _one(results)[0] == "failed_recving" and elapsed < 2.0
+    # a peer that does not answer is unreachable, not incompatible (the router and the metrics say so)
+    assert _one(results) == ("failed_recving", "unreachable") and elapsed < 2.0
     assert "unreachable" in results[0]["detail"]
 
 
