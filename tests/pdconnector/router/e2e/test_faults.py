@@ -41,6 +41,49 @@ def cluster(slow_cluster):
     wait_until(lambda: blocks_all_free(slow_cluster))
 
 
+FROZEN_PREFILL_BOUND_S = 15.0  # the last of the requests caught by a freeze is served within this
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_with_one_of_two_prefills_frozen_twelve_concurrent_requests_all_succeed_soon_after(cluster, mode):
+    """SIGSTOP one prefill: the requests sent to it before the router's health checks eject it end at the
+    ejection and are retried on the other prefill, with new transfers; none waits for a leg timeout."""
+    router = client_for(cluster.routers[mode].url)
+    frozen = cluster.engines["prefill-0"]
+    outcomes: list[tuple[str, float] | BaseException] = []
+    lock = threading.Lock()
+
+    def call(index: int) -> None:
+        try:
+            raw = router.completions.with_raw_response.create(
+                model=MODEL, prompt=f"frozen neighbour {index}", max_tokens=4
+            )
+            raw.parse()
+            result: tuple[str, float] | BaseException = (raw.headers["x-pd-prefill"], time.monotonic())
+        except openai.APIError as error:
+            result = error
+        with lock:
+            outcomes.append(result)
+
+    frozen.pause()
+    frozen_at = time.monotonic()
+    try:
+        callers = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(timeout=FROZEN_PREFILL_BOUND_S + 15)
+    finally:
+        frozen.resume()
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    assert len(outcomes) == 12 and failures == [], failures
+    served = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    assert {prefill for prefill, _ in served} == {"prefill-1"}
+    last = max(at for _, at in served) - frozen_at
+    print(f"{mode}: 12 of 12 served with prefill-0 frozen, the last {last:.2f} s after the freeze")
+    assert last < FROZEN_PREFILL_BOUND_S
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(cluster, mode):
     router = client_for(cluster.routers[mode].url)
