@@ -22,7 +22,9 @@ every abort with one). A writer that answers nothing (frozen, gone) is taken as 
 (``fence_s`` after the failure) has passed: long enough for a frozen prefill to be killed by its liveness
 probe and for any WRITE it posted within the registration's lifetime to have ended (see
 :mod:`pdconnector.protocol.liveness`). Such releases are counted in ``unconfirmed`` so they show in metrics.
-``poll`` reports each transfer's end exactly once, together with the aborts to send.
+``poll`` reports each transfer's end exactly once, together with the aborts to send, and each transfer that
+entered FENCED without being released at once (``failing``): its request may be answered then, while its
+blocks stay registered until the transfer shows in ``failed``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class PollResult:
     finished: tuple[ReceivedTransfer, ...] = ()
     failed: tuple[TransferFailure, ...] = ()
     aborts: tuple[AbortWriters, ...] = ()
+    failing: tuple[TransferFailure, ...] = ()  # fenced since the last poll, a writer not yet quiet
 
     @property
     def finished_ids(self) -> set[str]:
@@ -102,6 +105,7 @@ class CompletionTracker:
         self._finished: list[ReceivedTransfer] = []
         self._failed: list[TransferFailure] = []
         self._aborts: list[AbortWriters] = []
+        self._failing: list[TransferFailure] = []
         # the pending transfers that failed and wait for their writers to be quiet
         self._fenced: set[str] = set()
         self._deadlines: DeadlineQueue[str] = DeadlineQueue()
@@ -238,10 +242,13 @@ class CompletionTracker:
                     unconfirmed=tuple(sorted(expectation.writers - expectation.quiet)),
                 )
         self._deadlines.compact(self._pending.__contains__, len(self._pending))
-        result = PollResult(tuple(self._finished), tuple(self._failed), tuple(self._aborts))
+        # a transfer released since it failed needs no announcement: its end is in `failed`
+        failing = tuple(failure for failure in self._failing if failure.transfer_id in self._fenced)
+        result = PollResult(tuple(self._finished), tuple(self._failed), tuple(self._aborts), failing)
         self._finished.clear()
         self._failed.clear()
         self._aborts.clear()
+        self._failing.clear()
         return result
 
     def _fence(
@@ -257,6 +264,7 @@ class CompletionTracker:
                 AbortWriters(transfer_id, expectation.attempt, noisy, f"{failure.reason}: {failure.detail}")
             )
             self._deadlines.push(expectation.fence_until, transfer_id)
+            self._failing.append(failure)
         self._release_if_quiet(transfer_id, expectation)
 
     def _release_if_quiet(self, transfer_id: str, expectation: _Expectation) -> None:

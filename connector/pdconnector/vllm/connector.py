@@ -346,9 +346,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         scheduler = self._sched()
-        scheduler.update_connector_output(
+        held = scheduler.update_connector_output(
             set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
         )
+        if held:
+            # vLLM has ended these requests (their receive failed) and frees the blocks of a finished request
+            # on its finished_recving, right after this call: keep them out of it until every rank's fence
+            # ended and reported them in finished_sending.
+            connector_output.finished_recving.difference_update(held)
         scheduler.finished_sending(set(connector_output.finished_sending or ()))
 
     def has_pending_push_work(self) -> bool:

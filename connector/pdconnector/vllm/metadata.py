@@ -26,7 +26,18 @@ class FailRequest:
     detail: str
 
 
-Command = PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | AbandonTransfer | FailRequest
+@dataclass(frozen=True)
+class ReleaseBlocks:
+    """Decode: the request failed while a prefill could still write into its blocks, and vLLM ended it; each
+    rank reports it in ``finished_sending`` once no peer can write into its share of the blocks any more (at
+    once where none could), and vLLM frees them when every rank has."""
+
+    request_id: str
+
+
+Command = (
+    PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | AbandonTransfer | FailRequest | ReleaseBlocks
+)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.protocol.timeline import Stage
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata
+from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata, ReleaseBlocks
 from pdconnector.vllm.stats import PDTransferStats
 from pdconnector.worker.commands import (
     AbandonTransfer,
@@ -345,13 +345,23 @@ class SchedulerSide:
         with self._lock:
             return bool(self._commands or self._peers)
 
-    def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> None:
+    def update_connector_output(self, finished_recving: set[str], failed_recving: set[str]) -> set[str]:
+        """The receives that ended this step. Returns the failed ones whose blocks must stay allocated (the
+        ``fail`` policy: vLLM ends the request now, while a prefill may still write into its blocks); each
+        rank gives them back through ``finished_sending`` once its fence ended (:class:`ReleaseBlocks`)."""
         now = time.monotonic()
+        held = set()
         for request_id in finished_recving:
             incoming = self._incoming.pop(request_id, None)
-            if incoming is not None and request_id not in failed_recving and not incoming.failed:
+            if incoming is None or incoming.failed:  # refused before any transfer: nothing can be written
+                continue
+            if request_id not in failed_recving:
                 self._received[request_id] = incoming
                 self._resuming[request_id] = now
+            elif not self.config.recompute_on_failure:
+                held.add(request_id)
+                self._stage(ReleaseBlocks(request_id))
+        return held
 
     def take_stats(self) -> PDTransferStats | None:
         """The scheduler's stages since the last call (merged by vLLM with the workers' stats), or None."""

@@ -5,7 +5,11 @@ Per step it hands the scheduler's commands to the transfer worker (non-blocking 
 and drains the worker's results; every network operation runs on the transfer worker's
 thread, so an engine step never waits for a peer. Results are reported by vLLM request id;
 a failed receive is reported in ``failed_recving`` and ``finished_recving`` both, as vLLM
-expects, so the request leaves WAITING_FOR_REMOTE_KVS.
+expects, so the request leaves WAITING_FOR_REMOTE_KVS. Under the ``fail`` policy that happens as soon as the
+transfer fails, also while a prefill may still write into its blocks (the fence): vLLM answers the client
+then, the scheduler side keeps the blocks and sends :class:`ReleaseBlocks`, and this rank answers it in
+``finished_sending`` once its fence ended. Under ``recompute`` the request would reuse its blocks at once, so
+its failure waits for the fence.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.transport.mock_faults import MockFaults
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata
+from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata, ReleaseBlocks
 from pdconnector.vllm.stats import COUNTED_EVENTS, Direction, PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import ResultKind
@@ -100,6 +104,8 @@ class WorkerSide:
             on_result=self._result_ready.set,
         )
         self._immediate = TransferResults()
+        self._answered: set[str] = set()  # transfers whose request was failed early, fence still running
+        self._held: dict[str, bool] = {}  # their requests -> whether the scheduler asked for the blocks back
 
     def _transport_factory(self) -> Callable[[], Transport]:
         name = agent_name(self.config.engine_id, self.layout.tp_rank)
@@ -167,6 +173,11 @@ class WorkerSide:
                     self._stats.record(Direction.RECV, Outcome.REFUSED, wait_s=self._counted(0.0))
                     self._immediate.finished_recving.add(command.request_id)
                     self._immediate.failed_recving.add(command.request_id)
+                case ReleaseBlocks():
+                    if command.request_id in self._held:  # fenced here still: answered when it ends
+                        self._held[command.request_id] = True
+                    else:
+                        self._immediate.finished_sending.add(command.request_id)
 
     def results(self) -> TransferResults:
         """The transfers that ended since the last call; in a step that runs no request, first wait up to the
@@ -177,6 +188,8 @@ class WorkerSide:
         self._result_ready.clear()  # before taking them: a result reported from here on sets it again
         out, self._immediate = self._immediate, TransferResults()
         now = time.monotonic()
+        if not self.config.recompute_on_failure:
+            self._fail_early(out, now)
         for result in self._worker.results():
             log.debug("rank %d: %s", self.layout.tp_rank, result)
             live = self._live.pop(result.transfer_id, None)
@@ -187,6 +200,11 @@ class WorkerSide:
                     result.outcome,
                     result.detail,
                 )
+                continue
+            if result.transfer_id in self._answered:  # failed early: its fence ended now
+                self._answered.discard(result.transfer_id)
+                if self._held.pop(live.request_id):
+                    out.finished_sending.add(live.request_id)
                 continue
             direction = Direction.SEND if result.kind is ResultKind.FINISHED_SENDING else Direction.RECV
             self._stats.record(
@@ -224,6 +242,27 @@ class WorkerSide:
                     out.finished_recving.add(request_id)
                     out.failed_recving.add(request_id)
         return out
+
+    def _fail_early(self, out: TransferResults, now: float) -> None:
+        """Fail the requests whose receive failed while a peer may still write into their blocks."""
+        for failing in self._worker.failing():
+            live = self._live.get(failing.transfer_id)
+            if live is None:
+                continue
+            self._answered.add(failing.transfer_id)
+            self._held[live.request_id] = False
+            self._stats.record(Direction.RECV, failing.outcome, wait_s=self._counted(now - live.since))
+            log.error(
+                "request %s: KV transfer %s failed (%s): %s; its blocks are kept until no peer can write "
+                "into them [worker %s]",
+                live.request_id,
+                failing.transfer_id,
+                failing.outcome,
+                failing.detail,
+                self._worker.stats(),
+            )
+            out.finished_recving.add(live.request_id)
+            out.failed_recving.add(live.request_id)
 
     def take_stats(self) -> PDTransferStats | None:
         """The transfers that ended and the fence events since the last call (vLLM's per-step stats), or

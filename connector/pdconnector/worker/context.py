@@ -90,6 +90,7 @@ class WorkerContext:
         self.device_id = regions[0].device_id if regions else 0
         self._on_result = on_result
         self._results: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
+        self._failing: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self._transport: Transport | None = None
@@ -125,12 +126,17 @@ class WorkerContext:
             self._on_result()
 
     def take_results(self) -> list[TransferResult]:
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        return _drain(self._results)
+
+    def announce_failing(self, failure: TransferResult) -> None:
+        """A receive failed while a peer may still write into its blocks (the fence): its request may be
+        answered now; the transfer's end is reported later, once, as usual."""
+        self._failing.put(failure)
+        if self._on_result is not None:
+            self._on_result()
+
+    def take_failing(self) -> list[TransferResult]:
+        return _drain(self._failing)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._counters_lock:
@@ -224,3 +230,12 @@ class WorkerContext:
         except TransportError as error:
             log.warning("closing transport %s: %s", transport.name, error)
         self._ringer.close()
+
+
+def _drain(results: queue.SimpleQueue[TransferResult]) -> list[TransferResult]:
+    out = []
+    while True:
+        try:
+            out.append(results.get_nowait())
+        except queue.Empty:
+            return out

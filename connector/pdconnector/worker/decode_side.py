@@ -332,6 +332,16 @@ class DecodeSide:
         polled = self._tracker.poll(now)
         for abort in polled.aborts:
             self._abort_writers(abort)
+        for failure in polled.failing:
+            if failure.reason is not FailureReason.CANCELLED:  # cancelled: its request is over already
+                self._context.announce_failing(
+                    TransferResult(
+                        failure.transfer_id,
+                        ResultKind.FAILED_RECVING,
+                        failure.reason,
+                        _failure_detail(failure),
+                    )
+                )
         for received in polled.finished:
             self._context.give_back_slot(received.transfer_id)
             stages = self._received(self._pushes.pop(received.transfer_id, None), now)
@@ -357,7 +367,7 @@ class DecodeSide:
                     unconfirmed,
                 )
             self._report_failure(failure)
-        return progressed or bool(polled.finished or polled.failed or polled.aborts)
+        return progressed or bool(polled.finished or polled.failed or polled.aborts or polled.failing)
 
     # --- push: registration ---------------------------------------------------------------------------------
 
@@ -564,10 +574,15 @@ class DecodeSide:
     # --- results --------------------------------------------------------------------------------------------
 
     def _report_failure(self, failure: TransferFailure) -> None:
-        detail = f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"
         self._context.report(
-            TransferResult(failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, detail)
+            TransferResult(
+                failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, _failure_detail(failure)
+            )
         )
 
     def _fail(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason, detail))
+
+
+def _failure_detail(failure: TransferFailure) -> str:
+    return f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"

@@ -309,6 +309,12 @@ class TransferWorker:
         """Transfers that ended since the last call (thread-safe, non-blocking)."""
         return self._context.take_results()
 
+    def failing(self) -> list[TransferResult]:
+        """Receives that failed since the last call while a peer may still write into their blocks
+        (thread-safe, non-blocking): their requests may be answered now; each shows in :meth:`results` once no
+        peer can."""
+        return self._context.take_failing()
+
     def stats(self) -> dict[str, int]:
         """Event counters (registrations received, writes/reads posted, notifications refused, ...), for
         metrics and tests; with a staging buffer, ``staging_slots_free`` too."""

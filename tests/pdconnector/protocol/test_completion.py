@@ -103,6 +103,33 @@ def test_a_failure_from_one_writer_fences_the_transfer_and_aborts_the_others(tra
     assert tracker.fenced() == 0 and "tx-1" not in tracker
 
 
+def test_a_fenced_transfer_is_announced_failing_once_so_its_request_can_be_answered_before_the_fence_ends(
+    tracker,
+):
+    tracker.on_failure(failure(rank=2), now=0.5)
+    (failing,) = tracker.poll(now=0.5).failing
+    assert (failing.transfer_id, failing.reason) == ("tx-1", FailureReason.WRITE_FAILED)
+    assert tracker.poll(now=0.6).failing == ()  # once
+    assert tracker.fenced() == 1  # the blocks stay: rank 3 may still write
+    tracker.poll(now=10.0)
+    assert tracker.poll(now=10.0 + FENCE_S).failed_ids == {"tx-1"}
+
+
+def test_a_failure_whose_writers_are_all_quiet_is_not_announced_failing_only_failed():
+    tracker = CompletionTracker(fence_s=FENCE_S)
+    tracker.expect("tx-1", 0, (0,), deadline=10.0)
+    tracker.on_failure(failure(rank=0), now=1.0)
+    result = tracker.poll(now=1.0)
+    assert (result.failing, result.failed_ids) == ((), {"tx-1"})
+
+
+def test_a_transfer_that_failed_and_went_quiet_between_two_polls_is_only_failed(tracker):
+    tracker.on_failure(failure(rank=2), now=0.5)
+    tracker.on_failure(failure(rank=3, reason=FailureReason.CANCELLED), now=0.6)
+    result = tracker.poll(now=0.6)
+    assert (result.failing, result.failed_ids) == ((), {"tx-1"})
+
+
 def test_a_completion_during_the_fence_quiets_its_writer_but_does_not_finish_the_transfer(tracker):
     tracker.on_failure(failure(rank=2), now=0.5)
     assert tracker.on_completion(completion(3))  # landed, but the transfer already failed

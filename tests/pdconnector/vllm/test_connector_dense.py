@@ -259,6 +259,11 @@ def test_prefill_killed_before_its_write_fails_the_decode_within_the_deadline_an
             kv_transfer_params=push_decode_leg_params(mint_transfer_id(), dense_pair.coordinates),
         )
     assert time.monotonic() - started < TRANSFER_TIMEOUT_S + DEADLINE_SLACK_S
+    # The request ended with its failure; its blocks come back once every rank confirmed nothing can land in
+    # them (a step later here: the prefill is gone).
+    released_by = time.monotonic() + 5.0
+    while kv_cache_usage(dense_pair.decode) and time.monotonic() < released_by:
+        time.sleep(0.2)
     assert kv_cache_usage(dense_pair.decode) == 0.0
     assert (
         output_differences(colocated, dense_pair.colocated(prompt, MAX_TOKENS), logprob_atol=LOGPROB_ATOL)

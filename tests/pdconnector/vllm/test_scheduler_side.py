@@ -19,7 +19,7 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.vllm.config import ConnectorConfigError, parse_connector_config
 from pdconnector.vllm.connector import PDConnector
-from pdconnector.vllm.metadata import FailRequest
+from pdconnector.vllm.metadata import FailRequest, ReleaseBlocks
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 
@@ -52,21 +52,24 @@ class FakeBlock:
     is_null: bool = False
 
 
-def config(mode: str = "push") -> Any:
+def config(mode: str = "push", failure_policy: str = "fail") -> Any:
     return parse_connector_config(
         engine_id="engine-a",
         extra={"mode": mode, "side_channel_port": 5601},
         buffer_device="cpu",
-        failure_policy="fail",
+        failure_policy=failure_policy,
         env={},
     )
 
 
 def scheduler(
-    mode: str = "push", ssm_groups: frozenset[int] = frozenset(), num_groups: int = 1
+    mode: str = "push",
+    ssm_groups: frozenset[int] = frozenset(),
+    num_groups: int = 1,
+    failure_policy: str = "fail",
 ) -> SchedulerSide:
     return SchedulerSide(
-        config(mode),
+        config(mode, failure_policy),
         EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
         num_groups=num_groups,
         ssm_groups=ssm_groups,
@@ -114,6 +117,30 @@ def test_decode_failure_is_not_reported_as_received() -> None:
     side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
     side.update_connector_output({"d1"}, {"d1"})
     assert side.request_finished(request, [[7, 8, 9]]) == (False, None)
+
+
+def test_a_failed_receive_ends_the_request_now_and_keeps_its_blocks_until_every_rank_releases_them() -> None:
+    """vLLM's order in one step: the failed receive ends the request (request_finished), then the connector
+    sees the output whose finished_recving would free its blocks: it keeps them out of it and asks every rank
+    to give them back once no prefill can write into them."""
+    side = scheduler()
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)), status=ABORTED)
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.build_meta()
+    assert side.request_finished(request, [[7, 8, 9]]) == (True, None)
+    assert side.update_connector_output({"d1"}, {"d1"}) == {"d1"}
+    assert ReleaseBlocks("d1") in side.build_meta().commands
+
+
+def test_under_the_recompute_policy_a_failed_receive_keeps_nothing_back() -> None:
+    """The request computes its prompt itself, in its own blocks: it must wait for the fence, which the
+    workers do before they report the failure."""
+    side = scheduler(failure_policy="recompute")
+    request = FakeRequest("d1", push_decode_leg_params("tx-1", PREFILL), list(range(40)))
+    side.update_state_after_alloc(request, [blocks(7, 8, 9)], 40)
+    side.build_meta()
+    assert side.update_connector_output({"d1"}, {"d1"}) == set()
+    assert side.build_meta().commands == []
 
 
 def test_decode_aborted_while_receiving_cancels_and_keeps_its_blocks_until_the_workers_confirm() -> None:

@@ -10,7 +10,7 @@ from pdconnector.sim.cluster import LocalCluster
 from pdconnector.sim.movers import mover_unavailable_reason
 
 
-def _require_mover(transport: str) -> None:
+def require_mover(transport: str) -> None:
     reason = mover_unavailable_reason(transport)
     if reason is not None:
         pytest.fail(
@@ -28,7 +28,7 @@ def start_cluster(
     engine_env: dict[str, str] | None = None,
     **router_overrides: object,
 ) -> LocalCluster:
-    _require_mover(transport)
+    require_mover(transport)
     cluster = LocalCluster(
         workdir=workdir,
         subnet=subnet,
