@@ -55,6 +55,8 @@ class _Pending:
     results: list[TransferResult] = field(default_factory=list)
     done: asyncio.Future[list[TransferResult]] | None = None
     on_done: Callable[[list[TransferResult]], None] | None = None
+    # decode: the first rank whose receive failed while a peer may still write (the request is answered then)
+    failing: asyncio.Future[TransferResult] | None = None
 
 
 class WorkerMover:
@@ -134,6 +136,10 @@ class WorkerMover:
                 await asyncio.wait_for(self._wake.wait(), 0.5)
             self._wake.clear()
             for worker in self.transfers.workers:
+                for failure in worker.failing():
+                    pending = self._pending.get(failure.transfer_id)
+                    if pending is not None and pending.failing is not None and not pending.failing.done():
+                        pending.failing.set_result(failure)
                 for result in worker.results():
                     self._collect(result)
 
@@ -162,6 +168,7 @@ class WorkerMover:
         pending = _Pending(ranks=len(self.transfers.workers), on_done=on_done)
         if on_done is None:
             pending.done = asyncio.get_running_loop().create_future()
+            pending.failing = asyncio.get_running_loop().create_future()
         self._pending[transfer_id] = pending
         return pending
 
@@ -199,11 +206,14 @@ class WorkerMover:
         deadline_s: float,
         free: Callable[[], None],
     ) -> Receipt:
-        assert pending.done is not None
+        assert pending.done is not None and pending.failing is not None
         try:
             # The worker enforces deadline_s (and its fence) itself; our own bound only catches a worker that
-            # stopped reporting.
-            results = await asyncio.wait_for(asyncio.shield(pending.done), deadline_s + REPORT_GRACE_S)
+            # stopped reporting. asyncio.wait leaves both futures running when it is cancelled.
+            await asyncio.wait_for(
+                asyncio.wait((pending.done, pending.failing), return_when=asyncio.FIRST_COMPLETED),
+                deadline_s + REPORT_GRACE_S,
+            )
         except (asyncio.CancelledError, TimeoutError) as error:
             # The request is gone (or the worker is stuck): cancel, and keep the blocks until the workers
             # report the transfer ended, which they do only once nothing can be written into them any more.
@@ -215,6 +225,17 @@ class WorkerMover:
                     f"transfer {transfer_id}: the transfer workers did not report it", blocks_kept=True
                 ) from None
             raise
+        if not pending.done.done():
+            # A rank's receive failed while a peer may still write into the blocks: the request is answered
+            # now, the blocks freed once none can (as the vLLM connector does under the fail policy).
+            failure = pending.failing.result()
+            pending.done.add_done_callback(lambda _: free())
+            raise TransferFailed(
+                f"transfer {transfer_id} failed: {failure.outcome}: {failure.detail}",
+                timed_out=failure.outcome in _TIMED_OUT,
+                blocks_kept=True,
+            )
+        results = pending.done.result()
         failures = [r for r in results if r.kind is not ResultKind.FINISHED_RECVING]
         if failures:
             timed_out = all(r.outcome in _TIMED_OUT for r in failures)
