@@ -307,15 +307,6 @@ async def test_pull_prefill_without_returned_params_is_a_transfer_error(cluster,
     assert "returned no kv_transfer_params" in (await response.json())["error"]["message"]
 
 
-async def test_engine_rejection_of_the_request_stays_a_client_error(cluster, make_router):
-    for p in cluster.prefill:
-        p.behaviour = "reject400"
-    client = await make_router(mode="pull")
-    response = await client.post("/v1/completions", json=COMPLETION)
-    assert response.status == 400
-    assert "prompt too long" in (await response.json())["error"]["message"]
-
-
 async def test_hanging_prefill_times_out_with_504(cluster, make_router):
     for p in cluster.prefill:
         p.behaviour = "hang"

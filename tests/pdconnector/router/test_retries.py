@@ -98,10 +98,15 @@ async def test_a_decode_aborting_the_request_at_shutdown_is_retried_on_the_other
     assert counter(metrics, 'pd_router_retries_total{cause="aborted",role="decode"}') == len(stopping.bodies)
 
 
-async def test_with_one_attempt_a_failure_is_answered_at_once_and_not_retried(cluster, make_router):
+@pytest.mark.parametrize(
+    "retries",
+    [{"attempts": 1, "budget_s": 30}, {"attempts": 3, "budget_s": 0.001}],
+    ids=["one attempt", "budget spent"],
+)
+async def test_a_failure_the_budget_leaves_no_retry_for_is_answered_at_once(cluster, make_router, retries):
     for decode in cluster.decode:
         decode.behaviour = "error500"
-    client = await make_router(mode="pull", retries={"attempts": 1, "budget_s": 30})
+    client = await make_router(mode="pull", retries=retries)
     response = await client.post("/v1/completions", json=COMPLETION)
     assert response.status == 502
     assert (await response.json())["error"]["code"] == "decode_failed"
@@ -109,22 +114,18 @@ async def test_with_one_attempt_a_failure_is_answered_at_once_and_not_retried(cl
     assert "pd_router_retries_total{" not in await (await client.get("/metrics")).text()
 
 
-async def test_a_request_past_its_retry_budget_is_not_tried_again(cluster, make_router):
-    for decode in cluster.decode:
-        decode.behaviour = "error500"
-    client = await make_router(mode="pull", retries={"attempts": 3, "budget_s": 0.001})
-    response = await client.post("/v1/completions", json=COMPLETION)
-    assert response.status == 502
-    assert sum(len(d.bodies) for d in cluster.decode) == 1
-
-
-async def test_the_engines_judgement_of_the_request_is_not_retried(cluster, make_router):
-    for decode in cluster.decode:
-        decode.behaviour = "reject400"
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_the_engines_judgement_of_the_request_is_the_clients_error_and_not_retried(
+    cluster, make_router, role
+):
+    engines = cluster.prefill if role == "prefill" else cluster.decode
+    for engine in engines:
+        engine.behaviour = "reject400"
     client = await make_router(mode="pull")
     response = await client.post("/v1/completions", json=COMPLETION)
     assert response.status == 400
-    assert sum(len(d.bodies) for d in cluster.decode) == 1
+    assert "prompt too long" in (await response.json())["error"]["message"]
+    assert sum(len(engine.bodies) for engine in engines) == 1
 
 
 async def test_ejecting_a_decode_ends_its_stream_after_the_first_token_with_an_error_event(
