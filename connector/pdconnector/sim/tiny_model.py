@@ -13,6 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from pdconnector.layout.known_models import QWEN3_32B
 from pdconnector.sim.tokenizer import write_word_tokenizer
 
 VOCAB_SIZE = 1024
@@ -25,6 +26,9 @@ class TinyModel(StrEnum):
     # hundred ms on one core), as for real models on GPUs: what the routing benchmark's cache hits save.
     DENSE_WIDE = "dense-wide"
     HYBRID = "hybrid"
+    # Qwen3-32B's KV geometry (64 layers, 8 KV heads of 128, bf16: 256 KiB of KV per token at TP 1) with small
+    # hidden and MLP sizes: transfers move the real model's bytes while compute stays modest (GPU benchmarks).
+    QWEN3_32B_KV_TWIN = "qwen3-32b-kv-twin"
 
 
 _COMMON_CONFIG: dict[str, Any] = {
@@ -85,10 +89,27 @@ HYBRID_CONFIG: dict[str, Any] = {
     "layer_norm_epsilon": 1e-5,
 }
 
+QWEN3_32B_KV_TWIN_CONFIG: dict[str, Any] = {
+    **_COMMON_CONFIG,
+    **{
+        key: QWEN3_32B[key] for key in ("num_hidden_layers", "num_key_value_heads", "head_dim", "torch_dtype")
+    },
+    "architectures": QWEN3_32B["architectures"],
+    "model_type": "qwen3",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": QWEN3_32B["num_key_value_heads"],
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "max_position_embeddings": 40_960,
+}
+
 MODEL_CONFIGS: dict[TinyModel, dict[str, Any]] = {
     TinyModel.DENSE: DENSE_CONFIG,
     TinyModel.DENSE_WIDE: DENSE_WIDE_CONFIG,
     TinyModel.HYBRID: HYBRID_CONFIG,
+    TinyModel.QWEN3_32B_KV_TWIN: QWEN3_32B_KV_TWIN_CONFIG,
 }
 
 
@@ -113,7 +134,8 @@ def write_tiny_model(
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+        transformers.AutoConfig.from_pretrained(model_dir),
+        dtype=getattr(torch, MODEL_CONFIGS[kind]["torch_dtype"]),
     )
     model.save_pretrained(model_dir)
     # save_pretrained rewrites config.json in transformers' own dialect; keep ours (what vLLM is tested with).

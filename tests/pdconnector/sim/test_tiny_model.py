@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import transformers
-from pdconnector.sim.tiny_model import HYBRID_CONFIG, TinyModel, write_tiny_model
+from pdconnector.layout.known_models import QWEN3_32B
+from pdconnector.layout.model import model_from_hf_config
+from pdconnector.sim.tiny_model import HYBRID_CONFIG, MODEL_CONFIGS, TinyModel, write_tiny_model
 from pdconnector.sim.tokenizer import words, write_word_tokenizer
 
 
@@ -68,3 +70,16 @@ def test_hybrid_model_config_keeps_the_mamba2_shape_the_tests_rely_on(hybrid_mod
 def test_the_same_seed_writes_the_same_weights(dense_model: Path, tmp_path: Path) -> None:
     again = write_tiny_model(tmp_path / "again", TinyModel.DENSE)
     assert (again / "model.safetensors").read_bytes() == (dense_model / "model.safetensors").read_bytes()
+
+
+def test_the_qwen3_32b_twin_has_the_real_models_kv_geometry_and_a_small_body() -> None:
+    twin, real = MODEL_CONFIGS[TinyModel.QWEN3_32B_KV_TWIN], QWEN3_32B
+
+    def kv_bytes_per_token(config: dict) -> int:
+        model = model_from_hf_config(config)
+        assert model.attention is not None
+        return model.num_attention_layers * model.attention.bytes_per_token
+
+    assert kv_bytes_per_token(twin) == kv_bytes_per_token(real) == 256 << 10
+    assert twin["hidden_size"] * 10 == real["hidden_size"]  # a tenth of the width: compute stays modest
+    assert transformers.AutoConfig.for_model(**twin).num_key_value_heads == 8  # a config transformers reads
