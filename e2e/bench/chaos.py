@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from cache_routing import Served, blocks_in_use, colocated_mismatches  # e2e/bench, this script's directory
+from cache_routing import Served, blocks_in_use  # e2e/bench, this script's directory
 from prometheus_client.parser import text_string_to_metric_families
 from streamed import stream_completion
 
@@ -128,6 +128,33 @@ class Engines:
         start([self.processes[name]], self.state_dir)  # waits until it answers /health
 
 
+def completion_body(model: str, prompt: str, *, stream: bool) -> dict[str, Any]:
+    """Greedy, exactly MAX_TOKENS tokens: the same answer wherever it is computed."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def colocated_answers(decode_url: str, model: str, pool: Sequence[str]) -> dict[str, str]:
+    """Each prompt's answer from the decode engine alone (no KV transfer), asked once all is quiet."""
+    answers = {}
+    for prompt in pool:
+        body = completion_body(model, prompt, stream=False)
+        request = urllib.request.Request(
+            f"{decode_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            answers[prompt] = json.loads(response.read())["choices"][0]["text"]
+    return answers
+
+
 def router_retries(endpoint: str) -> dict[str, float]:
     """The router's retries so far, by cause."""
     with urllib.request.urlopen(f"{endpoint}/metrics", timeout=10) as response:
@@ -154,15 +181,9 @@ async def load(
         while len(served) < plan.requests or not faults_done.is_set():
             turn = Served(phase=len(served), policy="chaos", prompt=rng.choice(pool))
             served.append(turn)
-            body = {
-                "model": model,
-                "prompt": turn.prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            streamed = await stream_completion(session, endpoint, body)
+            streamed = await stream_completion(
+                session, endpoint, completion_body(model, turn.prompt, stream=True)
+            )
             turn.text, turn.error, turn.ttft_s = streamed.text, streamed.error, streamed.ttft_s
             turn.latency_s = time.monotonic() - streamed.started
             if turn.error is not None:
@@ -218,7 +239,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         thread.join()
         seconds = time.monotonic() - began
         retries = router_retries(local.endpoint)
-        mismatches = colocated_mismatches(decode_url, model, [s for s in served if s.error is None])
+        colocated = colocated_answers(decode_url, model, pool)
+        mismatches = [
+            {"request": s.phase, "routed": s.text, "colocated": colocated[s.prompt]}
+            for s in served
+            if s.error is None and s.text.strip() != colocated[s.prompt].strip()
+        ]
         in_use = blocks_in_use(urls)
     finally:
         down(state_dir)

@@ -299,6 +299,17 @@ class Dispatcher:
                 raise LegError(backend, FailureKind.BROKEN, "decode closed the stream before the first event")
             if aborted(first.data):
                 raise LegError(backend, FailureKind.ABORTED, "decode aborted the request (shutting down?)")
+            if (error := stream_error(first.data)) is not None:
+                # vLLM streams a failure as an error event after its 200 (e.g. a failed KV transfer): nothing
+                # reached the client yet, so it is a failed leg like an error status.
+                code = error.get("code")
+                raise LegError(
+                    backend,
+                    FailureKind.STATUS,
+                    f"HTTP {code}: {error.get('message', '')}",
+                    status=code if isinstance(code, int) else 500,
+                    body={"error": error},
+                )
         except BaseException as exc:
             if stream is not None:
                 stream.close()

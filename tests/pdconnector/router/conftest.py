@@ -61,7 +61,8 @@ class FakeEngine:
     name: str
     role: str
     host: str
-    # ok | hang | die_mid_stream | stall_mid_stream (after its first event) | one of CANNED_ANSWERS
+    # ok | hang | die_mid_stream | stall_mid_stream (after its first event) | stream_error (its only event) |
+    # one of CANNED_ANSWERS
     behaviour: str = "ok"
     bodies: list[dict[str, Any]] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -152,6 +153,10 @@ class FakeEngine:
     async def stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.behaviour == "stream_error":  # how vLLM streams a request that failed (a failed KV load)
+            error = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
+            await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+            return response
         for index in range(3):
             chunk: dict[str, Any] = {"choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}]}
             if index == 2:

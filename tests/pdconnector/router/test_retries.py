@@ -98,6 +98,21 @@ async def test_a_decode_aborting_the_request_at_shutdown_is_retried_on_the_other
     assert counter(metrics, 'pd_router_retries_total{cause="aborted",role="decode"}') == len(stopping.bodies)
 
 
+async def test_a_stream_whose_first_event_is_an_error_is_retried_on_the_other_decode(cluster, make_router):
+    failing, serving = cluster.decode
+    failing.behaviour = "stream_error"
+    client = await make_router(mode="push", policy="round-robin")
+    for _ in range(2):
+        response = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        text = await response.text()
+        assert response.status == 200 and response.headers["x-pd-decode"] == serving.name
+        assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+    metrics = await (await client.get("/metrics")).text()
+    assert (
+        counter(metrics, 'pd_router_retries_total{cause="status",role="decode"}') == len(failing.bodies) > 0
+    )
+
+
 @pytest.mark.parametrize(
     "retries",
     [{"attempts": 1, "budget_s": 30}, {"attempts": 3, "budget_s": 0.001}],
