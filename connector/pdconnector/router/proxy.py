@@ -349,10 +349,14 @@ class Dispatcher:
             tried_at = loop.time()
             try:
                 return await attempt(request, exchange, deadline)
-            except errors.RouterError:
-                # No pair left to try. Where the engines that failed were ejected, the refusal names them
-                # all; otherwise the failure that sent us here is the answer.
-                if failed is not None and failed.kind not in (FailureKind.CONNECT, FailureKind.EJECTED):
+            except errors.RouterError as refusal:
+                # No pair left to try (the selection's 503). Where the engines that failed were ejected, the
+                # refusal names them all; otherwise the failure that sent us here is the answer.
+                if (
+                    refusal.status == 503
+                    and failed is not None
+                    and failed.kind not in (FailureKind.CONNECT, FailureKind.EJECTED)
+                ):
                     raise failed from None
                 raise
             except LegError as error:
@@ -410,6 +414,7 @@ class Dispatcher:
         else:
             returned = answer.get("kv_transfer_params")
             if not isinstance(returned, dict):
+                self.metrics.transfer_failures.inc()
                 raise errors.transfer_failed(
                     f"prefill engine {prefill.name} returned no kv_transfer_params (is its KV "
                     "connector configured?)"
