@@ -175,7 +175,7 @@ SPARSE_OBJECTS: dict[str, Any] = {
     "decode": {},
     "engine": {"transport": {}},
     "network": {"efa": {}},
-    "router": {"policy": "cache-aware", "cacheAware": {}},
+    "router": {"policy": "cache-aware", "cacheAware": {}, "retries": {}},
     "monitoring": {"scrapers": [{"namespaceLabels": {}}]},
     "autoscaling": {
         "prefill": {"maxReplicas": 2},
