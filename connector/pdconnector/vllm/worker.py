@@ -104,8 +104,8 @@ class WorkerSide:
             on_result=self._result_ready.set,
         )
         self._immediate = TransferResults()
-        self._answered: set[str] = set()  # transfers whose request was failed early, fence still running
-        self._held: dict[str, bool] = {}  # their requests -> whether the scheduler asked for the blocks back
+        # requests failed early whose fence still runs -> whether the scheduler asked for the blocks back
+        self._held: dict[str, bool] = {}
 
     def _transport_factory(self) -> Callable[[], Transport]:
         name = agent_name(self.config.engine_id, self.layout.tp_rank)
@@ -201,9 +201,8 @@ class WorkerSide:
                     result.detail,
                 )
                 continue
-            if result.transfer_id in self._answered:  # failed early: its fence ended now
-                self._answered.discard(result.transfer_id)
-                if self._held.pop(live.request_id):
+            if result.kind is ResultKind.FAILED_RECVING and live.request_id in self._held:
+                if self._held.pop(live.request_id):  # failed early, and its fence ended now
                     out.finished_sending.add(live.request_id)
                 continue
             direction = Direction.SEND if result.kind is ResultKind.FINISHED_SENDING else Direction.RECV
@@ -249,7 +248,6 @@ class WorkerSide:
             live = self._live.get(failing.transfer_id)
             if live is None:
                 continue
-            self._answered.add(failing.transfer_id)
             self._held[live.request_id] = False
             self._stats.record(Direction.RECV, failing.outcome, wait_s=self._counted(now - live.since))
             log.error(
