@@ -209,6 +209,13 @@ class CompletionTracker:
         )
         return True
 
+    def withdraw(self, transfer_id: str) -> None:
+        """Forget a receiving transfer no writer was told about (its registration reached none of them):
+        nothing can land in its blocks, so nothing is fenced or reported."""
+        expectation = self._pending.get(transfer_id)
+        if expectation is not None and expectation.failure is None and not expectation.arrived:
+            del self._pending[transfer_id]
+
     def writers_gone(self, transfer_id: str, now: float, *, grace_s: float) -> bool:
         """The writers' engine is known gone (nobody listens, or a new incarnation does): a dead process posts
         nothing, so the fence ends ``grace_s`` from now (for bytes already on the wire). Returns whether it

@@ -136,11 +136,24 @@ class DecodeSide:
                 "this worker has no side-channel client (decode role needs one)",
             )
             return
-        future = self._side_channel.lookup(command.prefill)
-        future.add_done_callback(lambda _: self._wake())
         timeline = Timeline()
         timeline.mark(Milestone.REQUESTED, issued_at)
-        self._handshaking[transfer_id] = Handshaking(command, deadline, future, timeline)
+        self._lookup(command, deadline, timeline)
+
+    def _lookup(
+        self,
+        command: ExpectPush | ReadBlocks,
+        deadline: float,
+        timeline: Timeline,
+        *,
+        looked_up_again: bool = False,
+    ) -> None:
+        assert self._side_channel is not None
+        future = self._side_channel.lookup(command.prefill)
+        future.add_done_callback(lambda _: self._wake())
+        self._handshaking[command.transfer_id] = Handshaking(
+            command, deadline, future, timeline, looked_up_again
+        )
 
     def abandon(self, command: AbandonTransfer, deadline: float) -> None:
         """Tell the prefill ranks this rank would have received from that it never will (no result: nothing
@@ -283,7 +296,7 @@ class DecodeSide:
                 continue
             waiting.timeline.mark(Milestone.HANDSHAKEN, now)
             if isinstance(command, ExpectPush):
-                self._register(command, waiting.deadline, engine, waiting.timeline, now)
+                self._register(command, waiting, engine, now)
             else:
                 self._post_reads(command, waiting.deadline, engine, waiting.timeline, now)
         return progressed
@@ -378,9 +391,8 @@ class DecodeSide:
         waiting.timeline.mark(Milestone.RECEIVED, now)
         return waiting.timeline.stages()
 
-    def _register(
-        self, command: ExpectPush, deadline: float, engine: EngineInfo, timeline: Timeline, now: float
-    ) -> None:
+    def _register(self, command: ExpectPush, handshake: Handshaking, engine: EngineInfo, now: float) -> None:
+        deadline, timeline = handshake.deadline, handshake.timeline
         rank, d_tp, p_tp = self.layout.tp_rank, self.layout.tp_size, engine.tp_size
         writers = {p: engine.ranks[p].agent_name for p in writers_for(rank, p_tp, d_tp)}
         previous = self._pushes.get(command.transfer_id)
@@ -438,12 +450,32 @@ class DecodeSide:
             command.attempt, writers, command.prefill, timeline, staged=staged
         )
         self._context.count("registrations_sent", len(writers))
-        for agent in writers.values():
-            if not self._context.send_frame(agent, frame):
+        for sent, agent in enumerate(writers.values()):
+            if self._context.send_frame(agent, frame):
+                continue
+            detail = f"could not send the registration to prefill agent {agent}"
+            if sent == 0 and previous is None:
+                self._unregister(command, handshake, detail, now)
+            else:
                 # Ranks that did get it may write: fence like any other failure.
-                detail = f"could not send the registration to prefill agent {agent}"
                 self._tracker.cancel(command.transfer_id, FailureReason.WRITE_FAILED, detail, now)
-                return
+            return
+
+    def _unregister(self, command: ExpectPush, handshake: Handshaking, detail: str, now: float) -> None:
+        """The registration reached no writer, so nothing can land in its blocks: forget it without a fence.
+        The agents it named may be a restarted engine's old ones (same coordinates, new process): look the
+        engine up afresh and register once more before the transfer fails as unreachable."""
+        assert self._side_channel is not None
+        self._tracker.withdraw(command.transfer_id)
+        self._pushes.pop(command.transfer_id, None)
+        self._context.give_back_slot(command.transfer_id)
+        self._side_channel.invalidate(command.prefill)
+        if handshake.looked_up_again or handshake.deadline <= now:
+            self._fail(command.transfer_id, FailureReason.UNREACHABLE, detail)
+            return
+        log.info("transfer %s: %s; looking prefill %s up again", command.transfer_id, detail, command.prefill)
+        self._context.count("registrations_looked_up_again")
+        self._lookup(command, handshake.deadline, handshake.timeline, looked_up_again=True)
 
     def _fail_registration(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         """A registration that was never sent: nobody can write into what it would have offered."""

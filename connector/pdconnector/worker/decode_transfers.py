@@ -24,6 +24,9 @@ class Handshaking:
     deadline: float
     info: Future[EngineInfo]
     timeline: Timeline
+    # a registration that reached no writer is tried once more after a fresh lookup: the prefill engine may
+    # have restarted under the same coordinates, its agents renamed
+    looked_up_again: bool = False
 
 
 @dataclass

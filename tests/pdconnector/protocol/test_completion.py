@@ -219,6 +219,21 @@ def test_writers_known_gone_end_the_fence_after_the_grace(tracker):
     assert not tracker.writers_gone("tx-1", now=13.0, grace_s=1.0)
 
 
+def test_a_transfer_no_writer_was_told_about_is_withdrawn_without_a_fence_or_a_report(tracker):
+    tracker.withdraw("tx-1")
+    assert "tx-1" not in tracker
+    assert tracker.poll(now=10.0 + FENCE_S) == PollResult()
+
+
+def test_a_transfer_a_writer_answered_or_that_is_fenced_cannot_be_withdrawn(tracker):
+    tracker.on_completion(completion(2))
+    tracker.withdraw("tx-1")
+    assert "tx-1" in tracker
+    tracker.cancel("tx-1", FailureReason.CANCELLED, "gone", now=1.0)
+    tracker.withdraw("tx-1")
+    assert tracker.is_fenced("tx-1")
+
+
 def test_cancelling_an_unknown_transfer_does_nothing(tracker):
     assert not tracker.cancel("tx-9", FailureReason.CANCELLED, "gone", now=0.0)
     assert tracker.poll(now=0.0) == PollResult()

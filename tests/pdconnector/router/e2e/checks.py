@@ -30,7 +30,11 @@ def blocks_all_free(cluster: LocalCluster) -> bool:
     return True
 
 
-def all_healthy(router_url: str) -> bool:
-    """Whether the router counts every backend healthy."""
+def backend_health(router_url: str) -> dict[str, bool]:
+    """Whether the router counts each backend (by name) healthy."""
     with urllib.request.urlopen(router_url + "/status", timeout=2) as response:
-        return all(b["healthy"] for b in json.loads(response.read())["backends"])
+        return {b["name"]: b["healthy"] for b in json.loads(response.read())["backends"]}
+
+
+def all_healthy(router_url: str) -> bool:
+    return all(backend_health(router_url).values())

@@ -10,8 +10,9 @@ import urllib.request
 import httpx
 import openai
 import pytest
+from pdconnector.sim.cluster import metric_samples
 
-from tests.pdconnector.router.e2e.checks import all_healthy, blocks_all_free, wait_until
+from tests.pdconnector.router.e2e.checks import all_healthy, backend_health, blocks_all_free, wait_until
 
 MODEL = "tiny"
 
@@ -165,6 +166,35 @@ def test_a_backend_refusing_connections_is_retried_then_ejected(cluster):
             )
             assert raw.headers["x-pd-decode"] == "decode-1" and raw.headers["x-pd-prefill"] == "prefill-0"
             assert raw.parse().choices[0].text
+
+
+def retries_counted(router_url: str) -> float:
+    return sum(v for k, v in metric_samples(router_url).items() if k.startswith("pd_router_retries_total"))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_prefill_restarted_at_the_same_address_serves_the_next_request_without_a_retry(cluster, mode):
+    """Decode keeps each prefill's handshake; a restarted prefill answers at the same address with new
+    agents. The first registration that reaches none of the old ones makes decode look it up again."""
+    cluster.engines["decode-0"].kill()
+    cluster.engines["prefill-1"].kill()
+    router = cluster.routers[mode]
+    wait_until(
+        lambda: (
+            backend_health(router.url)
+            == {"prefill-0": True, "prefill-1": False, "decode-0": False, "decode-1": True}
+        )
+    )
+    client = client_for(router.url)
+    assert client.completions.create(model=MODEL, prompt="before", max_tokens=2).choices[0].text
+    cluster.restart("prefill-0")
+    wait_until(lambda: backend_health(router.url)["prefill-0"])
+    retries = retries_counted(router.url)
+    for index in range(3):
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"after {index}", max_tokens=2)
+        assert (raw.headers["x-pd-prefill"], raw.headers["x-pd-decode"]) == ("prefill-0", "decode-1")
+        assert raw.parse().choices[0].text
+    assert retries_counted(router.url) == retries
 
 
 def test_client_disconnect_frees_blocks_on_both_engines(cluster):
