@@ -12,9 +12,14 @@
 # pull, the direct and the staged path, both layouts, failures, the router) with the engines on the GPU
 # (PD_VLLM_TEST_DEVICE=cuda); PD_GPU_CONNECTOR_TESTS (files) and PD_GPU_CONNECTOR_K (pytest's -k) narrow them
 # (each engine pair starts in ~1 min, so the whole set takes more than one call).
-# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm" (default: all of them,
-# "connector" and "vllm" only when vLLM is installed); one machine call holds ~10 minutes, so a call may run only
-# some (e.g. "vllm").
+# The step "serving" runs the seed's serving benchmark with real engines on the GPU (e2e/bench/pd_bench.py: the
+# Qwen3-32B KV twin, co-located vLLM, ours push and pull, upstream's connectors, QPS x input length through the
+# router) into REPORT_DIR/serving; it starts no variant or run that would not end within its limit
+# (PD_GPU_SERVING_TIMEOUT_S) and lists what ran and what was left out in REPORT_DIR/serving/points.json;
+# PD_GPU_SERVING_ARGS replaces its sweep (variants, input lengths, QPS), so a sweep can be split across calls.
+# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm serving" (default: the first
+# four, "connector" and "vllm" too when vLLM is installed); one machine call holds ~10 minutes, so a call may run
+# only some (e.g. "vllm").
 #   usage: scripts/gpu-suite.sh REPORT_DIR
 #   PD_GPU_SUITE_DEVICE=cpu runs the suite on host memory instead (see tests/pdconnector/worker/vram.py).
 set -uo pipefail
@@ -32,6 +37,8 @@ suite_limit=${PD_GPU_SUITE_TIMEOUT_S:-300}
 demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-90}
 vllm_limit=${PD_GPU_VLLM_TIMEOUT_S:-480}
 connector_limit=${PD_GPU_CONNECTOR_TIMEOUT_S:-540}
+serving_limit=${PD_GPU_SERVING_TIMEOUT_S:-540}
+serving_sweep=${PD_GPU_SERVING_ARGS:---variants ours-push,colocated,ours-pull,upstream-pull,upstream-push --input-lens 1024,4096,16384 --qps 1,2,4,8}
 vllm_dir=${PD_GPU_VLLM_DIR:-/tmp/pd-vllm}
 vllm_tests=tests/e2e/gpu/test_real_vllm.py
 # shellcheck disable=SC2206 # PD_GPU_CONNECTOR_TESTS is a list of test files
@@ -163,14 +170,30 @@ if ((install_rc == 0)) && step vllm; then
     cp "$PD_GPU_SUITE_LOG_DIR/real-vllm/gpu-demo.json" "$report/vllm-demo.json" 2>/dev/null
 fi
 
+serving_rc=""
+if ((install_rc == 0)) && step serving; then
+    echo "== the serving benchmark with real engines on the GPU (e2e/bench/pd_bench.py $serving_sweep)"
+    # The site's GPU share suits tests (a tiny model, engines beside them); here the engines get most of the GPU,
+    # so decode's KV cache holds the sweep's longest prompts several times over.
+    sed "s/^PDCTL_GPU_MEMORY_FRACTION=.*/PDCTL_GPU_MEMORY_FRACTION=${PD_GPU_SERVING_MEMORY_FRACTION:-0.6}/" \
+        "$PDCTL_SITE" >"$scratch/serving-site.env"
+    # shellcheck disable=SC2086 # the sweep is a list of arguments
+    PDCTL_SITE="$scratch/serving-site.env" limited "$serving_limit" "$python" e2e/bench/pd_bench.py --engine vllm --spec examples/tiny-gpu-vllm.yaml \
+        --model-kind qwen3-32b-kv-twin --output-len 128 --seconds 8 --min-prompts 8 --drain-s 8 --out "$report/serving" \
+        --budget-s $((serving_limit - 30)) $serving_sweep 2>&1 | tee "$report/serving.log"
+    serving_rc=${PIPESTATUS[0]}
+    rm -rf "$report/serving"/tiny-model-* # the twin's weights (~0.5 GB), written there again in seconds
+fi
+
 echo "== summary ($report/gpu-suite.json)"
-"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" "$connector_rc" <<'EOF'
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" "$connector_rc" "$serving_rc" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 device_rc, bench_rc, vllm_rc, steps, connector_rc = sys.argv[6], sys.argv[7], sys.argv[8], sys.argv[9].split(), sys.argv[10]
+serving_rc = sys.argv[11]
 
 
 def code(value):  # an exit code; empty: that step did not run
@@ -224,6 +247,7 @@ summary = {
     "bench_exit_code": code(bench_rc),
     "vllm_exit_code": code(vllm_rc),
     "connector_exit_code": code(connector_rc),
+    "serving_exit_code": code(serving_rc),  # e2e/bench/pd_bench.py on real engines (REPORT_DIR/serving)
     "wall_s": wall_s,
     "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
 }
@@ -236,6 +260,7 @@ summary["ok"] = (
     and ("bench" not in steps or code(bench_rc) == 0)
     and ("vllm" not in steps or (code(vllm_rc) == 0 and vllm_tests["passed"] > 0))
     and ("connector" not in steps or (code(connector_rc) == 0 and connector_tests["passed"] > 0))
+    and ("serving" not in steps or code(serving_rc) == 0)
 )
 (report / "gpu-suite.json").write_text(
     json.dumps(summary | {"cases": cases + vllm_cases + connector_cases}, indent=2) + "\n"

@@ -1,10 +1,18 @@
 """Push vs pull under load: a QPS x input-length sweep through the router with `vllm bench serve`, and its two
 figures.
 
-    # local run of examples/tiny-cpu.yaml, push and pull .venv/bin/python e2e/bench/pd_bench.py # the same
-    with real vLLM engines: ours and upstream's .venv/bin/python e2e/bench/pd_bench.py --engine vllm # any
-    running router (local, port-forwarded) .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME #
-    redraw the figures from saved runs .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench
+    # local run of examples/tiny-cpu.yaml, push and pull
+    .venv/bin/python e2e/bench/pd_bench.py
+    # the same with real vLLM engines: ours and upstream's
+    .venv/bin/python e2e/bench/pd_bench.py --engine vllm
+    # on a GPU machine (scripts/gpu-suite.sh's step "serving"): the Qwen3-32B KV twin, within a time budget
+    python e2e/bench/pd_bench.py --engine vllm --spec examples/tiny-gpu-vllm.yaml \\
+        --model-kind qwen3-32b-kv-twin --input-lens 1024,4096,16384 --qps 1,2,4,8 --output-len 128 \\
+        --budget-s 400
+    # any running router (local, port-forwarded)
+    .venv/bin/python e2e/bench/pd_bench.py --router URL --label NAME
+    # redraw the figures from saved runs
+    .venv/bin/python e2e/bench/pd_bench.py --plot-only out/bench
 
 The local run starts the tiny example as `pdctl up` does, once per variant: mock engines moving
 real KV bytes over the mock transport with a latency model (``--engine mock``), or vLLM CPU
@@ -127,7 +135,9 @@ def tiny_with(mode: str, prefill_s_per_token: float, decode_s_per_token: float) 
 
 
 def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDService, imported lazily
-    """The tiny example as one benchmark variant: ``mock-<mode>``, ``ours-<mode>`` or ``upstream-<mode>``."""
+    """The example as one benchmark variant: ``mock-<mode>``, ``ours-<mode>`` or ``upstream-<mode>``; real
+    engines serve the tiny model of ``--model-kind`` in its own dtype, with room for the longest run."""
+    from pdconnector.sim.tiny_model import MODEL_CONFIGS, TinyModel  # noqa: PLC0415
     from pdoperator.api import parse_pdservice  # noqa: PLC0415
     from pdoperator.local import local_variant  # noqa: PLC0415
 
@@ -135,9 +145,15 @@ def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDSer
     engine, mode = variant.split("-") if "-" in variant else ("ours", "push")
     if engine == "mock":
         return parse_pdservice(tiny_with(mode, args.prefill_s_per_token, args.decode_s_per_token))
-    tiny = parse_pdservice(yaml.safe_load(TINY.read_text()))
+    document = yaml.safe_load(args.spec.read_text())
+    model = document["spec"]["model"]
+    model["maxModelLen"] = max(model.get("maxModelLen", 0), max(args.input_lens) + args.output_len)
     return local_variant(
-        tiny, mode=mode, runtime="vllm", connector="builtin" if engine == "ours" else "vllm", dtype="float32"
+        parse_pdservice(document),
+        mode=mode,
+        runtime="vllm",
+        connector="builtin" if engine == "ours" else "vllm",
+        dtype=MODEL_CONFIGS[TinyModel(args.model_kind)]["torch_dtype"],
     )
 
 
@@ -166,13 +182,41 @@ def warm_up(base_url: str, model: str) -> float:
     return time.monotonic() - started
 
 
-def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
+class Budget:
+    """The run's time (``--budget-s``, None: unbounded): a variant starts only while its engines' start-up (as
+    long as the last variant's took) and one run fit, a run only while it fits; what was left out is recorded
+    (points.json)."""
+
+    def __init__(self, seconds: float | None, shortest_run_s: float) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.shortest_run_s = shortest_run_s
+        self.start_up_s = 0.0
+        self.skipped: list[dict[str, object]] = []
+
+    def allows(self, seconds: float) -> bool:
+        return self.deadline is None or time.monotonic() + seconds <= self.deadline
+
+    def allows_variant(self) -> bool:
+        return self.allows(self.start_up_s + self.shortest_run_s)
+
+    def skip(self, label: str, input_lens: Sequence[int], qps: Sequence[float], why: str) -> None:
+        self.skipped += [
+            {"label": label, "input_len": n, "qps": q, "why": why} for n in input_lens for q in qps
+        ]
+
+
+def sweep_local(args: argparse.Namespace, tokenizer: Path, budget: Budget) -> list[Run]:
     from pdoperator.local import down, plan_local_run, up  # noqa: PLC0415
     from pdoperator.render import RenderDefaults, render_pdservice  # noqa: PLC0415
 
     runs = []
     first_requests: dict[str, float | str] = {}
     for variant in args.variants:
+        if not budget.allows_variant():
+            budget.skip(
+                variant, args.input_lens, args.qps, "time budget: the engines would not start in time"
+            )
+            continue
         pds = variant_pds(variant, args)
         state_dir = args.out / "state" / variant
         model_dir = tokenizer if not variant.startswith("mock") else None
@@ -180,7 +224,9 @@ def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
         endpoint = plan.endpoint
         if variant == "colocated":
             plan, endpoint = colocated(plan)
+        starting = time.monotonic()
         up(plan, state_dir)
+        budget.start_up_s = time.monotonic() - starting
         try:
             try:
                 first_requests[variant] = round(warm_up(endpoint, pds.spec.model.name), 3)
@@ -189,7 +235,9 @@ def sweep_local(args: argparse.Namespace, tokenizer: Path) -> list[Run]:
                 print(f"{variant}: the warm-up request failed ({error}); sweeping anyway", file=sys.stderr)
             print(f"{variant}: first request {first_requests[variant]} s")
             processes = [(process.role.value, process.url) for process in plan.processes]
-            runs += sweep(variant, endpoint, pds.spec.model.name, tokenizer, args, processes=processes)
+            runs += sweep(
+                variant, endpoint, pds.spec.model.name, tokenizer, args, budget=budget, processes=processes
+            )
         finally:
             down(state_dir)
     (args.out / "first_request_s.json").write_text(json.dumps(first_requests, indent=2))
@@ -243,14 +291,18 @@ def sweep(
     tokenizer: Path,
     args: argparse.Namespace,
     *,
+    budget: Budget,
     processes: Sequence[tuple[str, str]] = (),
 ) -> list[Run]:
-    """Every (input length, QPS) run against ``base_url``; ``processes`` (name, URL) are scraped for stage
-    timings."""
+    """Every (input length, QPS) run against ``base_url`` the budget allows; ``processes`` (name, URL) are
+    scraped for stage timings."""
     runs = []
     for input_len in args.input_lens:
         for qps in args.qps:
             prompts = max(args.min_prompts, round(qps * args.seconds))
+            if not budget.allows(prompts / qps + args.drain_s):
+                budget.skip(label, [input_len], [qps], "time budget: the run would not end in time")
+                continue
             before = stage_totals(processes)
             result = bench_serve(
                 base_url,
@@ -399,6 +451,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument(
+        "--spec",
+        type=Path,
+        default=TINY,
+        help="real engines: the example each variant is made from (on a GPU machine: "
+        "examples/tiny-gpu-vllm.yaml)",
+    )
+    parser.add_argument(
+        "--model-kind",
+        default="dense",
+        help="real engines: the tiny model they serve (pdconnector.sim.tiny_model.TinyModel, e.g. "
+        "qwen3-32b-kv-twin: Qwen3-32B's KV bytes per token)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="start no variant or run that would not end within this many seconds; points.json lists the "
+        "points that ran and those left out",
+    )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=15.0,
+        help="what one run takes beyond its prompts' arrival (their answers), for --budget-s",
+    )
+    parser.add_argument(
         "--seconds", type=float, default=8.0, help="target duration of one run (prompts = QPS x seconds)"
     )
     parser.add_argument("--min-prompts", type=int, default=16)
@@ -423,11 +500,11 @@ def model_with_tokenizer(args: argparse.Namespace) -> Path:
     if args.engine == "vllm":
         from pdconnector.sim.tiny_model import TinyModel, write_tiny_model  # noqa: PLC0415
 
-        model_dir = args.out / "tiny-model"
+        model_dir = args.out / f"tiny-model-{args.model_kind}"
         return (
             model_dir
             if (model_dir / "config.json").exists()
-            else write_tiny_model(model_dir, TinyModel.DENSE)
+            else write_tiny_model(model_dir, TinyModel(args.model_kind))
         )
     from pdconnector.sim.tokenizer import write_word_tokenizer  # noqa: PLC0415
 
@@ -448,12 +525,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_runs(args.out)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
+        shortest = min(max(args.min_prompts / qps, args.seconds) for qps in args.qps) + args.drain_s
+        budget = Budget(args.budget_s, shortest)  # writing the model counts
         tokenizer = model_with_tokenizer(args)
         runs = (
-            sweep(args.label, args.router, args.model, tokenizer, args)
+            sweep(args.label, args.router, args.model, tokenizer, args, budget=budget)
             if args.router
-            else sweep_local(args, tokenizer)
+            else sweep_local(args, tokenizer, budget)
         )
+        points = {
+            "ran": [{"label": r.label, "input_len": r.input_len, "qps": r.qps} for r in runs],
+            "left_out": budget.skipped,
+        }
+        (args.out / "points.json").write_text(json.dumps(points, indent=2))
+        if budget.skipped:
+            print(f"{len(budget.skipped)} points left out for time: see {args.out / 'points.json'}")
     if not runs:
         print(f"no runs in {args.out}", file=sys.stderr)
         return 1
