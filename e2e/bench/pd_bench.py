@@ -124,6 +124,8 @@ def bench_serve(
 MOCK_VARIANTS = ("mock-push", "mock-pull")
 VLLM_VARIANTS = ("colocated", "ours-push", "ours-pull", "upstream-push", "upstream-pull")
 WARMUP_TIMEOUT_S = 600.0
+# A run lasting this many times as long as its prompts took to arrive (plus --drain-s) saturated its engines.
+SATURATION_FACTOR = 2.0
 
 
 def tiny_with(mode: str, prefill_s_per_token: float, decode_s_per_token: float) -> dict[str, object]:
@@ -183,14 +185,19 @@ def warm_up(base_url: str, model: str) -> float:
 
 
 class Budget:
-    """The run's time (``--budget-s``, None: unbounded): a variant starts only while its engines' start-up (as
-    long as the last variant's took) and one run fit, a run only while it fits; what was left out is recorded
-    (points.json)."""
+    """The run's time (``--budget-s``, None: unbounded) and its record of points: a variant starts only while
+    its engines' start-up (as long as the last variant's took) and one run fit, a run only while it fits, and
+    no higher rate follows a run its engines could not keep up with (it would only queue longer). points.json
+    says after every change what ran, what runs and what was left out and why, so a run stopped from outside
+    still tells."""
 
-    def __init__(self, seconds: float | None, shortest_run_s: float) -> None:
+    def __init__(self, seconds: float | None, shortest_run_s: float, record: Path) -> None:
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.shortest_run_s = shortest_run_s
         self.start_up_s = 0.0
+        self.record = record
+        self.ran: list[dict[str, object]] = []
+        self.running: dict[str, object] | None = None
         self.skipped: list[dict[str, object]] = []
 
     def allows(self, seconds: float) -> bool:
@@ -203,6 +210,21 @@ class Budget:
         self.skipped += [
             {"label": label, "input_len": n, "qps": q, "why": why} for n in input_lens for q in qps
         ]
+        self._write()
+
+    def start(self, label: str, input_len: int, qps: float) -> None:
+        self.running = {"label": label, "input_len": input_len, "qps": qps}
+        self._write()
+
+    def finish(self, seconds: float, saturated: bool) -> None:
+        assert self.running is not None
+        self.ran.append({**self.running, "seconds": round(seconds, 1), "saturated": saturated})
+        self.running = None
+        self._write()
+
+    def _write(self) -> None:
+        points = {"ran": self.ran, "running": self.running, "left_out": self.skipped}
+        self.record.write_text(json.dumps(points, indent=2) + "\n")
 
 
 def sweep_local(args: argparse.Namespace, tokenizer: Path, budget: Budget) -> list[Run]:
@@ -298,11 +320,19 @@ def sweep(
     scraped for stage timings."""
     runs = []
     for input_len in args.input_lens:
+        saturated_at = None
         for qps in args.qps:
             prompts = max(args.min_prompts, round(qps * args.seconds))
-            if not budget.allows(prompts / qps + args.drain_s):
+            arrivals_s = prompts / qps
+            if saturated_at is not None and qps > saturated_at:
+                why = f"saturated: the engines could not keep up with {saturated_at:g} QPS at this length"
+                budget.skip(label, [input_len], [qps], why)
+                continue
+            if not budget.allows(arrivals_s + args.drain_s):
                 budget.skip(label, [input_len], [qps], "time budget: the run would not end in time")
                 continue
+            budget.start(label, input_len, qps)
+            started = time.monotonic()
             before = stage_totals(processes)
             result = bench_serve(
                 base_url,
@@ -314,6 +344,11 @@ def sweep(
                 prompts=prompts,
             )
             stages = stage_means_ms(before, stage_totals(processes))
+            seconds = time.monotonic() - started
+            # the answers took far longer than the prompts took to arrive: requests queued
+            if seconds > SATURATION_FACTOR * arrivals_s + args.drain_s:
+                saturated_at = qps
+            budget.finish(seconds, saturated=saturated_at == qps)
             run = Run(label, input_len, qps, result)
             runs.append(run)
             record = {
@@ -526,20 +561,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         shortest = min(max(args.min_prompts / qps, args.seconds) for qps in args.qps) + args.drain_s
-        budget = Budget(args.budget_s, shortest)  # writing the model counts
+        budget = Budget(args.budget_s, shortest, args.out / "points.json")  # writing the model counts
         tokenizer = model_with_tokenizer(args)
         runs = (
             sweep(args.label, args.router, args.model, tokenizer, args, budget=budget)
             if args.router
             else sweep_local(args, tokenizer, budget)
         )
-        points = {
-            "ran": [{"label": r.label, "input_len": r.input_len, "qps": r.qps} for r in runs],
-            "left_out": budget.skipped,
-        }
-        (args.out / "points.json").write_text(json.dumps(points, indent=2))
         if budget.skipped:
-            print(f"{len(budget.skipped)} points left out for time: see {args.out / 'points.json'}")
+            print(f"{len(budget.skipped)} points left out: see {budget.record}")
     if not runs:
         print(f"no runs in {args.out}", file=sys.stderr)
         return 1

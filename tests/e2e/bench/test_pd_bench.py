@@ -33,7 +33,10 @@ def test_a_run_within_the_budget_records_its_figures_and_the_points_that_ran(tmp
     assert 0 < figures["p50_ttft_ms"] <= figures["p99_ttft_ms"]
     assert figures["stages_mean_ms"]  # where the time went, from the router's and engines' /metrics
     points = json.loads((tmp_path / "points.json").read_text())
-    assert points == {"ran": [{"label": "mock-push", "input_len": 64, "qps": 8.0}], "left_out": []}
+    assert [(p["label"], p["input_len"], p["qps"], p["saturated"]) for p in points["ran"]] == [
+        ("mock-push", 64, 8.0, False)
+    ]
+    assert (points["running"], points["left_out"]) == (None, [])
     assert (tmp_path / "ttft_vs_qps.png").exists() and "| mock-push | 64 | 8 |" in run.stdout
 
 
@@ -48,3 +51,25 @@ def test_points_that_cannot_end_within_the_budget_are_left_out_and_listed(tmp_pa
     ]
     assert all("time budget" in p["why"] for p in points["left_out"])
     assert not (tmp_path / "state").exists()  # no engine was started
+
+
+@pytest.mark.slow
+def test_no_higher_rate_follows_a_run_its_engines_could_not_keep_up_with(tmp_path: Path) -> None:
+    # one prompt of 64 tokens takes prefill 0.64 s: 8 arriving within a second queue for five
+    slow_prefill = [
+        "--prefill-s-per-token",
+        "0.01",
+        "--seconds",
+        "1",
+        "--min-prompts",
+        "8",
+        "--drain-s",
+        "0.1",
+    ]
+    run = pd_bench(tmp_path, "--qps", "8,16", *slow_prefill)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    points = json.loads((tmp_path / "points.json").read_text())
+    (ran,) = points["ran"]
+    assert (ran["qps"], ran["saturated"]) == (8.0, True) and ran["seconds"] > 5
+    (left_out,) = points["left_out"]
+    assert left_out["qps"] == 16.0 and left_out["why"].startswith("saturated")
