@@ -16,8 +16,10 @@ import logging
 import os
 import secrets
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from http import HTTPStatus
 
 import kopf
 import prometheus_client
@@ -178,17 +180,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     registry = kopf.OperatorRegistry()
     register(registry, Reconciler(api, record_event, defaults), resolver, metrics_urls, options)
-    logging.getLogger(__name__).info("pd-operator %s starting", OPERATOR_VERSION)
-    kopf.run(
-        registry=registry,
-        clusterwide=not args.namespaces,
-        namespaces=args.namespaces,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        priority=peering_priority(args.priority) if args.peering else None,
-        liveness_endpoint=args.liveness,
-    )
+    log = logging.getLogger(__name__)
+    log.info("pd-operator %s starting", OPERATOR_VERSION)
+    try:
+        kopf.run(
+            registry=registry,
+            clusterwide=not args.namespaces,
+            namespaces=args.namespaces,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            priority=peering_priority(args.priority) if args.peering else None,
+            liveness_endpoint=args.liveness,
+        )
+    except Exception as error:
+        if not resource_not_served(error):
+            raise
+        # A restarted API server answers 404 for a custom resource until its CRD handler is installed again;
+        # kopf's watcher does not retry a 404 and its reactor ends. Start over, as a fresh process.
+        log.warning("the API server does not serve a watched resource (%s); starting over", error)
+        time.sleep(RESTART_AFTER_NOT_SERVED_S)
+        os.execv(
+            sys.executable, [sys.executable, "-m", __spec__.name, *(sys.argv[1:] if argv is None else argv)]
+        )
     return 0
+
+
+MODULE = "pdoperator.cli.operator_main"
+RESTART_AFTER_NOT_SERVED_S = 2.0
+
+
+def resource_not_served(error: BaseException) -> bool:
+    """kopf's API errors carry the HTTP status of the answer."""
+    return getattr(error, "status", None) == HTTPStatus.NOT_FOUND
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import kopf
@@ -142,3 +143,43 @@ def test_a_fractional_watch_timeout_is_refused(
     assert exit_info.value.code == 2
     assert "--watch-timeout" in capsys.readouterr().err
     assert operator_main.main(["--watch-timeout", "0"]) == 2
+
+
+class ApiAnswered(Exception):
+    """Stands for kopf's API errors, which carry the HTTP status of the answer."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+def kopf_ends_with(monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[list[str]]:
+    def run(**_: Any) -> None:
+        raise error
+
+    execs: list[list[str]] = []
+    monkeypatch.setattr(kopf, "run", run)
+    monkeypatch.setattr(kopf, "configure", lambda **_: None)
+    monkeypatch.setattr(
+        KubernetesApi, "from_environment", classmethod(lambda cls, user_agent, timeout_seconds: object())
+    )
+    monkeypatch.setattr(operator_main.time, "sleep", lambda _: None)
+    monkeypatch.setattr(operator_main.os, "execv", lambda path, args: execs.append([path, *args]))
+    return execs
+
+
+def test_a_watched_resource_the_api_server_does_not_serve_yet_starts_the_operator_over(monkeypatch):
+    # a restarted API server answers 404 for a CRD's resource until it serves the CRD again; kopf's reactor
+    # ends on it (seen against the real server): the operator starts over with the same arguments
+    execs = kopf_ends_with(monkeypatch, ApiAnswered(404))
+    operator_main.main(["--namespace", "team-a"])
+    ((path, python, flag, module, *args),) = execs
+    assert path == python == sys.executable
+    assert (flag, module, args) == ("-m", "pdoperator.cli.operator_main", ["--namespace", "team-a"])
+
+
+def test_any_other_end_of_kopf_is_the_operator_s_end(monkeypatch):
+    execs = kopf_ends_with(monkeypatch, ApiAnswered(403))
+    with pytest.raises(ApiAnswered):
+        operator_main.main([])
+    assert execs == []
