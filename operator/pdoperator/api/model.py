@@ -44,6 +44,11 @@ class Architecture(StrEnum):
     MLA = "mla"
 
 
+# What a stopping vLLM engine keeps of its termination grace period to release its GPU memory and exit after
+# the requests in flight drained.
+ENGINE_TEARDOWN_SECONDS = 10
+
+
 class DType(StrEnum):
     AUTO = "auto"
     BFLOAT16 = "bfloat16"
@@ -315,6 +320,17 @@ class EngineSpec(ApiModel):
             le=3600,
         ),
     ] = 60
+    termination_grace_period_seconds: Annotated[
+        int,
+        Field(
+            description="How long an engine pod that Kubernetes stops (rolling update, node drain, deletion) "
+            "has to finish the requests in flight: vLLM drains them (--shutdown-timeout: this less "
+            f"{ENGINE_TEARDOWN_SECONDS} s for its teardown), refusing new ones, which the router retries on "
+            "other engines; Kubernetes kills the pod after this long.",
+            ge=ENGINE_TEARDOWN_SECONDS + 5,
+            le=3600,
+        ),
+    ] = 120
 
 
 class EFASpec(ApiModel):

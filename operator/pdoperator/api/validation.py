@@ -55,6 +55,7 @@ MANAGED_FLAGS: dict[Runtime, dict[str, str]] = {
         "--kv-transfer-config": "use spec.mode, spec.engine.connector and spec.engine.transport",
         "--port": "use spec.engine.port",
         "--host": "engines listen on the pod's addresses",
+        "--shutdown-timeout": "use spec.engine.terminationGracePeriodSeconds",
         "--pipeline-parallel-size": _PP,
         "-pp": _PP,
         "--enable-expert-parallel": _EP,

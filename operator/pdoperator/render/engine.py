@@ -11,6 +11,7 @@ from typing import Any
 from pdconnector.protocol.liveness import LivenessProbe, fence_seconds
 
 from pdoperator.api.model import (
+    ENGINE_TEARDOWN_SECONDS,
     Architecture,
     ConnectorImpl,
     PDService,
@@ -177,6 +178,11 @@ def _vllm_args(spec: PDServiceSpec, role: ComponentRole, rs: RoleSpec, pod_engin
     if prefix_caching is not None:
         args.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     args += kv_events_args(spec)
+    # SIGTERM drains the requests in flight instead of aborting them (vLLM's default, 0).
+    args += [
+        "--shutdown-timeout",
+        str(spec.engine.termination_grace_period_seconds - ENGINE_TEARDOWN_SECONDS),
+    ]
     args += [
         "--kv-transfer-config",
         json.dumps(kv_transfer_config(spec, role, pod_engine_id), separators=(",", ":")),
@@ -489,6 +495,7 @@ def render_engine_pod_template(
         # Service links would inject <SERVICE>_PORT variables; a Service named "vllm"
         # yields VLLM_PORT, which vLLM reads as its own setting.
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         "containers": [container],
         "volumes": volumes,
     }
