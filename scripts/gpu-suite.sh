@@ -171,7 +171,10 @@ if ((install_rc == 0)) && step vllm; then
 fi
 
 serving_rc=""
-if ((install_rc == 0)) && step serving; then
+if step serving && [[ -z ${PDCTL_SITE:-} ]]; then
+    echo "== the serving benchmark needs vLLM on this machine: run scripts/gpu-vllm.sh $vllm_dir first" | tee "$report/serving.log"
+    serving_rc=1
+elif ((install_rc == 0)) && step serving; then
     echo "== the serving benchmark with real engines on the GPU (e2e/bench/pd_bench.py $serving_sweep)"
     # The site's GPU share suits tests (a tiny model, engines beside them); here the engines get most of the GPU,
     # so decode's KV cache holds the sweep's longest prompts several times over.

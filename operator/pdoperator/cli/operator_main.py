@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 MODULE = "pdoperator.cli.operator_main"
-RESTART_AFTER_NOT_SERVED_S = 2.0
+RESTART_AFTER_NOT_SERVED_S = 5.0
 
 
 def resource_not_served(error: BaseException) -> bool:
