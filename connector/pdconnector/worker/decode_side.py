@@ -40,7 +40,14 @@ from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle, TransferState, TransportError
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
-from pdconnector.worker.decode_transfers import Abandoning, Handshaking, PushWait, Reading
+from pdconnector.worker.decode_transfers import (
+    Abandoning,
+    Handshaking,
+    PushWait,
+    Reading,
+    failure_detail,
+    received_stages,
+)
 from pdconnector.worker.identity import EngineInfo, IncompatiblePeer, check_peer
 from pdconnector.worker.peers import PeerRegistry
 from pdconnector.worker.side_channel import PeerGone, SideChannelClient
@@ -141,19 +148,12 @@ class DecodeSide:
         self._lookup(command, deadline, timeline)
 
     def _lookup(
-        self,
-        command: ExpectPush | ReadBlocks,
-        deadline: float,
-        timeline: Timeline,
-        *,
-        looked_up_again: bool = False,
+        self, command: ExpectPush | ReadBlocks, deadline: float, timeline: Timeline, *, again: bool = False
     ) -> None:
         assert self._side_channel is not None
         future = self._side_channel.lookup(command.prefill)
         future.add_done_callback(lambda _: self._wake())
-        self._handshaking[command.transfer_id] = Handshaking(
-            command, deadline, future, timeline, looked_up_again
-        )
+        self._handshaking[command.transfer_id] = Handshaking(command, deadline, future, timeline, again)
 
     def abandon(self, command: AbandonTransfer, deadline: float) -> None:
         """Tell the prefill ranks this rank would have received from that it never will (no result: nothing
@@ -352,12 +352,12 @@ class DecodeSide:
                         failure.transfer_id,
                         ResultKind.FAILED_RECVING,
                         failure.reason,
-                        _failure_detail(failure),
+                        failure_detail(failure),
                     )
                 )
         for received in polled.finished:
             self._context.give_back_slot(received.transfer_id)
-            stages = self._received(self._pushes.pop(received.transfer_id, None), now)
+            stages = received_stages(self._pushes.pop(received.transfer_id, None), now)
             detail = f"attempt {received.attempt} received"
             result = TransferResult(
                 received.transfer_id,
@@ -383,13 +383,6 @@ class DecodeSide:
         return progressed or bool(polled.finished or polled.failed or polled.aborts or polled.failing)
 
     # --- push: registration ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _received(waiting: PushWait | Reading | None, now: float) -> dict[str, float]:
-        if waiting is None:
-            return {}
-        waiting.timeline.mark(Milestone.RECEIVED, now)
-        return waiting.timeline.stages()
 
     def _register(self, command: ExpectPush, handshake: Handshaking, engine: EngineInfo, now: float) -> None:
         deadline, timeline = handshake.deadline, handshake.timeline
@@ -475,7 +468,7 @@ class DecodeSide:
             return
         log.info("transfer %s: %s; looking prefill %s up again", command.transfer_id, detail, command.prefill)
         self._context.count("registrations_looked_up_again")
-        self._lookup(command, handshake.deadline, handshake.timeline, looked_up_again=True)
+        self._lookup(command, handshake.deadline, handshake.timeline, again=True)
 
     def _fail_registration(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         """A registration that was never sent: nobody can write into what it would have offered."""
@@ -558,7 +551,7 @@ class DecodeSide:
         reading = self._reads[transfer_id]
         if reason is None:
             del self._reads[transfer_id]
-            stages = self._received(reading, now)
+            stages = received_stages(reading, now)
             self._context.report(
                 TransferResult(
                     transfer_id, ResultKind.FINISHED_RECVING, Outcome.RECEIVED, detail, reading.nbytes, stages
@@ -608,13 +601,9 @@ class DecodeSide:
     def _report_failure(self, failure: TransferFailure) -> None:
         self._context.report(
             TransferResult(
-                failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, _failure_detail(failure)
+                failure.transfer_id, ResultKind.FAILED_RECVING, failure.reason, failure_detail(failure)
             )
         )
 
     def _fail(self, transfer_id: str, reason: FailureReason, detail: str) -> None:
         self._context.report(TransferResult(transfer_id, ResultKind.FAILED_RECVING, reason, detail))
-
-
-def _failure_detail(failure: TransferFailure) -> str:
-    return f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"

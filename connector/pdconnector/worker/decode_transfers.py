@@ -7,9 +7,10 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pdconnector.protocol.completion import TransferFailure
 from pdconnector.protocol.messages import FailureReason
 from pdconnector.protocol.params import PrefillCoordinates
-from pdconnector.protocol.timeline import Timeline
+from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
 from pdconnector.worker.identity import EngineInfo
@@ -64,3 +65,15 @@ class Reading:
     ending: tuple[FailureReason, str] | None = (
         None  # failed: waiting for the READs left to end or be cancelled
     )
+
+
+def received_stages(waiting: PushWait | Reading | None, now: float) -> dict[str, float]:
+    """The stages of a transfer whose last byte landed at ``now`` (none when nothing waited for it)."""
+    if waiting is None:
+        return {}
+    waiting.timeline.mark(Milestone.RECEIVED, now)
+    return waiting.timeline.stages()
+
+
+def failure_detail(failure: TransferFailure) -> str:
+    return f"{failure.side} gave up on attempt {failure.attempt}: {failure.detail}"
