@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-interval", type=float, default=2.0, help="seconds between active health checks"
     )
     parser.add_argument(
+        "--health-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a health check waits for an answer (two missed in a row eject the engine)",
+    )
+    parser.add_argument(
         "--refresh-interval", type=float, default=2.0, help="seconds between config/DNS refreshes"
     )
     return parser
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         dispatch=Dispatch(args.dispatch) if args.dispatch else None,
         total_timeout_s=args.total_timeout,
         refresh_interval_s=args.refresh_interval,
-        health=HealthSettings(interval_s=args.health_interval),
+        health=HealthSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
         api_key=api_key,
     )
     port = args.port if args.port is not None else config.listen_port

@@ -27,7 +27,6 @@ from pdconnector.protocol.params import TransferMode
 from pdconnector.router.config import DEFAULT_MAX_REQUEST_BODY_BYTES, RouterConfig, dump_router_config
 from pdconnector.sim.cluster import Process
 
-from tests.pdconnector.router.e2e.checks import all_healthy
 from tests.pdconnector.router.fuzz_cases import fuzz_cases
 from tests.pdconnector.vllm.harness import (
     LOOPBACK,
@@ -114,7 +113,12 @@ def running_router(engines: PDPair, mode: TransferMode, workdir: Path) -> Iterat
         str(port),
     ]
     router = Process(
-        "router", [*argv, "--health-interval", "0.5"], f"http://{LOOPBACK}:{port}", workdir / "router.log"
+        "router",
+        # CPU engines busy on 2 cores can take over a second to answer /health (an idle prefill was ejected
+        # while decode ran a long local request, seen in CI); these tests are not about ejection
+        [*argv, "--health-interval", "0.5", "--health-timeout", "10"],
+        f"http://{LOOPBACK}:{port}",
+        workdir / "router.log",
     )
     router.start()
     try:
@@ -258,9 +262,6 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
         assert ended["expired"] == 0 and ended["written"] == 0 and ended["read"] == 0, ended
         local = occupier.result()
         assert len(local.token_ids) == OCCUPIER_TOKENS
-        # Two CPU engines busy on 2 cores can miss the router's 1 s health checks and be ejected for a moment
-        # (seen in CI); what follows is about serving, once the router counts both engines again.
-        assert _wait_for(lambda: all_healthy(router.url), 30), "the router never counted both engines healthy"
         prompt = prompt_of(BLOCK_SIZE + 9, 22)
         routed = complete(router.url, prompt, max_tokens=MAX_TOKENS, timeout_s=300)
         assert (
