@@ -59,7 +59,7 @@ resolve() {
 
 deb_of() {  # name=version -> the file apt-get download writes (an epoch's colon is %3a)
     local name=${1%%=*} version=${1#*=}
-    compgen -G "$cache/debs/${name}_${version/:/%3a}_*.deb" | head -n 1
+    compgen -G "$cache/debs/${name}_${version/:/%3a}_*.deb" | awk 'NR == 1'
 }
 
 download() {  # name=version ... into $cache/debs; fails when a version is gone from the archive
@@ -118,5 +118,6 @@ mkdir -p "$dest"
 ln -sfn "$out/pd-apiserver" "$dest/pd-apiserver"
 ln -sfn "$out/etcd" "$dest/etcd"
 ln -sfn "$out/packages" "$dest/packages"
-"$dest/etcd" --version | head -n 1 >&2
+# awk reads to the end: `head` would close the pipe early and pipefail would fail on etcd's SIGPIPE (CI).
+"$dest/etcd" --version | awk 'NR == 1' >&2
 say "$(grep -E '^golang-k8s-apiextensions-apiserver-dev=' "$out/packages" | tr '=' ' ') in $dest"

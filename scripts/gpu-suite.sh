@@ -82,7 +82,7 @@ fi
 export PYTHONPATH="$scratch:$root/connector:$root/operator${PYTHONPATH:+:$PYTHONPATH}"
 # The project runs from its source folders there, not installed: give it the distribution metadata it reads its
 # version from (pdoperator.render.defaults), as an editable install would.
-version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | head -n 1)
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | awk 'NR == 1')
 mkdir -p "$scratch/pd_operator-$version.dist-info"
 printf 'Metadata-Version: 2.1\nName: pd-operator\nVersion: %s\n' "$version" >"$scratch/pd_operator-$version.dist-info/METADATA"
 export PD_GPU_SUITE_LOG_DIR="$report/engine-logs"
