@@ -11,7 +11,7 @@
 # The step "connector" runs the connector's real-engine tests (tests/pdconnector/vllm: dense and hybrid, push and
 # pull, the direct and the staged path, both layouts, failures, the router) with the engines on the GPU
 # (PD_VLLM_TEST_DEVICE=cuda); PD_GPU_CONNECTOR_TESTS (files) and PD_GPU_CONNECTOR_K (pytest's -k) narrow them
-# (each engine pair starts in ~1 min, so the whole set takes more than one call).
+# (each file runs in its own pytest, side by side with the others).
 # The step "serving" runs the seed's serving benchmark with real engines on the GPU (e2e/bench/pd_bench.py: the
 # Qwen3-32B KV twin, co-located vLLM, ours push and pull, upstream's connectors, QPS x input length through the
 # router) into REPORT_DIR/serving; it starts no variant or run that would not end within its limit
@@ -44,7 +44,7 @@ vllm_tests=tests/e2e/gpu/test_real_vllm.py
 # shellcheck disable=SC2206 # PD_GPU_CONNECTOR_TESTS is a list of test files
 connector_tests=(${PD_GPU_CONNECTOR_TESTS:-tests/pdconnector/vllm/test_connector_dense.py
     tests/pdconnector/vllm/test_connector_hybrid.py tests/pdconnector/vllm/test_connector_failures.py
-    tests/pdconnector/vllm/test_router_over_engines.py})
+    tests/pdconnector/vllm/test_router_over_engines.py tests/pdconnector/vllm/test_drain.py})
 default_steps="bench tests device demo"
 [[ -f $vllm_dir/activate.sh ]] && default_steps+=" connector vllm"
 steps=" ${PD_GPU_SUITE_STEPS:-$default_steps} "
@@ -153,11 +153,25 @@ fi
 
 connector_rc=""
 if ((install_rc == 0)) && step connector; then
-    echo "== the connector on real vLLM engines on the GPU (${connector_tests[*]})"
-    PD_VLLM_TEST_DEVICE=cuda limited "$connector_limit" "$python" -m pytest -v -rs -p no:cacheprovider --durations=10 \
-        --junitxml="$report/connector.xml" ${PD_GPU_CONNECTOR_K:+-k "$PD_GPU_CONNECTOR_K"} "${connector_tests[@]}" 2>&1 |
-        tee "$report/connector.log"
-    connector_rc=${PIPESTATUS[0]}
+    echo "== the connector on real vLLM engines on the GPU (${connector_tests[*]}), one pytest per file side by side"
+    # Each engine has a fixed KV cache on the GPU (tests/pdconnector/vllm/engine_device.py), so the files' engines
+    # start side by side: the step takes as long as its longest file, not their sum.
+    connector_pids=()
+    for file in "${connector_tests[@]}"; do
+        name=$(basename "$file" .py)
+        PD_VLLM_TEST_DEVICE=cuda limited "$connector_limit" "$python" -m pytest -v -rs -p no:cacheprovider --durations=10 \
+            --junitxml="$report/connector-$name.xml" ${PD_GPU_CONNECTOR_K:+-k "$PD_GPU_CONNECTOR_K"} "$file" \
+            >"$report/connector-$name.log" 2>&1 &
+        connector_pids+=($!)
+    done
+    connector_rc=0
+    for pid in "${connector_pids[@]}"; do
+        wait "$pid"
+        rc=$?
+        # pytest's 5 (nothing collected) is fine for a file that -k leaves empty
+        ((rc == 0 || rc == 5 || connector_rc != 0)) || connector_rc=$rc
+    done
+    tail -n 3 "$report"/connector-*.log
 fi
 
 vllm_rc=""
@@ -233,7 +247,11 @@ def junit_summary(junit):  # counts and per-case entries of one pytest junit fil
 tests, cases = junit_summary(report / "gpu-suite.xml")
 device_tests, _ = junit_summary(report / "device-ids.xml")
 vllm_tests, vllm_cases = junit_summary(report / "vllm.xml")
-connector_tests, connector_cases = junit_summary(report / "connector.xml")
+connector_tests, connector_cases = {}, []
+for junit in sorted(report.glob("connector-*.xml")):  # one file per test file, run side by side
+    counts, file_cases = junit_summary(junit)
+    connector_tests = {key: round(connector_tests.get(key, 0) + value, 1) for key, value in counts.items()}
+    connector_cases += file_cases
 versions_file = report / "versions.json"
 summary = {
     "ok": False,
@@ -262,7 +280,7 @@ summary["ok"] = (
     and code(demo_rc) in (None, 0)
     and ("bench" not in steps or code(bench_rc) == 0)
     and ("vllm" not in steps or (code(vllm_rc) == 0 and vllm_tests["passed"] > 0))
-    and ("connector" not in steps or (code(connector_rc) == 0 and connector_tests["passed"] > 0))
+    and ("connector" not in steps or (code(connector_rc) == 0 and connector_tests.get("passed", 0) > 0))
     and ("serving" not in steps or code(serving_rc) == 0)
 )
 (report / "gpu-suite.json").write_text(
