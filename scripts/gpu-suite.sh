@@ -196,7 +196,7 @@ elif ((install_rc == 0)) && step serving; then
         "$PDCTL_SITE" >"$scratch/serving-site.env"
     # shellcheck disable=SC2086 # the sweep is a list of arguments
     PDCTL_SITE="$scratch/serving-site.env" limited "$serving_limit" "$python" e2e/bench/pd_bench.py --engine vllm --spec examples/tiny-gpu-vllm.yaml \
-        --model-kind qwen3-32b-kv-twin --output-len 128 --seconds 8 --min-prompts 8 --drain-s 8 --out "$report/serving" \
+        --model-kind qwen3-32b-kv-twin --output-len 128 --seconds 8 --min-prompts 8 --drain-s 8 --warmup-requests 4 --out "$report/serving" \
         --budget-s $((serving_limit - 30)) $serving_sweep 2>&1 | tee "$report/serving.log"
     serving_rc=${PIPESTATUS[0]}
     rm -rf "$report/serving"/tiny-model-* # the twin's weights (~0.5 GB), written there again in seconds

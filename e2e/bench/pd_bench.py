@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 import urllib.request
@@ -328,10 +329,24 @@ def sweep(
                 why = f"saturated: the engines could not keep up with {saturated_at:g} QPS at this length"
                 budget.skip(label, [input_len], [qps], why)
                 continue
-            if not budget.allows(arrivals_s + args.drain_s):
+            # a warm-up burst takes about what the answers of a run take after its last prompt
+            if not budget.allows(arrivals_s + args.drain_s * (2 if args.warmup_requests else 1)):
                 budget.skip(label, [input_len], [qps], "time budget: the run would not end in time")
                 continue
             budget.start(label, input_len, qps)
+            if args.warmup_requests:
+                # A burst at this length first, neither timed nor in the stage means: on a GPU, Triton
+                # compiles its kernels for the batch shapes the first requests of a new length meet, and that
+                # once-only cost fell on whichever variant ran first (first request 2.8 s, ours-push, H100).
+                bench_serve(
+                    base_url,
+                    model,
+                    tokenizer,
+                    input_len=input_len,
+                    output_len=args.output_len,
+                    qps=math.inf,
+                    prompts=args.warmup_requests,
+                )
             started = time.monotonic()
             before = stage_totals(processes)
             result = bench_serve(
@@ -514,6 +529,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--seconds", type=float, default=8.0, help="target duration of one run (prompts = QPS x seconds)"
     )
     parser.add_argument("--min-prompts", type=int, default=16)
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="before each run, this many requests of its input length at once, not counted (GPU: Triton "
+        "compiles kernels for new shapes on first use)",
+    )
     parser.add_argument(
         "--prefill-s-per-token", type=float, default=0.0001, help="local run: mock prefill latency model"
     )

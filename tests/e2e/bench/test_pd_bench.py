@@ -26,10 +26,12 @@ def pd_bench(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_a_run_within_the_budget_records_its_figures_and_the_points_that_ran(tmp_path: Path) -> None:
-    run = pd_bench(tmp_path, "--qps", "8", "--seconds", "1", "--min-prompts", "6", "--budget-s", "240")
+    sweep = ["--qps", "8", "--seconds", "1", "--min-prompts", "6", "--budget-s", "240"]
+    run = pd_bench(tmp_path, *sweep, "--warmup-requests", "3")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     figures = json.loads((tmp_path / "mock-push-in64-qps8.json").read_text())
-    assert (figures["completed"], figures["failed"]) == (8, 0)
+    assert (figures["completed"], figures["failed"]) == (8, 0)  # the 3 warm-up requests are not counted
+    assert run.stdout.count("Successful requests:") == 2  # the warm-up burst, then the run
     assert 0 < figures["p50_ttft_ms"] <= figures["p99_ttft_ms"]
     assert figures["stages_mean_ms"]  # where the time went, from the router's and engines' /metrics
     points = json.loads((tmp_path / "points.json").read_text())

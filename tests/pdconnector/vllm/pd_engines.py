@@ -48,6 +48,12 @@ BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # dense; the hybrid's attention block is larger
 # block.
 MAX_TOKENS = 6
 LOGPROB_ATOL = 1e-4
+# A request computed among many (16 in flight) against the same request computed alone: on the GPU, the
+# hybrid model's Mamba kernels are not batch-invariant (their float32 sums run in another order), and one of
+# 16 hybrid answers differed from its lone twin by 1.4e-4 in one logprob, same token (H100, 2026-12-06); a
+# wrong block or state moves logprobs by whole units. On the CPU batched and lone answers agree within
+# LOGPROB_ATOL.
+BATCHED_LOGPROB_ATOL = 1e-3 if ON_GPU else LOGPROB_ATOL
 PROMPT_LENGTHS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1, 1000)
 CONCURRENT = 16
 # The ways a pair can move KV (connector settings for both engines): the block-outer layout (a block's pages

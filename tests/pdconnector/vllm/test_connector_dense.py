@@ -32,6 +32,7 @@ from tests.pdconnector.vllm.harness import (
     scrape_metrics,
 )
 from tests.pdconnector.vllm.pd_engines import (
+    BATCHED_LOGPROB_ATOL,
     BLOCK_SIZE,
     CONCURRENT,
     CONNECTOR_PATHS,
@@ -137,7 +138,7 @@ def test_sixteen_concurrent_requests_match_their_colocated_outputs(
     )
 
     for prompt, expected, result in zip(prompts, colocated, results, strict=True):
-        assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], (
+        assert output_differences(expected, result.decode, logprob_atol=BATCHED_LOGPROB_ATOL) == [], (
             f"{mode} prompt of {len(prompt)} tokens"
         )
         assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)

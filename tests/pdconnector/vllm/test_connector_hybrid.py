@@ -24,6 +24,7 @@ from pdconnector.protocol.params import (
 
 from tests.pdconnector.vllm.harness import CompletionError, complete, output_differences, run_concurrently
 from tests.pdconnector.vllm.pd_engines import (
+    BATCHED_LOGPROB_ATOL,
     CONCURRENT,
     LOGPROB_ATOL,
     MAX_TOKENS,
@@ -65,7 +66,7 @@ def test_hybrid_sixteen_concurrent_push_requests_match_their_colocated_outputs(h
     )
 
     for prompt, expected, result in zip(prompts, colocated, results, strict=True):
-        assert output_differences(expected, result.decode, logprob_atol=LOGPROB_ATOL) == [], (
+        assert output_differences(expected, result.decode, logprob_atol=BATCHED_LOGPROB_ATOL) == [], (
             f"prompt of {len(prompt)} tokens"
         )
         assert (result.decode.kv_transfer_params or {}).get(RECEIVED_KEY)
