@@ -53,10 +53,10 @@ scratch=$(mktemp -d /tmp/pd-gpu-suite.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 started=$(date +%s)
 
-limited() { # limited SECONDS COMMAND...: without coreutils' timeout the command runs unbounded
+limited() { # limited SECONDS COMMAND...: the command, ended at the limit (124), then whatever it left running
     local seconds=$1
     shift
-    if command -v timeout >/dev/null; then timeout --kill-after=15 "$seconds" "$@"; else "$@"; fi
+    "$python" "$root/scripts/run_reaped.py" "$seconds" "$@"
 }
 
 echo "== install (.whl -> $scratch)"
