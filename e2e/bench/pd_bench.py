@@ -185,7 +185,7 @@ def warm_up(base_url: str, model: str) -> float:
     return time.monotonic() - started
 
 
-class Budget:
+class SweepPlan:
     """The run's time (``--budget-s``, None: unbounded) and its record of points: a variant starts only while
     its engines' start-up (as long as the last variant's took) and one run fit, a run only while it fits, and
     no higher rate follows a run its engines could not keep up with (it would only queue longer). points.json
@@ -228,7 +228,7 @@ class Budget:
         self.record.write_text(json.dumps(points, indent=2) + "\n")
 
 
-def sweep_local(args: argparse.Namespace, tokenizer: Path, budget: Budget) -> list[Run]:
+def sweep_local(args: argparse.Namespace, tokenizer: Path, budget: SweepPlan) -> list[Run]:
     from pdoperator.local import down, plan_local_run, up  # noqa: PLC0415
     from pdoperator.render import RenderDefaults, render_pdservice  # noqa: PLC0415
 
@@ -314,7 +314,7 @@ def sweep(
     tokenizer: Path,
     args: argparse.Namespace,
     *,
-    budget: Budget,
+    budget: SweepPlan,
     processes: Sequence[tuple[str, str]] = (),
 ) -> list[Run]:
     """Every (input length, QPS) run against ``base_url`` the budget allows; ``processes`` (name, URL) are
@@ -583,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         shortest = min(max(args.min_prompts / qps, args.seconds) for qps in args.qps) + args.drain_s
-        budget = Budget(args.budget_s, shortest, args.out / "points.json")  # writing the model counts
+        budget = SweepPlan(args.budget_s, shortest, args.out / "points.json")  # writing the model counts
         tokenizer = model_with_tokenizer(args)
         runs = (
             sweep(args.label, args.router, args.model, tokenizer, args, budget=budget)

@@ -25,8 +25,8 @@ class TierStore:
         if capacity_slots < 1:
             raise ValueError(f"a tier store needs at least one slot, got {capacity_slots}")
         self.regions = tuple(regions)
-        self.offsets = [sum(r.block_stride for r in self.regions[:i]) for i in range(len(self.regions))]
-        self.slot_bytes = sum(r.block_stride for r in self.regions)
+        self.offsets = [slot_bytes(self.regions[:i]) for i in range(len(self.regions))]
+        self.slot_bytes = slot_bytes(self.regions)
         # pinned on GPU engines, so copies to and from the device run at full speed
         self.buffer = torch.empty((capacity_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
 
@@ -37,7 +37,7 @@ class TierStore:
     @staticmethod
     def slots_for(regions: Sequence[Region], nbytes: int) -> int:
         """How many blocks ``nbytes`` of host memory hold for a rank with ``regions``."""
-        return nbytes // sum(r.block_stride for r in regions)
+        return nbytes // slot_bytes(regions)
 
     def save(self, caches: Sequence[torch.Tensor], block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy the blocks ``block_ids`` of the rank's caches (one tensor per region) into ``slots``."""
@@ -70,6 +70,11 @@ class TierStore:
         if any(not 0 <= s < self.capacity_slots for s in slots):
             raise ValueError(f"slots {list(slots)} outside the tier's {self.capacity_slots}")
         return torch.tensor(list(block_ids), dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
+
+
+def slot_bytes(regions: Sequence[Region]) -> int:
+    """One block of every region, back to back: what a slot holds."""
+    return sum(region.block_stride for region in regions)
 
 
 def _blocks_view(cache: torch.Tensor, region: Region) -> torch.Tensor:

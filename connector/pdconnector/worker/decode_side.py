@@ -442,9 +442,9 @@ class DecodeSide:
         self._pushes[command.transfer_id] = PushWait(
             command.attempt, writers, command.prefill, timeline, staged=staged
         )
-        self._context.count("registrations_sent", len(writers))
         for sent, agent in enumerate(writers.values()):
             if self._context.send_frame(agent, frame):
+                self._context.count("registrations_sent")  # delivered ones only: a retry is not counted twice
                 continue
             detail = f"could not send the registration to prefill agent {agent}"
             if sent == 0 and previous is None:

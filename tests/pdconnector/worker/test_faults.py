@@ -465,6 +465,41 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again_and_it
         restarted.close()
 
 
+def test_a_prefill_restarted_at_the_same_address_is_looked_up_again_when_the_registration_reaches_none(
+    engines: tuple[Engine, Engine, dict[str, Any]],
+) -> None:
+    """Decode's cached handshake names the old start's agents; the registration reaches none of them, so it
+    is withdrawn (nothing can land), the prefill looked up afresh and registered once more: served, not
+    failed, and the registration counted once per delivery."""
+    prefill, decode, started = engines
+    coords = started | {"incarnation": ""}  # as a push's router names it: whichever start runs there
+    decode.expect_push(transfer_id="tx-first", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10)
+    prefill.prefill_finished(transfer_id="tx-first", blocks=SRC, num_tokens=TOKENS)
+    assert _one(decode.wait(transfer_id="tx-first", timeout_s=5))[0] == "finished_recving"
+    prefill.close()
+    restarted = Engine(
+        "prefill-f",
+        "dense",
+        tp=1,
+        num_blocks=NUM_BLOCKS,
+        transport="mock",
+        side_channel_port=coords["side_channel_port"],
+    )
+    try:
+        assert restarted.start()["side_channel_port"] == coords["side_channel_port"]
+        restarted.fill(blocks=SRC, num_tokens=TOKENS)
+        decode.reset()
+        decode.expect_push(
+            transfer_id="tx-again", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10
+        )
+        restarted.prefill_finished(transfer_id="tx-again", blocks=SRC, num_tokens=TOKENS)
+        assert _one(decode.wait(transfer_id="tx-again", timeout_s=5)) == ("finished_recving", "received")
+        stats = decode.transfers.workers[0].stats()
+        assert (stats["registrations_looked_up_again"], stats["registrations_sent"]) == (1, 2)
+    finally:
+        restarted.close()
+
+
 def test_a_pull_from_a_prefill_restarted_since_it_answered_fails_instead_of_reading_its_new_start() -> None:
     """The prefill answered with its blocks, then restarted under the same engine id and address: the READ
     must not go to the new start, whose same block ids hold other requests' KV (a silently wrong answer)."""

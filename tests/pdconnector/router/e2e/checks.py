@@ -8,7 +8,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
-from pdconnector.sim.cluster import LocalCluster
+from pdconnector.sim.cluster import LocalCluster, metric_samples
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -38,3 +38,8 @@ def backend_health(router_url: str) -> dict[str, bool]:
 
 def all_healthy(router_url: str) -> bool:
     return all(backend_health(router_url).values())
+
+
+def retries_counted(router_url: str) -> float:
+    """Every retry the router made, whatever its role and cause (``pd_router_retries_total``)."""
+    return sum(v for k, v in metric_samples(router_url).items() if k.startswith("pd_router_retries_total"))

@@ -10,9 +10,14 @@ import urllib.request
 import httpx
 import openai
 import pytest
-from pdconnector.sim.cluster import metric_samples
 
-from tests.pdconnector.router.e2e.checks import all_healthy, backend_health, blocks_all_free, wait_until
+from tests.pdconnector.router.e2e.checks import (
+    all_healthy,
+    backend_health,
+    blocks_all_free,
+    retries_counted,
+    wait_until,
+)
 
 MODEL = "tiny"
 
@@ -166,10 +171,6 @@ def test_a_backend_refusing_connections_is_retried_then_ejected(cluster):
             )
             assert raw.headers["x-pd-decode"] == "decode-1" and raw.headers["x-pd-prefill"] == "prefill-0"
             assert raw.parse().choices[0].text
-
-
-def retries_counted(router_url: str) -> float:
-    return sum(v for k, v in metric_samples(router_url).items() if k.startswith("pd_router_retries_total"))
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
