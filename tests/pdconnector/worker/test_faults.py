@@ -437,16 +437,23 @@ def test_idle_workers_burn_almost_no_cpu(engines: tuple[Engine, Engine, dict[str
     assert decode.idle_cpu(seconds=2.0) < 0.3
 
 
-def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again_and_its_old_agent_dropped(
-    engines: tuple[Engine, Engine, dict[str, Any]],
-) -> None:
-    prefill, decode, coords = engines
+def _served_then_restarted(
+    prefill: Engine, decode: Engine, coords: dict[str, Any], *, port: int = 0
+) -> Engine:
+    """One push served by ``prefill``, then prefill restarted under the same engine id (new agents; its side
+    channel at ``port``, 0: a new one), holding the same source blocks; decode's results cleared."""
     decode.expect_push(transfer_id="tx-before", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10)
     prefill.prefill_finished(transfer_id="tx-before", blocks=SRC, num_tokens=TOKENS)
     assert _one(decode.wait(transfer_id="tx-before", timeout_s=5))[0] == "finished_recving"
     prefill.close()
-    # same engine id, new agents and port
-    restarted = Engine("prefill-f", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock")
+    return Engine("prefill-f", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock", side_channel_port=port)
+
+
+def test_a_prefill_restarted_under_the_same_engine_id_is_handshaken_again_and_its_old_agent_dropped(
+    engines: tuple[Engine, Engine, dict[str, Any]],
+) -> None:
+    prefill, decode, coords = engines
+    restarted = _served_then_restarted(prefill, decode, coords)
     try:
         new_coords = restarted.start()
         restarted.fill(blocks=SRC, num_tokens=TOKENS)
@@ -473,25 +480,13 @@ def test_a_prefill_restarted_at_the_same_address_is_looked_up_again_when_the_reg
     failed, and the registration counted once per delivery."""
     prefill, decode, started = engines
     coords = started | {"incarnation": ""}  # as a push's router names it: whichever start runs there
-    decode.expect_push(transfer_id="tx-first", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10)
-    prefill.prefill_finished(transfer_id="tx-first", blocks=SRC, num_tokens=TOKENS)
-    assert _one(decode.wait(transfer_id="tx-first", timeout_s=5))[0] == "finished_recving"
-    prefill.close()
-    restarted = Engine(
-        "prefill-f",
-        "dense",
-        tp=1,
-        num_blocks=NUM_BLOCKS,
-        transport="mock",
-        side_channel_port=coords["side_channel_port"],
-    )
+    port = coords["side_channel_port"]
+    restarted = _served_then_restarted(prefill, decode, coords, port=port)
     try:
-        assert restarted.start()["side_channel_port"] == coords["side_channel_port"]
+        assert restarted.start()["side_channel_port"] == port
         restarted.fill(blocks=SRC, num_tokens=TOKENS)
         decode.reset()
-        decode.expect_push(
-            transfer_id="tx-again", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=10
-        )
+        decode.expect_push(transfer_id="tx-again", prefill=coords, blocks=DST, num_tokens=TOKENS, timeout_s=5)
         restarted.prefill_finished(transfer_id="tx-again", blocks=SRC, num_tokens=TOKENS)
         assert _one(decode.wait(transfer_id="tx-again", timeout_s=5)) == ("finished_recving", "received")
         stats = decode.transfers.workers[0].stats()
