@@ -6,7 +6,7 @@
 #   REGISTRY=ghcr.io/me images/build.sh     change the repository prefix
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | head -1)
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml" | awk 'NR == 1')
 app_version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$root/charts/pd-operator/Chart.yaml")
 if [[ "$version" != "$app_version" ]]; then
   echo "pyproject version $version != chart appVersion $app_version" >&2; exit 1
