@@ -5,13 +5,13 @@ A slot holds one block of every region the rank registers for transfer (``pdconn
 any placement a block is one run of ``block_stride`` bytes inside each region (one region per layer slot when
 layer-outer, one region when block-outer or head-outer), so a slot is those runs back to back and a copy is
 one indexed gather or scatter per region, whatever the layout. Copies are synchronous on the calling thread
-(the transfer thread's, off the engine's step); the index (:mod:`pdconnector.tier.index`) says which slots may
-be read or written.
+(the engine's, in the order the scheduler staged them: a slot a later save reuses is read first); the index
+(:mod:`pdconnector.tier.index`) says which slots may be read or written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,11 +33,6 @@ class TierStore:
     @property
     def capacity_slots(self) -> int:
         return self.buffer.shape[0]
-
-    @staticmethod
-    def slots_for(regions: Sequence[Region], nbytes: int) -> int:
-        """How many blocks ``nbytes`` of host memory hold for a rank with ``regions``."""
-        return nbytes // slot_bytes(regions)
 
     def save(self, caches: Sequence[torch.Tensor], block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy the blocks ``block_ids`` of the rank's caches (one tensor per region) into ``slots``."""
@@ -70,6 +65,35 @@ class TierStore:
         if any(not 0 <= s < self.capacity_slots for s in slots):
             raise ValueError(f"slots {list(slots)} outside the tier's {self.capacity_slots}")
         return torch.tensor(list(block_ids), dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
+
+
+class TierLoadError(RuntimeError):
+    """A load from slots this rank cannot vouch for (their save failed here)."""
+
+
+class RankTier:
+    """A rank's tier: its store bound to the rank's cache tensors (one per region), and the slots whose save
+    failed on this rank: the index (on the scheduler) counts them saved, so a load from them must fail here
+    and the request fall back to its full transfer, until a save into them succeeds."""
+
+    def __init__(self, store: TierStore, caches: Sequence[torch.Tensor]) -> None:
+        self.store = store
+        self.caches = tuple(caches)
+        self.broken: set[int] = set()
+
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        try:
+            self.store.save(self.caches, block_ids, slots)
+        except Exception:
+            self.broken.update(slots)
+            raise
+        self.broken.difference_update(slots)
+
+    def load(self, slots: Iterable[int], block_ids: Sequence[int]) -> None:
+        slots = list(slots)
+        if broken := sorted(self.broken.intersection(slots)):
+            raise TierLoadError(f"slots {broken} were not saved on this rank")
+        self.store.load(self.caches, slots, block_ids)
 
 
 def slot_bytes(regions: Sequence[Region]) -> int:

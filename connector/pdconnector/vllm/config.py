@@ -24,7 +24,8 @@ models; backends that accept neither get ``LBHNC``, and the engine logs why), ``
 rank's staging buffer for the staged path, ``pdconnector.worker.staging``; default 0: none, every
 transfer direct; taken from the device beside the KV cache, the engine logs what it costs in blocks),
 ``staging_slots`` (transfers one buffer serves at once, default 2), ``transfer_path`` (``auto``: the cost
-model picks per request; ``direct`` or ``staged`` force one where the buffers allow it).
+model picks per request; ``direct`` or ``staged`` force one where the buffers allow it), ``tier_bytes``
+(host memory per rank for the KV tier, :mod:`pdconnector.tier`; default 0: no tier; dense models only).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ _KNOWN_KEYS: Final = frozenset(
         "staging_mib",
         "staging_slots",
         "transfer_path",
+        "tier_bytes",
     }
 )
 MAX_STAGING_MIB: Final = 1 << 16
 MAX_STAGING_SLOTS: Final = 64
+MAX_TIER_BYTES: Final = 1 << 42  # 4 TiB of host memory per rank: beyond any machine
 TRANSFER_PATHS: Final = ("auto", *(path.value for path in TransferPath))
 # vLLM's KVCacheLayout names the connector can move (pdconnector.vllm.kv_layout.SUPPORTED_LAYOUTS maps them).
 KV_CACHE_LAYOUTS: Final = ("BLHNC", "BHLNC", "BLNHC", "LBHNC", "LBNHC")
@@ -98,6 +101,7 @@ class ConnectorConfig:
     staging_mib: int = 0
     staging_slots: int = 2
     transfer_path: TransferPath | None = None  # None: the cost model chooses
+    tier_bytes: int = 0  # host memory per rank for the KV tier; 0: none
 
     @property
     def uses_mock_transport(self) -> bool:
@@ -193,6 +197,7 @@ def parse_connector_config(
         staging_mib=_count(extra, "staging_mib", 0, 0, MAX_STAGING_MIB),
         staging_slots=_count(extra, "staging_slots", 2, 1, MAX_STAGING_SLOTS),
         transfer_path=_transfer_path(extra),
+        tier_bytes=_count(extra, "tier_bytes", 0, 0, MAX_TIER_BYTES),
     )
 
 

@@ -39,6 +39,7 @@ from pdconnector.vllm.kv_layout import (
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
+from pdconnector.vllm.tier_memory import rank_tier, tier_slots
 from pdconnector.vllm.worker import WorkerSide
 from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
 from pdconnector.worker.side_channel import SideChannelServer
@@ -156,6 +157,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                 ssm_groups=groups.ssm_groups,
                 block_size=groups.block_size,
                 finished_statuses=_FINISHED_NORMALLY,
+                hash_block_size=kv_cache_config.hash_block_size,
+                tier_slots=tier_slots(self.config.tier_bytes, kv_cache_config),
             )
 
     @classmethod
@@ -189,7 +192,12 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
                 _DESCRIPTOR_COST[layout.placement],
             )
         regions = memory_regions(layout, self._kv_cache_config, kv_caches, device)
-        self._worker = WorkerSide(self.config, layout, regions)
+        tier = (
+            rank_tier(layout, self._kv_cache_config, kv_caches, regions, self.config.tier_bytes)
+            if self.config.tier_bytes
+            else None
+        )
+        self._worker = WorkerSide(self.config, layout, regions, tier)
         self._rank_info = self._worker.start()
         self._layout_summary = layout_summary(layout.model)
         log.info(

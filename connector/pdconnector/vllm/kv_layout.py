@@ -121,7 +121,7 @@ def check_supported(kv_cache_config: KVCacheConfig, *, speculative: bool) -> Non
 def kv_buffer_device(buffer_device: str, kv_caches: Mapping[str, Any]) -> Device:
     """The memory kind to register, checked against where vLLM put the cache (``kv_buffer_device`` names
     it)."""
-    tensors = [t for value in kv_caches.values() for t in _tensors(value)]
+    tensors = [t for value in kv_caches.values() for t in layer_tensors(value)]
     on_gpu = {t.device.type == "cuda" for t in tensors}
     if on_gpu == {True} and buffer_device != "cuda":
         raise LayoutMismatch(
@@ -210,7 +210,7 @@ def _attention_views(
         if isinstance(group.kv_cache_spec, VllmAttentionSpec):
             for name in group.layer_names:
                 if name in kv_caches:
-                    yield name, int(group.kv_cache_spec.block_size), _tensors(kv_caches[name])[0]
+                    yield name, int(group.kv_cache_spec.block_size), layer_tensors(kv_caches[name])[0]
 
 
 def _orders_of(view: torch.Tensor, head_spacing: int = 1) -> set[AttentionLayout]:
@@ -320,7 +320,8 @@ def check_groups(layout: RankLayout, kv_cache_config: KVCacheConfig) -> None:
             )
 
 
-def _tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def layer_tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A layer's KV cache tensors as vLLM registers them (one tensor, or several views of one page)."""
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
@@ -336,7 +337,7 @@ def memory_regions(
     for position, name in enumerate(names):
         if name not in kv_caches:
             raise LayoutMismatch(f"vLLM registered no KV cache tensor for layer {name!r}")
-        tensors = _tensors(kv_caches[name])
+        tensors = layer_tensors(kv_caches[name])
         base = min(t.data_ptr() for t in tensors)
         slot, kind = layout.layer_slots[position], layout.model.layers[position]
         first = np.zeros(1, dtype=np.int64)
@@ -350,7 +351,7 @@ def memory_regions(
                 f"model expects {bases[region] + start:#x}"
             )
         _check_layer_tensors(layout, name, kind, tensors, base)
-    device_id = _tensors(kv_caches[names[0]])[0].device.index or 0
+    device_id = layer_tensors(kv_caches[names[0]])[0].device.index or 0
     return [MemoryRegion(bases[r.index], r.nbytes, device, device_id) for r in layout.regions]
 
 

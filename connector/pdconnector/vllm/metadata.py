@@ -2,7 +2,8 @@
 
 The transfer commands are the transfer worker's own (:mod:`pdconnector.worker.commands`): each names
 the vLLM request id (what the engine tracks) and the transfer id (what the peers agree on); a worker
-rank reports results by request id. Only :class:`FailRequest` is vLLM's alone.
+rank reports results by request id. :class:`FailRequest` and :class:`ReleaseBlocks` are vLLM's alone; the
+tier's commands (:class:`LoadFromTier`, :class:`SaveToTier`) run on the engine's thread, in the order staged.
 """
 
 from __future__ import annotations
@@ -35,8 +36,43 @@ class ReleaseBlocks:
     request_id: str
 
 
+@dataclass(frozen=True)
+class LoadFromTier:
+    """Decode: copy the request's leading blocks its tier holds (``slots`` into ``block_ids``, attention
+    blocks) before its transfer starts, then hand ``then`` to the transfer worker: the transfer of the blocks
+    after them, or, when the tier held every block to fill, prefill's release of its copy (the request has
+    its KV then). If the copy fails on this rank, ``otherwise`` instead: the transfer of every block.
+
+    The copy runs when the rank takes the command, before any later command: a slot a later save reuses is
+    read first, so the scheduler need not keep it pinned."""
+
+    request_id: str
+    slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    then: ExpectPush | ReadBlocks | AbandonTransfer
+    otherwise: ExpectPush | ReadBlocks
+
+
+@dataclass(frozen=True)
+class SaveToTier:
+    """A finished request's blocks ``block_ids`` (attention blocks) into ``slots``; each rank reports the
+    request in ``finished_sending`` once copied, and vLLM frees the blocks when every rank has."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
 Command = (
-    PrefillDone | ExpectPush | ReadBlocks | CancelTransfer | AbandonTransfer | FailRequest | ReleaseBlocks
+    PrefillDone
+    | ExpectPush
+    | ReadBlocks
+    | CancelTransfer
+    | AbandonTransfer
+    | FailRequest
+    | ReleaseBlocks
+    | LoadFromTier
+    | SaveToTier
 )
 
 

@@ -19,6 +19,12 @@ returned ``kv_transfer_params`` are what a pull-mode decode needs.
 
 Models with SSM layers: prefill stops one prompt token short and decode recomputes that
 token, so decode derives the last state itself (vLLM's own contract for Mamba P/D).
+
+The KV tier (``tier_slots`` > 0, dense models): a decode request's blocks after vLLM's prefix-cache hits are
+split between the tier (the leading run it holds, :func:`pdconnector.tier.split.split_prefix`) and prefill
+(the rest: the registration's ``cached_blocks`` grows by the run, a READ covers only the rest); a request that
+received its KV and finished normally has its computed full blocks saved (the prompt and what it generated,
+the next turn's history), its blocks freed once every rank copied them.
 """
 
 from __future__ import annotations
@@ -46,8 +52,15 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.protocol.timeline import Stage
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import Command, FailRequest, PDConnectorMetadata, ReleaseBlocks
-from pdconnector.vllm.stats import PDTransferStats
+from pdconnector.vllm.metadata import (
+    Command,
+    FailRequest,
+    LoadFromTier,
+    PDConnectorMetadata,
+    ReleaseBlocks,
+)
+from pdconnector.vllm.stats import PDTransferStats, TokenSource
+from pdconnector.vllm.tier_plan import TierPlan
 from pdconnector.worker.commands import (
     AbandonTransfer,
     BlockIds,
@@ -85,7 +98,8 @@ class EngineCoordinates:
 class _Incoming:
     transfer_id: str
     mode: TransferMode
-    blocks: int
+    blocks: int  # from prefill
+    tier_blocks: int = 0  # from the KV tier
     failed: bool = False
 
 
@@ -95,6 +109,8 @@ class SchedulerSide:
     block_size: tokens per block of the attention groups (prefix hits are whole blocks).
     finished_statuses: the request statuses that mean "completed normally" (vLLM's ``FINISHED_STOPPED`` /
     ``FINISHED_LENGTH_CAPPED``); anything else is an abort or an error.
+    hash_block_size: tokens per hash of vLLM's ``request.block_hashes`` (a divisor of ``block_size``).
+    tier_slots: blocks the KV tier holds per rank (0: no tier).
     """
 
     def __init__(
@@ -106,6 +122,8 @@ class SchedulerSide:
         ssm_groups: frozenset[int],
         block_size: int,
         finished_statuses: frozenset[Any],
+        hash_block_size: int | None = None,
+        tier_slots: int = 0,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -114,6 +132,16 @@ class SchedulerSide:
         self.block_size = block_size
         self.finished_statuses = finished_statuses
         self.backoff_tokens = 1 if ssm_groups else 0
+        if tier_slots and (ssm_groups or num_groups != 1):
+            raise ValueError(
+                "kv_connector_extra_config.tier_bytes: the KV tier holds the blocks of one attention group; "
+                f"this model has {num_groups} KV cache groups ({len(ssm_groups)} of SSM state)"
+            )
+        self.tier = (
+            TierPlan(tier_slots, block_size=block_size, hash_block_size=hash_block_size or block_size)
+            if tier_slots
+            else None
+        )
         self._lock = threading.Lock()  # peers arrive from the side-channel thread
         self._commands: list[Command] = []
         self._engine_info: bytes | None = None
@@ -221,6 +249,7 @@ class SchedulerSide:
             command = self._decode_command(
                 request_id, transfer, local, cached, num_external_tokens, waited_s=waited_s
             )
+            command = self._with_tier(request, transfer, command, cached=cached)
             self._stats.record_stages({Stage.ADMISSION.value: waited_s})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
@@ -228,10 +257,43 @@ class SchedulerSide:
                 str(params.get(TRANSFER_ID_KEY, "")), self.config.mode, 0, failed=True
             )
             return
+        from_tier = len(command.block_ids) if isinstance(command, LoadFromTier) else 0
         self._incoming[request_id] = _Incoming(
-            transfer.transfer_id, transfer.mode, sum(len(g) for g in local)
+            transfer.transfer_id, transfer.mode, sum(len(g) for g in local) - from_tier, from_tier
         )
         self._stage(command)
+
+    def _with_tier(
+        self, request: Any, transfer: TransferRequest, full: ExpectPush | ReadBlocks, *, cached: int
+    ) -> Command:
+        """The decode command for a request: ``full`` (every block from prefill), or, where the tier holds the
+        leading run of the blocks to fill, a load of that run followed by the transfer of the rest."""
+        num_tokens = full.num_tokens
+        tokens = {TokenSource.GPU: cached * self.block_size, TokenSource.REMOTE: num_tokens}
+        split = self.tier.split(request, full.block_ids[0], cached) if self.tier is not None else None
+        if split is None or not split.tier_blocks:
+            self._stats.record_tokens(tokens)
+            return full
+        from_tier = min(num_tokens, len(split.tier_blocks) * self.block_size)
+        rest: ExpectPush | ReadBlocks | AbandonTransfer
+        if split.remote_blocks:
+            rest = self._decode_command(
+                request.request_id,
+                transfer,
+                (split.remote_blocks,),
+                split.cached_blocks,
+                num_tokens - from_tier,
+                waited_s=self._waited(request),
+            )
+        else:
+            assert transfer.remote is not None
+            detail = f"decode request {request.request_id} took every prompt token it lacked from its KV tier"
+            rest = AbandonTransfer(request.request_id, transfer.transfer_id, transfer.remote, detail)
+        tokens |= {TokenSource.TIER: from_tier, TokenSource.REMOTE: num_tokens - from_tier}
+        self._stats.record_tokens(tokens)
+        return LoadFromTier(
+            request.request_id, split.tier_slots, split.tier_blocks, then=rest, otherwise=full
+        )
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
@@ -276,7 +338,7 @@ class SchedulerSide:
         num_tokens: int,
         *,
         waited_s: float,
-    ) -> Command:
+    ) -> ExpectPush | ReadBlocks:
         assert transfer.remote is not None
         if transfer.mode is TransferMode.PUSH:
             # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries
@@ -370,6 +432,8 @@ class SchedulerSide:
     def finished_sending(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
             self._holding.pop(request_id, None)
+            if self.tier is not None:
+                self.tier.saved(request_id)
 
     # --- end of a request -----------------------------------------------------------------------------------
 
@@ -398,12 +462,13 @@ class SchedulerSide:
             return True, None
         received = self._received.pop(request_id, None)
         if received is not None:
-            return False, {
+            return self._save_to_tier(request, block_ids), {
                 TRANSFER_ID_KEY: received.transfer_id,
                 RECEIVED_KEY: {
                     "transfer_id": received.transfer_id,
                     "mode": received.mode.value,
                     "blocks": received.blocks,
+                    "tier_blocks": received.tier_blocks,
                 },
             }
         if params is not None and params.get("do_remote_prefill") is True and not params.get(_STAGED_KEY):
@@ -411,8 +476,18 @@ class SchedulerSide:
             self._abandon(request_id, params, f"decode request {request_id} ended before it allocated blocks")
             return False, None
         if params is None or params.get("do_remote_decode") is not True:
-            return False, None
+            return False, None  # a local request: the tier keeps what decode received (and computed after)
         return self._prefill_finished(request, params, block_ids)
+
+    def _save_to_tier(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Stage the save of a finished request's blocks the tier lacks; True: its blocks stay allocated until
+        every rank copied them (``finished_sending``)."""
+        if self.tier is None or request.status not in self.finished_statuses or not block_ids:
+            return False
+        save = self.tier.save(request, block_ids[0])
+        if save is not None:
+            self._stage(save)
+        return save is not None
 
     def _abandon(self, request_id: str, params: Mapping[str, Any], detail: str) -> None:
         """Tell the prefill engine a decode leg will never take its KV (unusable parameters: nobody to

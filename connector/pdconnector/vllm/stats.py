@@ -44,6 +44,17 @@ FENCE_EVENTS = ("fences_expired", "writes_stuck", "reads_stuck", "registrations_
 # exported as vllm:pd_kv_staging_events{event=...}.
 STAGING_EVENTS = ("writes_staged", "staging_too_large", "staging_slots_busy")
 COUNTED_EVENTS = FENCE_EVENTS + STAGING_EVENTS
+# ... and the KV tier's, counted by the worker side itself: loads that fell back to the full transfer, saves
+# that failed on a rank; exported as vllm:pd_kv_tier_events{event=...}.
+TIER_EVENTS = ("tier_loads_failed", "tier_saves_failed")
+
+
+class TokenSource(StrEnum):
+    """Where decode took a request's prompt tokens from (counted when its transfer is planned)."""
+
+    GPU = "gpu"  # vLLM's own prefix cache
+    TIER = "tier"  # the engine's KV tier in host memory
+    REMOTE = "remote"  # prefill, over the transfer
 
 
 class Direction(StrEnum):
@@ -58,6 +69,7 @@ def _empty() -> dict[str, Any]:
         "waits": {direction.value: [] for direction in Direction},
         "events": {},
         "stages": {},
+        "tokens": {},
     }
 
 
@@ -89,6 +101,12 @@ class PDTransferStats(KVConnectorStats):
             if len(durations) < MAX_WAITS:
                 durations.append(seconds)
 
+    def record_tokens(self, tokens: dict[TokenSource, int]) -> None:
+        """Prompt tokens of one decode request by source (scheduler side: counted once per request)."""
+        for source, count in tokens.items():
+            if count:
+                self.data["tokens"][source.value] = self.data["tokens"].get(source.value, 0) + count
+
     def count_events(self, events: dict[str, int]) -> None:
         """Events of one rank since the last count (names from :data:`COUNTED_EVENTS`)."""
         for name, count in events.items():
@@ -112,14 +130,18 @@ class PDTransferStats(KVConnectorStats):
             and not self.data["bytes_received"]
             and not self.data["events"]
             and not self.data["stages"]
+            and not self.data.get("tokens")
         )
 
     def aggregate(self, other: KVConnectorStats) -> PDTransferStats:
         ended, events = dict(self.data["ended"]), dict(self.data["events"])
+        tokens = dict(self.data.get("tokens", {}))
         for key, count in other.data["ended"].items():
             ended[key] = ended.get(key, 0) + count
         for key, count in other.data.get("events", {}).items():
             events[key] = events.get(key, 0) + count
+        for key, count in other.data.get("tokens", {}).items():
+            tokens[key] = tokens.get(key, 0) + count
         waits = {
             direction: self.data["waits"][direction] + other.data["waits"][direction]
             for direction in self.data["waits"]
@@ -135,6 +157,7 @@ class PDTransferStats(KVConnectorStats):
                 "waits": waits,
                 "events": events,
                 "stages": stages,
+                "tokens": tokens,
             }
         )
 
@@ -143,6 +166,7 @@ class PDTransferStats(KVConnectorStats):
             key.replace("/", "_"): count for key, count in sorted(self.data["ended"].items())
         }
         summary.update(sorted(self.data["events"].items()))
+        summary.update({f"{source}_tokens": n for source, n in sorted(self.data.get("tokens", {}).items())})
         if self.data["bytes_received"]:
             summary["received_MiB"] = round(self.data["bytes_received"] / 2**20, 3)
         for direction, waits in self.data["waits"].items():
@@ -200,6 +224,18 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "which went direct.",
             labelnames=[*labelnames, "event"],
         )
+        self._tier_events = self._counter_cls(
+            name="vllm:pd_kv_tier_events",
+            documentation="The KV tier: loads that failed on a rank, so the request took the full transfer "
+            "(tier_loads_failed), saves that failed on a rank (tier_saves_failed).",
+            labelnames=[*labelnames, "event"],
+        )
+        self._tokens = self._counter_cls(
+            name="vllm:pd_kv_tokens",
+            documentation="Prompt tokens of decode requests by where they came from: vLLM's prefix cache "
+            "(gpu), the engine's KV tier (tier), prefill over the transfer (remote).",
+            labelnames=[*labelnames, "source"],
+        )
         self._stages = self._histogram_cls(
             name="vllm:pd_kv_stage_seconds",
             documentation="Seconds a transfer spent in each stage of its timeline "
@@ -216,8 +252,15 @@ class PDPromMetrics(KVConnectorPromMetrics):
         if transfer_stats_data["bytes_received"]:
             self._bytes.labels(*labels).inc(transfer_stats_data["bytes_received"])
         for event, count in transfer_stats_data.get("events", {}).items():
-            counter = self._staging_events if event in STAGING_EVENTS else self._fence_events
+            if event in STAGING_EVENTS:
+                counter = self._staging_events
+            elif event in TIER_EVENTS:
+                counter = self._tier_events
+            else:
+                counter = self._fence_events
             counter.labels(*labels, event).inc(count)
+        for source, count in transfer_stats_data.get("tokens", {}).items():
+            self._tokens.labels(*labels, source).inc(count)
         for direction, waits in transfer_stats_data["waits"].items():
             if waits:
                 histogram = self._waits.labels(*labels, direction)

@@ -25,11 +25,19 @@ import msgspec
 
 from pdconnector.layout import RankLayout
 from pdconnector.protocol.rendezvous import Outcome, RendezvousLimits
+from pdconnector.tier.store import RankTier
 from pdconnector.transport.base import MemoryRegion, Transport
 from pdconnector.transport.factory import create_transport
 from pdconnector.transport.mock_faults import MockFaults
 from pdconnector.vllm.config import ConnectorConfig
-from pdconnector.vllm.metadata import FailRequest, PDConnectorMetadata, ReleaseBlocks
+from pdconnector.vllm.metadata import (
+    Command,
+    FailRequest,
+    LoadFromTier,
+    PDConnectorMetadata,
+    ReleaseBlocks,
+    SaveToTier,
+)
 from pdconnector.vllm.stats import COUNTED_EVENTS, Direction, PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
 from pdconnector.worker.context import ResultKind
@@ -65,11 +73,19 @@ class WorkerSide:
     """Args:
     regions: this rank's memory regions in ``layout.regions`` order (see
     :func:`pdconnector.vllm.kv_layout.memory_regions`).
+    tier: this rank's KV tier, if the engine has one.
     """
 
-    def __init__(self, config: ConnectorConfig, layout: RankLayout, regions: list[MemoryRegion]) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        layout: RankLayout,
+        regions: list[MemoryRegion],
+        tier: RankTier | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
+        self._tier = tier
         self._engine: EngineInfo | None = None
         self._client = SideChannelClient(
             announce=self._own_engine, timeout_s=min(10.0, config.transfer_timeout_s)
@@ -131,53 +147,94 @@ class WorkerSide:
             self._engine = _engine_decoder.decode(meta.engine)
         for peer in meta.peers:
             self._worker.add_peers(_engine_decoder.decode(peer))
-        timeout = self.config.transfer_timeout_s
         now = time.monotonic()
         for command in meta.commands:
             log.debug("rank %d: %s", self.layout.tp_rank, command)
-            match command:
-                case PrefillDone():
-                    self._live[command.transfer_id] = _Live(command.request_id, now)
-                    self._worker.prefill_finished(
-                        command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull
-                    )
-                case ExpectPush():
-                    self._live[command.transfer_id] = _Live(command.request_id, now)
-                    self._worker.expect_push(
-                        command.transfer_id,
-                        command.prefill,
-                        command.block_ids,
-                        command.num_tokens,
-                        timeout_s=timeout,
-                        attempt=command.attempt,
-                        cached_blocks=command.cached_blocks,
-                    )
-                case ReadBlocks():
-                    self._live[command.transfer_id] = _Live(command.request_id, now)
-                    self._worker.read(
-                        command.transfer_id,
-                        command.prefill,
-                        command.remote_block_ids,
-                        command.block_ids,
-                        command.num_tokens,
-                        timeout_s=min(timeout, command.valid_for_s),
-                    )
-                case CancelTransfer():
-                    self._worker.cancel(command.transfer_id, command.detail)
-                case AbandonTransfer():
-                    self._worker.abandon(
-                        command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout)
-                    )
-                case FailRequest():
-                    log.error("%s", command.detail)
-                    self._stats.record(Direction.RECV, Outcome.REFUSED, wait_s=self._counted(0.0))
-                    self._immediate.finished_recving.add(command.request_id)
-                    self._immediate.failed_recving.add(command.request_id)
-                case ReleaseBlocks():
-                    if command.request_id in self._held:  # fenced here still: answered when it ends
-                        self._held[command.request_id] = True
-                    else:
-                        self._immediate.finished_sending.add(command.request_id)
+            self._run(command, now)
+
+    def _run(self, command: Command, now: float) -> None:
+        timeout = self.config.transfer_timeout_s
+        match command:
+            case PrefillDone():
+                self._live[command.transfer_id] = _Live(command.request_id, now)
+                self._worker.prefill_finished(
+                    command.transfer_id, command.block_ids, command.num_tokens, pull=command.pull
+                )
+            case ExpectPush():
+                self._live[command.transfer_id] = _Live(command.request_id, now)
+                self._worker.expect_push(
+                    command.transfer_id,
+                    command.prefill,
+                    command.block_ids,
+                    command.num_tokens,
+                    timeout_s=timeout,
+                    attempt=command.attempt,
+                    cached_blocks=command.cached_blocks,
+                )
+            case ReadBlocks():
+                self._live[command.transfer_id] = _Live(command.request_id, now)
+                self._worker.read(
+                    command.transfer_id,
+                    command.prefill,
+                    command.remote_block_ids,
+                    command.block_ids,
+                    command.num_tokens,
+                    timeout_s=min(timeout, command.valid_for_s),
+                )
+            case CancelTransfer():
+                self._worker.cancel(command.transfer_id, command.detail)
+            case AbandonTransfer():
+                self._worker.abandon(
+                    command.transfer_id, command.prefill, command.detail, timeout_s=min(10.0, timeout)
+                )
+            case FailRequest():
+                log.error("%s", command.detail)
+                self._stats.record(Direction.RECV, Outcome.REFUSED, wait_s=self._counted(0.0))
+                self._immediate.finished_recving.add(command.request_id)
+                self._immediate.failed_recving.add(command.request_id)
+            case ReleaseBlocks():
+                if command.request_id in self._held:  # fenced here still: answered when it ends
+                    self._held[command.request_id] = True
+                else:
+                    self._immediate.finished_sending.add(command.request_id)
+            case LoadFromTier():
+                self._load_from_tier(command, now)
+            case SaveToTier():
+                self._save_to_tier(command)
+
+    def _load_from_tier(self, command: LoadFromTier, now: float) -> None:
+        """The tier's run first, then the rest's transfer; if this rank cannot load it, every block's."""
+        assert self._tier is not None, "a tier command reached an engine without a tier"
+        try:
+            self._tier.load(command.slots, command.block_ids)
+        except Exception as error:  # any failure here has the same remedy: prefill sends those blocks too
+            log.error(
+                "request %s: loading %d blocks from the KV tier failed (%s); taking them from prefill",
+                command.request_id,
+                len(command.slots),
+                error,
+            )
+            self._stats.count_events({"tier_loads_failed": 1})
+            self._run(command.otherwise, now)
+            return
+        self._run(command.then, now)
+        if isinstance(command.then, AbandonTransfer):  # the tier held every block the request lacked
+            self._immediate.finished_recving.add(command.request_id)
+
+    def _save_to_tier(self, command: SaveToTier) -> None:
+        """Copy the blocks, then let vLLM free them (after a failure too: the rank's tier marks the slots)."""
+        assert self._tier is not None, "a tier command reached an engine without a tier"
+        try:
+            self._tier.save(command.block_ids, command.slots)
+        except Exception as error:  # the request's blocks must be freed either way
+            log.error(
+                "request %s: saving %d blocks to the KV tier failed: %s",
+                command.request_id,
+                len(command.slots),
+                error,
+            )
+            self._stats.count_events({"tier_saves_failed": 1})
+        self._immediate.finished_sending.add(command.request_id)
 
     def results(self) -> TransferResults:
         """The transfers that ended since the last call; in a step that runs no request, first wait up to the

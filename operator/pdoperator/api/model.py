@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdoperator.api.autoscaling import AutoscalingSpec
 from pdoperator.api.base import DNS_SUBDOMAIN, QUANTITY, SECRET_KEY, ApiModel
+from pdoperator.api.kv_cache import KVCacheSpec
 from pdoperator.api.roles import RoleSpec
 from pdoperator.api.routing import CacheAwareSpec, RetriesSpec, RoutingPolicy
 
@@ -478,6 +479,9 @@ class PDServiceSpec(ApiModel):
     )
     monitoring: Annotated[MonitoringSpec, Field(description="Metrics scraping of engines and router.")] = (
         Field(default_factory=MonitoringSpec)
+    )
+    kv_cache: Annotated[KVCacheSpec, Field(description="KV cache tiers beyond GPU memory.")] = Field(
+        default_factory=KVCacheSpec
     )
     autoscaling: Annotated[
         AutoscalingSpec | None,

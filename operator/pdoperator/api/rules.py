@@ -40,6 +40,7 @@ def _tp_differs(spec: PDServiceSpec) -> bool:
 
 
 _HYBRID = f"'{Architecture.HYBRID_SSM}'"
+_DECODE_TIER = "has(self.kvCache.offload.decode)"
 
 # vLLM reads both spellings, also as --flag=value or --flag.key=value.
 _SPECULATIVE_FLAGS = ("--speculative-config", "--speculative_config")
@@ -327,6 +328,42 @@ CEL_RULES: tuple[CelRule, ...] = (
         ),
     ),
     *(_no_speculative_decoding_rule(role) for role in ("prefill", "decode")),
+    # ------------------------------------------------------------ spec: KV tiers
+    CelRule(
+        name="decode-tier-dense-only",
+        owner=PDServiceSpec,
+        cel=f"!{_DECODE_TIER} || self.model.architecture != {_HYBRID}",
+        message="must not be set for hybrid-ssm models (the tier holds attention blocks; SSM state is not "
+        "tiered)",
+        field_path=".kvCache.offload.decode",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: (
+            spec.kv_cache.offload.decode is None or spec.model.architecture != Architecture.HYBRID_SSM
+        ),
+    ),
+    CelRule(
+        name="decode-tier-builtin-vllm-only",
+        owner=PDServiceSpec,
+        cel=f"!{_DECODE_TIER} || (self.engine.connector == 'builtin' && self.engine.runtime == 'vllm')",
+        message="needs spec.engine.connector builtin and spec.engine.runtime vllm (the tier is "
+        "PDConnector's)",
+        field_path=".kvCache.offload.decode",
+        reason=Reason.FORBIDDEN,
+        holds=lambda spec: (
+            spec.kv_cache.offload.decode is None
+            or (spec.engine.connector == ConnectorImpl.BUILTIN and spec.engine.runtime == Runtime.VLLM)
+        ),
+    ),
+    CelRule(
+        name="decode-tier-needs-pod-memory",
+        owner=PDServiceSpec,
+        cel=f"!{_DECODE_TIER} || has(self.decode.resources.memory)",
+        message="required when spec.kvCache.offload.decode is set (the pod's memory request and limit grow "
+        "by the tier's hostMemory)",
+        field_path=".decode.resources.memory",
+        reason=Reason.REQUIRED,
+        holds=lambda spec: spec.kv_cache.offload.decode is None or spec.decode.resources.memory is not None,
+    ),
     # ------------------------------------------------------------ spec: routing
     CelRule(
         name="cache-aware-needs-attention-only-models",

@@ -31,6 +31,7 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _HUGEPAGE = 2 * 1024 * 1024
 _MAX_QUANTITY = 2**63
 _DEFAULT_SHM = RoleResources.model_fields["shm_size"].default
+_MIN_TIER_BYTES_PER_RANK = 2**20  # below a block of any real model: a typo, not a tier
 
 ROLES = ("prefill", "decode")
 
@@ -270,6 +271,23 @@ def _quantity(text: str) -> Decimal | None:
     return amount if amount.is_finite() and abs(amount) <= _MAX_QUANTITY else None
 
 
+def _check_decode_tier(spec: PDServiceSpec) -> list[FieldError]:
+    tier = spec.kv_cache.offload.decode
+    if tier is None:
+        return []
+    ranks = spec.decode.world_size // spec.decode.nodes
+    amount = _quantity(tier.host_memory)
+    if amount is None or amount < ranks * _MIN_TIER_BYTES_PER_RANK:
+        return [
+            FieldError(
+                "spec.kvCache.offload.decode.hostMemory",
+                f"must be a Kubernetes quantity of at least {ranks}Mi (1Mi for each of the {ranks} ranks of "
+                "a decode pod), such as 64Gi",
+            )
+        ]
+    return []
+
+
 def _check_resources(role: str, resources: RoleResources, hugepages_requested: bool) -> list[FieldError]:
     errors = []
     path = f"spec.{role}.resources"
@@ -364,6 +382,7 @@ def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
     errors += _check_hugepages(spec.network.efa.hugepages)
     errors += _check_autoscaling(spec, errors)
     errors += _check_cache_aware(spec)
+    errors += _check_decode_tier(spec)
     for index, peer in enumerate(spec.monitoring.scrapers):
         for field, labels in (("namespaceLabels", peer.namespace_labels), ("podLabels", peer.pod_labels)):
             errors += _check_labels(f"spec.monitoring.scrapers[{index}].{field}", labels or {})

@@ -25,6 +25,7 @@ from pdoperator.api.roles import RoleSpec
 from .cache_routing import kv_events_args, kv_events_container_ports
 from .defaults import RenderDefaults
 from .identity import compatibility_hash, engine_id, engine_image, role_spec
+from .kv_tier import pod_memory, tier_bytes_per_rank
 from .monitoring import scrape_annotations
 from .names import LABEL_COMPAT, ComponentRole, object_labels, selector_labels
 
@@ -127,6 +128,8 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
             # Only pushes stage, and the staged path's cost model is fitted to GPUs: host memory moves
             # scattered runs well enough.
             "staging_mib": staging_mib(spec, role),
+            # the KV tier's host memory per rank; absent without one, so such engines render as before
+            **({"tier_bytes": tier} if (tier := tier_bytes_per_rank(spec, role)) else {}),
         },
     }
 
@@ -348,7 +351,7 @@ def _engine_resources(spec: PDServiceSpec, role: ComponentRole) -> dict[str, Any
     if rs.resources.cpu is not None:
         amounts["cpu"] = rs.resources.cpu
     if rs.resources.memory is not None:
-        amounts["memory"] = rs.resources.memory
+        amounts["memory"] = pod_memory(spec, role, rs.resources.memory)
     if (gpus := engine_gpus(spec, role)) > 0:
         amounts[GPU_RESOURCE] = gpus
     if (devices := efa_devices(spec, role)) > 0:

@@ -205,13 +205,14 @@ def pd_pair(
     decode_prefix_caching: bool = False,
     decode_args: Sequence[str] = (),
     extra: dict[str, Any] | None = None,
+    decode_extra: dict[str, Any] | None = None,
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
 
     ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off
     everywhere else), so a P/D request there receives only the blocks after its local prefix hit.
     ``decode_args``: more engine arguments for decode. ``extra``: connector settings for both
-    (:data:`CONNECTOR_PATHS`)."""
+    (:data:`CONNECTOR_PATHS`); ``decode_extra``: for decode only."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
@@ -229,7 +230,12 @@ def pd_pair(
         model_dir,
         log_dir,
         kv_transfer_config=connector_config(
-            decode_id, "kv_consumer", decode_sc, timeout_s=timeout_s, policy=policy, extra=extra
+            decode_id,
+            "kv_consumer",
+            decode_sc,
+            timeout_s=timeout_s,
+            policy=policy,
+            extra={**(extra or {}), **(decode_extra or {})},
         ),
         env=ENGINE_ENV,
         port=decode_http,

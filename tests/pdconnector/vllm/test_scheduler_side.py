@@ -108,7 +108,8 @@ def test_decode_reports_what_it_received_and_frees_immediately_once_received() -
     side.update_connector_output({"d1"}, set())
     delay, params = side.request_finished(request, [[7, 8, 9]])
     assert delay is False
-    assert params is not None and params[RECEIVED_KEY] == {"transfer_id": "tx-1", "mode": "push", "blocks": 3}
+    received = {"transfer_id": "tx-1", "mode": "push", "blocks": 3, "tier_blocks": 0}
+    assert params is not None and params[RECEIVED_KEY] == received
 
 
 def test_decode_failure_is_not_reported_as_received() -> None:

@@ -214,7 +214,7 @@ SCRAPERS = (
 
 # Parts of a spec; each spec focuses on one (drawn freely) and mostly leaves the others out, so that a spec
 # breaks a rule or two rather than many at once, and a fair share breaks none.
-AREAS = ("model", "roles", "engine", "network", "router", "monitoring", "autoscaling")
+AREAS = ("model", "roles", "engine", "network", "router", "monitoring", "autoscaling", "kvCache")
 
 
 @st.composite
@@ -260,6 +260,13 @@ def specs(draw: Draw) -> dict[str, Any]:
         put(spec, "monitoring", {"scrapers": draw(one(*SCRAPERS))})
     if drawn("autoscaling", 1):
         spec["autoscaling"] = draw(autoscaling())
+    if drawn("kvCache", 1):
+        # mostly with the pod memory the tier needs, sometimes without; sizes across the least one
+        memory = edge(("64Gi", "1Mi", "3Mi", "4096Mi"), ("0", "lots", "-1Gi"))
+        put(spec, "kvCache", {"offload": {"decode": {"hostMemory": draw(memory)}}})
+        if chance(draw, 8):
+            decode = spec.setdefault("decode", {})
+            decode.setdefault("resources", {})["memory"] = "96Gi"
     return spec
 
 

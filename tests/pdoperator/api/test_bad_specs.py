@@ -688,6 +688,71 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.prefill.resources.memory: must be a positive Kubernetes quantity such as 1Gi"],
     ),
     (
+        "decode tier on a hybrid model",
+        document(
+            {
+                "model": HYBRID,
+                "ssm": {"family": "mamba2"},
+                "kvCache": {"offload": {"decode": {"hostMemory": "64Gi"}}},
+                "decode": {"resources": {"memory": "96Gi"}},
+            }
+        ),
+        [
+            "spec.kvCache.offload.decode: must not be set for hybrid-ssm models (the tier holds attention "
+            "blocks; SSM state is not tiered)"
+        ],
+    ),
+    (
+        "decode tier on mock engines",
+        document(
+            _merge(
+                MOCK_ENGINE,
+                {
+                    "kvCache": {"offload": {"decode": {"hostMemory": "1Gi"}}},
+                    "decode": {"resources": {"memory": "2Gi", "shmSize": "1Gi"}},
+                },
+            )
+        ),
+        [
+            "spec.kvCache.offload.decode: needs spec.engine.connector builtin and spec.engine.runtime vllm "
+            "(the tier is PDConnector's)"
+        ],
+    ),
+    (
+        "decode tier without pod memory",
+        document({"kvCache": {"offload": {"decode": {"hostMemory": "64Gi"}}}}),
+        [
+            "spec.decode.resources.memory: required when spec.kvCache.offload.decode is set (the pod's "
+            "memory request and limit grow by the tier's hostMemory)"
+        ],
+    ),
+    (
+        "decode tier smaller than a MiB per rank",
+        document(
+            {
+                "kvCache": {"offload": {"decode": {"hostMemory": "1Mi"}}},
+                "decode": {"tensorParallelSize": 2, "resources": {"memory": "96Gi"}},
+            }
+        ),
+        [
+            "spec.kvCache.offload.decode.hostMemory: must be a Kubernetes quantity of at least 2Mi (1Mi for "
+            "each of the 2 ranks of a decode pod), such as 64Gi"
+        ],
+    ),
+    (
+        "decode tier size not a quantity",
+        document(
+            {
+                "kvCache": {"offload": {"decode": {"hostMemory": "lots"}}},
+                "decode": {"resources": {"memory": "96Gi"}},
+            }
+        ),
+        [
+            "spec.kvCache.offload.decode.hostMemory: must be a Kubernetes quantity such as 16Gi, 500m or 2 "
+            '(got "lots")'
+        ],
+    ),
+    (
         "shm larger than memory",
         document({"decode": {"resources": {"memory": "8Gi"}}}),
         [

@@ -39,6 +39,8 @@ def scaled(**autoscaling: Any) -> dict[str, Any]:
 SPECULATIVE = '--speculative-config={"method":"ngram","num_speculative_tokens":2}'
 
 # rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
+DECODE_TIER = {"offload": {"decode": {"hostMemory": "64Gi"}}}
+TIER_MEMORY = {"resources": {"memory": "96Gi"}}
 RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "hybrid-requires-ssm": ({"model": HYBRID, "ssm": {"family": "mamba2"}}, {"model": HYBRID}),
     "ssm-only-for-hybrid": ({"model": MODEL}, {"model": MODEL, "ssm": {"family": "mamba2"}}),
@@ -99,6 +101,18 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "hybrid-prefill-prefix-caching-off": (
         {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": False}},
         {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": True}},
+    ),
+    "decode-tier-dense-only": (
+        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
+        {"model": HYBRID, "ssm": MAMBA2, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
+    ),
+    "decode-tier-builtin-vllm-only": (
+        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY, "engine": {"connector": "builtin"}},
+        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY, "engine": MOCK_ENGINE},
+    ),
+    "decode-tier-needs-pod-memory": (
+        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
+        {"model": MODEL, "kvCache": DECODE_TIER},
     ),
     "hybrid-decode-prefix-caching-off": (
         {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": False}},

@@ -70,6 +70,8 @@ BEYOND_CRD: dict[str, re.Pattern[str]] = {
     "positive quantity": re.compile(r"^must be a positive Kubernetes quantity such as "),
     "shm within memory": re.compile(r"^must not exceed spec\.\w+\.resources\.memory "),
     "hugepage size": re.compile(r"^must be a whole number of 2Mi pages such as 5Gi"),
+    # A tier's least size depends on the ranks of a decode pod (tensor x pipeline parallel over its nodes).
+    "tier size": re.compile(r"^must be a Kubernetes quantity of at least \d+Mi \(1Mi for each of the "),
     "hugepages need a request": re.compile(
         r"^must set cpu or memory when spec\.network\.efa requests hugepages"
     ),

@@ -1,0 +1,165 @@
+"""The KV tier on the scheduler side, with plain request objects: a finished request's blocks are saved,
+readable once every rank copied them, and a later request's blocks after the prefix cache come from the tier
+first and from prefill only after the tier's run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pdconnector.protocol.params import RECEIVED_KEY, TRANSFER_ID_KEY, push_decode_leg_params
+from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
+from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
+from pdconnector.vllm.stats import PDTransferStats
+from pdconnector.vllm.tier_plan import TierPlan
+from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
+
+from tests.pdconnector.vllm.test_scheduler_side import FINISHED, PREFILL, FakeRequest, blocks, config
+
+BLOCK = 16
+
+
+def scheduler(mode: str = "push", *, tier_slots: int = 8, hash_block_size: int = BLOCK) -> SchedulerSide:
+    return SchedulerSide(
+        config(mode),
+        EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
+        num_groups=1,
+        ssm_groups=frozenset(),
+        block_size=BLOCK,
+        finished_statuses=frozenset({FINISHED}),
+        hash_block_size=hash_block_size,
+        tier_slots=tier_slots,
+    )
+
+
+def request(request_id: str, tokens: int, transfer_id: str, **params: Any) -> FakeRequest:
+    """A decode request whose full blocks hash to h0, h1, ... (the same tokens, the same hashes)."""
+    made = FakeRequest(request_id, push_decode_leg_params(transfer_id, PREFILL) | params, list(range(tokens)))
+    made.block_hashes = [f"h{i}" for i in range(tokens // BLOCK)]  # type: ignore[attr-defined]
+    return made
+
+
+def served(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> SaveToTier:
+    """``finished`` received its KV, ran, and ended normally: its save, copied by every rank."""
+    side.update_state_after_alloc(finished, [blocks(*block_ids)], finished.num_prompt_tokens)
+    side.build_meta()
+    side.update_connector_output({finished.request_id}, set())
+    delay, _ = side.request_finished(finished, [block_ids])
+    assert delay is True  # the blocks stay until every rank copied them
+    (save,) = side.build_meta().commands
+    assert isinstance(save, SaveToTier)
+    side.finished_sending({finished.request_id})
+    return save
+
+
+def test_a_finished_request_saves_the_blocks_of_its_computed_tokens_once() -> None:
+    side = scheduler()
+    first = request("d1", 60, "tx-1")  # 3 full blocks and 12 tokens
+    first.num_computed_tokens = 59  # the last sampled token has no KV yet
+    save = served(side, first, [7, 8, 9, 10])
+    assert save.block_ids == (7, 8, 9) and len(set(save.slots)) == 3
+    again = request("d2", 60, "tx-2")
+    again.num_computed_tokens = 59
+    side.update_state_after_alloc(again, [blocks(4, 5, 6, 3)], 60)
+    side.build_meta()
+    side.update_connector_output({"d2"}, set())
+    assert side.request_finished(again, [[4, 5, 6, 3]])[0] is False  # nothing new to save: freed at once
+
+
+def test_the_next_turn_loads_the_history_from_the_tier_and_registers_only_the_rest() -> None:
+    side = scheduler()
+    history = request("d1", 48, "tx-1")
+    history.num_computed_tokens = 48
+    save = served(side, history, [7, 8, 9])
+    turn = request("d2", 80, "tx-2")  # the history's 3 blocks, then 2 new ones
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24)], 80)
+    (command,) = side.build_meta().commands
+    assert command == LoadFromTier(
+        "d2",
+        save.slots,
+        (20, 21, 22),
+        then=ExpectPush("d2", "tx-2", PREFILL, ((23, 24),), 32, cached_blocks=3),
+        otherwise=ExpectPush("d2", "tx-2", PREFILL, ((20, 21, 22, 23, 24),), 80),
+    )
+    side.update_connector_output({"d2"}, set())
+    _, params = side.request_finished(turn, [[20, 21, 22, 23, 24]])
+    assert params is not None
+    assert (params[RECEIVED_KEY]["blocks"], params[RECEIVED_KEY]["tier_blocks"]) == (2, 3)
+
+
+def test_tokens_are_counted_by_source() -> None:
+    side = scheduler()
+    history = request("d1", 32, "tx-1")
+    history.num_computed_tokens = 32
+    served(side, history, [7, 8])
+    side.take_stats()
+    turn = request("d2", 50, "tx-2")
+    side.update_state_after_alloc(turn, [blocks(1, 20, 21, 22, cached=1)], 34)
+    stats = side.take_stats()
+    assert isinstance(stats, PDTransferStats)
+    assert stats.data["tokens"] == {"gpu": 16, "tier": 16, "remote": 18}
+
+
+def test_a_request_the_tier_holds_entirely_takes_nothing_from_prefill_and_releases_its_copy() -> None:
+    side = scheduler()
+    history = request("d1", 48, "tx-1")
+    history.num_computed_tokens = 48
+    served(side, history, [7, 8, 9])
+    same = request("d2", 48, "tx-2")
+    side.update_state_after_alloc(same, [blocks(30, 31, 32)], 48)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, LoadFromTier) and command.block_ids == (30, 31, 32)
+    assert isinstance(command.then, AbandonTransfer) and command.then.transfer_id == "tx-2"
+
+
+def test_blocks_are_not_read_before_every_rank_copied_them() -> None:
+    side = scheduler()
+    history = request("d1", 32, "tx-1")
+    history.num_computed_tokens = 32
+    side.update_state_after_alloc(history, [blocks(7, 8)], 32)
+    side.build_meta()
+    side.update_connector_output({"d1"}, set())
+    assert side.request_finished(history, [[7, 8]])[0] is True
+    side.build_meta()  # the save is out, not yet reported copied
+    turn = request("d2", 48, "tx-2")
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22)], 48)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, ExpectPush) and command.cached_blocks == 0
+
+
+def test_a_pull_reads_only_the_remote_blocks_after_the_tier_run() -> None:
+    side = scheduler("pull")
+    history = request("d1", 32, "tx-1", transfer_mode="pull", remote_block_ids=[[1, 2]], remote_num_tokens=32)
+    history.num_computed_tokens = 32
+    served(side, history, [7, 8])
+    turn = request("d2", 64, "tx-2", transfer_mode="pull", remote_block_ids=[[11, 12, 13, 14]])
+    turn.kv_transfer_params |= {"remote_num_tokens": 64, "remote_hold_ms": 20_000}
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23)], 64)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, LoadFromTier) and command.block_ids == (20, 21)
+    assert isinstance(command.then, ReadBlocks) and command.then.remote_block_ids == ((13, 14),)
+    assert command.then.block_ids == ((22, 23),) and command.then.num_tokens == 32
+    assert isinstance(command.otherwise, ReadBlocks) and command.otherwise.remote_block_ids == (
+        (11, 12, 13, 14),
+    )
+    assert command.otherwise.transfer_id == turn.kv_transfer_params[TRANSFER_ID_KEY]
+
+
+def test_hashes_finer_than_the_block_name_each_block_by_its_last_hash() -> None:
+    plan = TierPlan(4, block_size=32, hash_block_size=16)
+    made = FakeRequest("r", None, list(range(70)))
+    made.block_hashes = ["a", "b", "c", "d"]  # type: ignore[attr-defined]
+    assert plan.block_hashes(made) == ["b", "d"]
+
+
+def test_a_tier_is_refused_for_models_with_ssm_state_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="tier_bytes: the KV tier holds the blocks of one attention group"):
+        SchedulerSide(
+            config(),
+            EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
+            num_groups=2,
+            ssm_groups=frozenset({1}),
+            block_size=BLOCK,
+            finished_statuses=frozenset({FINISHED}),
+            tier_slots=4,
+        )

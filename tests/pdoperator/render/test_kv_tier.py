@@ -1,0 +1,38 @@
+"""spec.kvCache.offload.decode in the rendered engines: each decode rank's connector gets its share of the
+tier, the decode pods' memory grows by it, and nothing else changes."""
+
+from __future__ import annotations
+
+from pdoperator.render import RenderDefaults, render_pdservice
+
+from tests.pdoperator.render.test_engine import container, kv_config
+
+TIER = {"kvCache": {"offload": {"decode": {"hostMemory": "64Gi"}}}}
+
+
+def test_each_decode_rank_gets_its_share_of_the_tier_and_prefill_none(make_pds):
+    pds = make_pds({**TIER, "decode": {"tensorParallelSize": 4, "resources": {"memory": "96Gi"}}})
+    assert kv_config(pds, "decode")["kv_connector_extra_config"]["tier_bytes"] == 16 * 2**30
+    assert "tier_bytes" not in kv_config(pds, "prefill")["kv_connector_extra_config"]
+
+
+def test_the_decode_pods_memory_request_and_limit_cover_the_engine_and_its_tier(make_pds):
+    pds = make_pds(
+        {**TIER, "decode": {"resources": {"memory": "96Gi"}}, "prefill": {"resources": {"memory": "8Gi"}}}
+    )
+    resources = container(pds, "decode")["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "160Gi"
+    assert container(pds, "prefill")["resources"]["limits"]["memory"] == "8Gi"
+
+
+def test_a_sum_no_binary_unit_states_exactly_is_written_in_bytes(make_pds):
+    pds = make_pds(
+        {"kvCache": {"offload": {"decode": {"hostMemory": "1G"}}}, "decode": {"resources": {"memory": "1Gi"}}}
+    )
+    assert container(pds, "decode")["resources"]["limits"]["memory"] == str(2**30 + 10**9)
+
+
+def test_without_a_tier_the_manifests_are_those_of_a_spec_without_the_field(make_pds):
+    plain = make_pds({"decode": {"resources": {"memory": "96Gi"}}})
+    empty = make_pds({"kvCache": {"offload": {}}, "decode": {"resources": {"memory": "96Gi"}}})
+    assert render_pdservice(empty, RenderDefaults()) == render_pdservice(plain, RenderDefaults())
