@@ -38,6 +38,11 @@ class TransportError(Exception):
     agent."""
 
 
+class PeerUnreachable(TransportError):
+    """A peer's agent did not answer where its metadata says it is (gone, or a restarted engine's old
+    agent)."""
+
+
 class Device(StrEnum):
     """Memory kind of a registered region, named as NIXL names them."""
 

@@ -34,6 +34,7 @@ from pdconnector.transport.base import (
     Device,
     MemoryRegion,
     Operation,
+    PeerUnreachable,
     TransferHandle,
     TransferState,
     TransferStatus,
@@ -165,7 +166,7 @@ class MockTransport(Transport):
             _low_latency(sock, self._io_timeout_s)
             wire.send_frame(sock, wire.FrameKind.HELLO, self.name.encode())
         except OSError as error:
-            raise TransportError(
+            raise PeerUnreachable(
                 f"{self.name!r}: cannot connect to peer {info.name!r} at {info.host}:{info.port}: {error}"
             ) from None
         link = _Link(info, RegionTable(info.regions), sock)

@@ -37,11 +37,11 @@ from pdconnector.protocol.messages import (
 )
 from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.protocol.timeline import Milestone, Timeline
-from pdconnector.transport.base import TransferHandle, TransferState, TransportError
-from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
+from pdconnector.transport.base import PeerUnreachable, TransferHandle, TransferState, TransportError
+from pdconnector.worker.commands import ExpectPush, ReadBlocks
 from pdconnector.worker.context import ResultKind, TransferResult, WorkerContext
+from pdconnector.worker.decode_abandons import Abandons
 from pdconnector.worker.decode_transfers import (
-    Abandoning,
     Handshaking,
     PushWait,
     Reading,
@@ -89,7 +89,8 @@ class DecodeSide:
         self._gone_grace_s = gone_grace_s
         self._probe_interval_s = probe_interval_s
         self._handshaking: dict[str, Handshaking] = {}
-        self._abandoning: dict[str, Abandoning] = {}
+        # requests that ended before they registered: prefill is told, nothing waits on it
+        self.abandons = Abandons(context, peers, side_channel, wake)
         self._pushes: dict[str, PushWait] = {}
         self._reads: dict[str, Reading] = {}
         self._failed_reads = (
@@ -155,15 +156,6 @@ class DecodeSide:
         future.add_done_callback(lambda _: self._wake())
         self._handshaking[command.transfer_id] = Handshaking(command, deadline, future, timeline, again)
 
-    def abandon(self, command: AbandonTransfer, deadline: float) -> None:
-        """Tell the prefill ranks this rank would have received from that it never will (no result: nothing
-        waits)."""
-        if self._side_channel is None or command.transfer_id in self._abandoning:
-            return
-        future = self._side_channel.lookup(command.prefill)
-        future.add_done_callback(lambda _: self._wake())
-        self._abandoning[command.transfer_id] = Abandoning(command, deadline, future)
-
     def poll_probes(self, now: float) -> bool:
         """Fenced pushes whose prefill engine turned out gone (refused, or another incarnation answers) end
         their fence after the grace: a dead process posts nothing."""
@@ -196,43 +188,6 @@ class DecodeSide:
                     self._gone_grace_s,
                 )
                 progressed = True
-        return progressed
-
-    def poll_abandons(self, now: float) -> bool:
-        progressed = False
-        for transfer_id, abandoning in list(self._abandoning.items()):
-            command = abandoning.command
-            if not abandoning.info.done():
-                if abandoning.deadline <= now:
-                    # Prefill frees at its lease without us; nothing else is lost.
-                    del self._abandoning[transfer_id]
-                    log.info(
-                        "transfer %s: prefill %s not reached to abandon it; it frees at its lease",
-                        transfer_id,
-                        command.prefill.engine_id,
-                    )
-                continue
-            del self._abandoning[transfer_id]
-            progressed = True
-            try:
-                engine = abandoning.info.result()
-                self._peers.load_engine(engine, host=command.prefill.host)
-            except (ConnectionError, OSError, ValueError, TransportError) as error:
-                log.info(
-                    "transfer %s: cannot reach prefill %s to abandon it (%s); it frees at its lease",
-                    transfer_id,
-                    command.prefill,
-                    error,
-                )
-                continue
-            message = AbortMessage(
-                transfer_id=transfer_id,
-                attempt=0,
-                decode_rank=self.layout.tp_rank,
-                detail=command.detail[:MAX_DETAIL_CHARS],
-            )
-            for p in writers_for(self.layout.tp_rank, engine.tp_size, self.layout.tp_size):
-                self._context.send(engine.ranks[p].agent_name, message)
         return progressed
 
     def cancel(self, transfer_id: str, detail: str, now: float) -> None:
@@ -283,16 +238,7 @@ class DecodeSide:
                 self._fail(transfer_id, FailureReason.INCOMPATIBLE, str(error))
                 continue
             except (ConnectionError, OSError, ValueError, TransportError) as error:
-                assert self._side_channel is not None
-                self._side_channel.invalidate(command.prefill)
-                # Not answering (refused, timed out, broken off: gone or frozen) is no incompatibility; an
-                # answer that cannot be read or loaded is.
-                reason = (
-                    FailureReason.UNREACHABLE
-                    if isinstance(error, (ConnectionError, OSError))
-                    else FailureReason.INCOMPATIBLE
-                )
-                self._fail(transfer_id, reason, f"handshake with {command.prefill.engine_id} failed: {error}")
+                self._handshake_failed(waiting, error, now)
                 continue
             waiting.timeline.mark(Milestone.HANDSHAKEN, now)
             if isinstance(command, ExpectPush):
@@ -455,19 +401,34 @@ class DecodeSide:
             return
 
     def _unregister(self, command: ExpectPush, handshake: Handshaking, detail: str, now: float) -> None:
-        """The registration reached no writer, so nothing can land in its blocks: forget it without a fence.
-        The agents it named may be a restarted engine's old ones (same coordinates, new process): look the
-        engine up afresh and register once more before the transfer fails as unreachable."""
-        assert self._side_channel is not None
+        """The registration reached no writer, so nothing can land in its blocks: forget it without a fence,
+        and look the engine up again (its agents may be a restarted engine's old ones)."""
         self._tracker.withdraw(command.transfer_id)
         self._pushes.pop(command.transfer_id, None)
         self._context.give_back_slot(command.transfer_id)
+        self._look_up_again(handshake, FailureReason.UNREACHABLE, detail, now)
+
+    def _handshake_failed(self, handshake: Handshaking, error: Exception, now: float) -> None:
+        """The prefill's info could not be had or loaded. Not answering (refused, timed out, broken off: gone
+        or frozen, or a restarted engine's old agents behind a cached answer) is no incompatibility; an answer
+        that cannot be read or loaded is."""
+        unreachable = isinstance(error, (ConnectionError, OSError, PeerUnreachable))
+        reason = FailureReason.UNREACHABLE if unreachable else FailureReason.INCOMPATIBLE
+        detail = f"handshake with {handshake.command.prefill.engine_id} failed: {error}"
+        self._look_up_again(handshake, reason, detail, now)
+
+    def _look_up_again(self, handshake: Handshaking, reason: FailureReason, detail: str, now: float) -> None:
+        """A prefill engine restarted under the same coordinates answers under new agents, while decode may
+        still hold the old ones: drop what decode knew of it and look it up afresh, once, before the transfer
+        fails."""
+        assert self._side_channel is not None
+        command = handshake.command
         self._side_channel.invalidate(command.prefill)
         if handshake.looked_up_again or handshake.deadline <= now:
-            self._fail(command.transfer_id, FailureReason.UNREACHABLE, detail)
+            self._fail(command.transfer_id, reason, detail)
             return
         log.info("transfer %s: %s; looking prefill %s up again", command.transfer_id, detail, command.prefill)
-        self._context.count("registrations_looked_up_again")
+        self._context.count("prefills_looked_up_again")
         self._lookup(command, handshake.deadline, handshake.timeline, again=True)
 
     def _fail_registration(self, transfer_id: str, reason: FailureReason, detail: str) -> None:

@@ -1,6 +1,6 @@
 """What the decode side of a transfer worker holds per transfer, in each of its states: looking the prefill
-engine up (:class:`Handshaking`, or :class:`Abandoning` to tell it a request ended early), a registered push
-waiting for its writers (:class:`PushWait`), a pull reading (:class:`Reading`)."""
+engine up (:class:`Handshaking`), a registered push waiting for its writers (:class:`PushWait`), a pull
+reading (:class:`Reading`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdconnector.protocol.messages import FailureReason
 from pdconnector.protocol.params import PrefillCoordinates
 from pdconnector.protocol.timeline import Milestone, Timeline
 from pdconnector.transport.base import TransferHandle
-from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
+from pdconnector.worker.commands import ExpectPush, ReadBlocks
 from pdconnector.worker.identity import EngineInfo
 from pdconnector.worker.staging import StagedShare
 
@@ -25,18 +25,9 @@ class Handshaking:
     deadline: float
     info: Future[EngineInfo]
     timeline: Timeline
-    # a registration that reached no writer is tried once more after a fresh lookup: the prefill engine may
-    # have restarted under the same coordinates, its agents renamed
+    # a handshake that failed, or a registration that reached no writer, is tried once more after a fresh
+    # lookup: the prefill engine may have restarted under the same coordinates, its agents renamed
     looked_up_again: bool = False
-
-
-@dataclass
-class Abandoning:
-    """A transfer given up before anything was registered: its abort waits for the prefill engine's agents."""
-
-    command: AbandonTransfer
-    deadline: float
-    info: Future[EngineInfo]
 
 
 @dataclass

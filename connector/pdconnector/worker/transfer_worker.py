@@ -402,7 +402,7 @@ class TransferWorker:
                 progressed |= self._prefill.poll(now)
                 progressed |= self._decode.poll_reads(now)
                 progressed |= self._decode.poll_handshakes(now)
-                progressed |= self._decode.poll_abandons(now)
+                progressed |= self._decode.abandons.poll(now)
                 progressed |= self._decode.poll_probes(now)
                 progressed |= self._prefill.expire(now)
                 progressed |= self._decode.expire(now)
@@ -458,7 +458,7 @@ class TransferWorker:
                 self._prefill.cancel(transfer_id, detail, now)
                 self._decode.cancel(transfer_id, detail, now)
             case _Receive(command=AbandonTransfer() as abandoned, deadline=deadline):
-                self._decode.abandon(abandoned, deadline)
+                self._decode.abandons.abandon(abandoned, deadline)
             case _Receive(command=received, deadline=deadline, issued_at=issued_at):
                 self._decode.begin(received, deadline, issued_at)
             case _AddPeers(engine=engine):

@@ -25,6 +25,7 @@ from pdconnector.protocol.messages import (
 from pdconnector.transport.base import MemoryRegion
 from pdconnector.transport.mock import MockTransport
 from pdconnector.worker import EngineInfo, RankInfo, fetch_engine_info, layout_summary
+from pdconnector.worker.side_channel import SideChannelServer
 
 from tests.pdconnector.worker.engines import (
     DECODE_FILL,
@@ -490,9 +491,30 @@ def test_a_prefill_restarted_at_the_same_address_is_looked_up_again_when_the_reg
         restarted.prefill_finished(transfer_id="tx-again", blocks=SRC, num_tokens=TOKENS)
         assert _one(decode.wait(transfer_id="tx-again", timeout_s=5)) == ("finished_recving", "received")
         stats = decode.transfers.workers[0].stats()
-        assert (stats["registrations_looked_up_again"], stats["registrations_sent"]) == (1, 2)
+        assert (stats["prefills_looked_up_again"], stats["registrations_sent"]) == (1, 2)
     finally:
         restarted.close()
+
+
+def test_a_handshake_answer_naming_agents_that_are_gone_is_looked_up_again_and_served(
+    engines: tuple[Engine, Engine, dict[str, Any]],
+) -> None:
+    """The side channel answers with agents that no longer listen (a restarted engine's old ones, as a cached
+    or racing answer names them): loading them fails as unreachable, not incompatible, and decode looks the
+    engine up once more instead of failing the transfer (CI: a 502 after the router's retries ran out)."""
+    prefill, decode, coords = engines
+    live = fetch_engine_info(coords["host"], coords["side_channel_port"], timeout_s=5)
+    gone = Engine("prefill-f", "dense", tp=1, num_blocks=NUM_BLOCKS, transport="mock")
+    gone_coords = gone.start()
+    stale = fetch_engine_info(gone_coords["host"], gone_coords["side_channel_port"], timeout_s=5)
+    gone.close()  # its agent refuses connections from now on
+    answers = iter([stale])
+    with SideChannelServer("127.0.0.1", 0, engine_info=lambda: next(answers, live)) as server:
+        via = coords | {"side_channel_port": server.port, "incarnation": ""}
+        decode.expect_push(transfer_id="tx-stale", prefill=via, blocks=DST, num_tokens=TOKENS, timeout_s=5)
+        prefill.prefill_finished(transfer_id="tx-stale", blocks=SRC, num_tokens=TOKENS)
+        assert _one(decode.wait(transfer_id="tx-stale", timeout_s=5)) == ("finished_recving", "received")
+    assert decode.transfers.workers[0].stats()["prefills_looked_up_again"] == 1
 
 
 def test_a_pull_from_a_prefill_restarted_since_it_answered_fails_instead_of_reading_its_new_start() -> None:
