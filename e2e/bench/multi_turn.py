@@ -44,16 +44,20 @@ def tokens(count: int, seed: int) -> list[int]:
 
 
 def variant_pds(variant: str, args: argparse.Namespace):  # noqa: ANN201 - PDService, imported lazily
-    from pdoperator.api import parse_pdservice  # noqa: PLC0415
+    from pdoperator.api import API_VERSION, KIND, parse_pdservice  # noqa: PLC0415
     from pdoperator.local import local_variant  # noqa: PLC0415
 
     document = yaml.safe_load(TINY.read_text())
-    spec = document["spec"]
-    spec["model"]["maxModelLen"] = args.max_model_len
-    spec["decode"]["enablePrefixCaching"] = False  # the history lives in the tier or nowhere on decode
-    if variant == "tier-on":
-        spec["kvCache"] = {"offload": {"decode": {"hostMemory": args.tier_memory}}}
-    return local_variant(parse_pdservice(document), mode=args.mode, runtime="vllm", connector="builtin")
+    document["spec"]["model"]["maxModelLen"] = args.max_model_len
+    document["spec"]["decode"]["enablePrefixCaching"] = False  # the history lives in the tier or nowhere
+    pds = local_variant(parse_pdservice(document), mode=args.mode, runtime="vllm", connector="builtin")
+    if variant == "tier-off":
+        return pds
+    spec = pds.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    spec["kvCache"] = {"offload": {"decode": {"hostMemory": args.tier_memory}}}
+    return parse_pdservice(
+        {"apiVersion": API_VERSION, "kind": KIND, "metadata": document["metadata"], "spec": spec}
+    )
 
 
 def counters(url: str) -> dict[str, float]:
