@@ -33,6 +33,7 @@ from tests.pdconnector.vllm.harness import (
     Completion,
     complete,
     metric_sum,
+    metric_total,
     output_differences,
     scrape_metrics,
     stream_token_ids,
@@ -228,9 +229,11 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
             max_tokens=OCCUPIER_TOKENS,
             timeout_s=300,
         )
-        assert _wait_for(lambda: kv_cache_usage(engines.decode) > 0, 60), (
+        # decode runs it (a gauge of the current step, not a cache usage an earlier request may have left)
+        assert _wait_for(lambda: metric_total(engines.decode.url, "vllm:num_requests_running") >= 1, 60), (
             "the local request never started on decode"
         )
+        prompts_before = metric_total(engines.prefill.url, "vllm:prompt_tokens")
         body = json.dumps(
             {
                 "model": "tiny",
@@ -241,9 +244,10 @@ def test_a_client_leaving_while_decode_has_its_leg_queued_frees_prefill_at_once(
         )
         client = http.client.HTTPConnection(LOOPBACK, int(router.url.rsplit(":", 1)[1]), timeout=60)
         client.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        assert _wait_for(lambda: kv_cache_usage(engines.prefill) > 0, 60), (
-            "prefill never computed the routed request"
-        )
+        # a counter, which no poll can miss (prefill's hold may be shorter than a scrape under load)
+        assert _wait_for(
+            lambda: metric_total(engines.prefill.url, "vllm:prompt_tokens") > prompts_before, 60
+        ), "prefill never computed the routed request"
         # decode has the leg by now (push: sent with the prefill leg; pull: right after prefill answered)
         time.sleep(0.5)
         client.close()  # the client goes away

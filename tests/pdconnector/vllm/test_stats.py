@@ -12,7 +12,7 @@ import pytest
 from pdconnector.protocol.messages import FailureReason
 from pdconnector.protocol.rendezvous import Outcome
 from pdconnector.vllm.connector import PDConnector
-from pdconnector.vllm.stats import MAX_WAITS, Direction, PDPromMetrics, PDTransferStats
+from pdconnector.vllm.stats import MAX_WAITS, Direction, PDPromMetrics, PDTransferStats, TokenSource
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -31,6 +31,7 @@ def test_rank_zero_counts_each_ending_by_direction_and_outcome_with_its_wait_and
         "waits": {"send": [], "recv": [0.02, 0.04, 30.0]},
         "events": {},
         "stages": {},
+        "tokens": {},
     }
 
 
@@ -43,6 +44,7 @@ def test_other_ranks_count_only_their_bytes_so_a_sharded_transfer_counts_once() 
         "waits": {"send": [], "recv": []},
         "events": {},
         "stages": {},
+        "tokens": {},
     }
     assert not stats.is_empty()
 
@@ -163,6 +165,33 @@ def test_fence_events_are_summed_over_ranks_logged_and_exported(registry: Collec
         registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "fences_expired"}) == 3
     )
     assert registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "reads_stuck"}) == 1
+
+
+def test_decode_tokens_by_source_and_tier_events_are_summed_logged_and_exported(
+    registry: CollectorRegistry,
+) -> None:
+    scheduler, rank0, rank1 = PDTransferStats(), PDTransferStats(), PDTransferStats()
+    scheduler.record_tokens({TokenSource.GPU: 128, TokenSource.TIER: 512, TokenSource.REMOTE: 40})
+    scheduler.record_tokens({TokenSource.TIER: 0, TokenSource.REMOTE: 300})
+    assert not scheduler.is_empty()  # the scheduler's counts alone are worth shipping
+    rank0.count_events({"tier_loads_failed": 1})
+    rank1.count_events({"tier_saves_failed": 2})
+    total = scheduler.aggregate(rank0).aggregate(rank1)
+    assert total.data["tokens"] == {"gpu": 128, "tier": 512, "remote": 340}
+    summary = total.reduce()
+    assert (summary["tier_tokens"], summary["remote_tokens"], summary["tier_saves_failed"]) == (512, 340, 2)
+    prom_metrics(registry).observe(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(total.to_dict())), engine_idx=0
+    )
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:pd_kv_tokens_total", {**labels, "source": "tier"}) == 512
+    assert registry.get_sample_value("vllm:pd_kv_tokens_total", {**labels, "source": "remote"}) == 340
+    for event, count in (("tier_loads_failed", 1), ("tier_saves_failed", 2)):
+        assert registry.get_sample_value("vllm:pd_kv_tier_events_total", {**labels, "event": event}) == count
+    assert (
+        registry.get_sample_value("vllm:pd_kv_fence_events_total", {**labels, "event": "tier_loads_failed"})
+        is None
+    )
 
 
 def test_stages_from_ranks_and_the_scheduler_are_joined_logged_as_medians_and_exported(
