@@ -9,6 +9,7 @@ co-located reference: a request without transfer parameters is computed locally 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +30,7 @@ from pdconnector.protocol.params import (
 
 from tests.pdconnector.vllm.engine_device import DEFAULT_BLOCK_SIZE, ENGINE_DEVICE, ON_GPU
 from tests.pdconnector.vllm.harness import (
+    LISTEN_PORTS,
     LOOPBACK,
     Completion,
     CompletionError,
@@ -69,12 +71,21 @@ DENSE_PATHS = tuple(CONNECTOR_PATHS) if ON_GPU else ("block-outer-direct",)
 
 
 def reserve_ports(count: int) -> list[int]:
-    """Distinct free loopback ports, all bound at once so no two of them collide."""
+    """Distinct free loopback ports outside the ephemeral range (:data:`LISTEN_PORTS`: an engine binds its
+    side channel long after the port is picked, and an ephemeral one can be taken meanwhile by an outgoing
+    connection: EADDRINUSE in CI), all bound at once so no two of them collide."""
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((LOOPBACK, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+        ports: list[int] = []
+        for port in random.sample(LISTEN_PORTS, 16 * count):
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free ports on {LOOPBACK} in {16 * count} tries of {LISTEN_PORTS}")
 
 
 def connector_config(
