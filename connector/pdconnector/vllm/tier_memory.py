@@ -11,7 +11,7 @@ import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from pdconnector.layout import RankLayout
-from pdconnector.tier.store import RankTier, TierStore
+from pdconnector.tier.store import RankTier, TierStore, slot_bytes
 from pdconnector.transport.base import Device, MemoryRegion
 from pdconnector.vllm.config import ConnectorConfigError
 from pdconnector.vllm.kv_layout import layer_tensors
@@ -48,14 +48,14 @@ def rank_tier(
     """This rank's tier: ``tier_slots`` slots in host memory (pinned when the cache is on a GPU) and byte
     views of the registered regions to copy between."""
     slots = tier_slots(tier_bytes, kv_cache_config)
-    on_gpu = regions[0].device is Device.VRAM
-    store = TierStore(layout.regions, slots, pin_memory=on_gpu)
-    if store.slot_bytes != block_bytes(kv_cache_config):
+    # checked before the host buffer is allocated: a refused tier takes no memory
+    if (registered := slot_bytes(layout.regions)) != block_bytes(kv_cache_config):
         raise ConnectorConfigError(
             TIER_BYTES_KEY,
-            f"a block of the registered regions is {store.slot_bytes} bytes, vLLM's cache config says "
+            f"a block of the registered regions is {registered} bytes, vLLM's cache config says "
             f"{block_bytes(kv_cache_config)}: the tier's slots would not fit its blocks",
         )
+    store = TierStore(layout.regions, slots, pin_memory=regions[0].device is Device.VRAM)
     tensors = [tensor for value in kv_caches.values() for tensor in layer_tensors(value)]
     return RankTier(store, [_region_view(region, tensors) for region in regions])
 
