@@ -17,7 +17,9 @@
 # router) into REPORT_DIR/serving; it starts no variant or run that would not end within its limit
 # (PD_GPU_SERVING_TIMEOUT_S) and lists what ran and what was left out in REPORT_DIR/serving/points.json;
 # PD_GPU_SERVING_ARGS replaces its sweep (variants, input lengths, QPS), so a sweep can be split across calls.
-# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm serving" (default: the first
+# The step "multi-turn" runs the multi-turn conversations benchmark with real engines on the GPU (e2e/bench/multi_turn.py:
+# both roles' KV tiers off and on, side by side) into REPORT_DIR/multi-turn; PD_GPU_MULTI_TURN_ARGS adds arguments.
+# PD_GPU_SUITE_STEPS: the steps to run, of "bench tests device demo connector vllm serving multi-turn" (default: the first
 # four, "connector" and "vllm" too when vLLM is installed); one machine call holds ~10 minutes, so a call may run
 # only some (e.g. "vllm").
 #   usage: scripts/gpu-suite.sh REPORT_DIR
@@ -38,6 +40,7 @@ demo_limit=${PD_GPU_DEMO_TIMEOUT_S:-90}
 vllm_limit=${PD_GPU_VLLM_TIMEOUT_S:-480}
 connector_limit=${PD_GPU_CONNECTOR_TIMEOUT_S:-540}
 serving_limit=${PD_GPU_SERVING_TIMEOUT_S:-540}
+multi_turn_limit=${PD_GPU_MULTI_TURN_TIMEOUT_S:-480}
 serving_sweep=${PD_GPU_SERVING_ARGS:---variants ours-push,colocated,ours-pull,upstream-pull,upstream-push --input-lens 1024,4096,16384 --qps 1,2,4,8}
 vllm_dir=${PD_GPU_VLLM_DIR:-/tmp/pd-vllm}
 vllm_tests=tests/e2e/gpu/test_real_vllm.py
@@ -202,15 +205,28 @@ elif ((install_rc == 0)) && step serving; then
     rm -rf "$report/serving"/tiny-model-* # the twin's weights (~0.5 GB), written there again in seconds
 fi
 
+multi_turn_rc=""
+if step multi-turn && [[ -z ${PDCTL_SITE:-} ]]; then
+    echo "== the multi-turn benchmark needs vLLM on this machine: run scripts/gpu-vllm.sh $vllm_dir first" | tee "$report/multi-turn.log"
+    multi_turn_rc=1
+elif ((install_rc == 0)) && step multi-turn; then
+    echo "== the multi-turn benchmark with real engines on the GPU (e2e/bench/multi_turn.py)"
+    # shellcheck disable=SC2086 # PD_GPU_MULTI_TURN_ARGS is a list of arguments
+    limited "$multi_turn_limit" "$python" e2e/bench/multi_turn.py --spec examples/tiny-gpu-vllm.yaml --out "$report/multi-turn" \
+        ${PD_GPU_MULTI_TURN_ARGS:-} 2>&1 | tee "$report/multi-turn.log"
+    multi_turn_rc=${PIPESTATUS[0]}
+    rm -rf "$report/multi-turn"/tiny-model-* # the model's weights, written there again in seconds
+fi
+
 echo "== summary ($report/gpu-suite.json)"
-"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" "$connector_rc" "$serving_rc" <<'EOF'
+"$python" - "$report" "$install_rc" "$pytest_rc" "$demo_rc" "$(($(date +%s) - started))" "$device_rc" "$bench_rc" "$vllm_rc" "$steps" "$connector_rc" "$serving_rc" "$multi_turn_rc" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 report, install_rc, pytest_rc, demo_rc, wall_s = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 device_rc, bench_rc, vllm_rc, steps, connector_rc = sys.argv[6], sys.argv[7], sys.argv[8], sys.argv[9].split(), sys.argv[10]
-serving_rc = sys.argv[11]
+serving_rc, multi_turn_rc = sys.argv[11], sys.argv[12]
 
 
 def code(value):  # an exit code; empty: that step did not run
@@ -269,6 +285,7 @@ summary = {
     "vllm_exit_code": code(vllm_rc),
     "connector_exit_code": code(connector_rc),
     "serving_exit_code": code(serving_rc),  # e2e/bench/pd_bench.py on real engines (REPORT_DIR/serving)
+    "multi_turn_exit_code": code(multi_turn_rc),  # e2e/bench/multi_turn.py on real engines (REPORT_DIR/multi-turn)
     "wall_s": wall_s,
     "versions": json.loads(versions_file.read_text()) if versions_file.exists() else None,
 }
@@ -282,6 +299,7 @@ summary["ok"] = (
     and ("vllm" not in steps or (code(vllm_rc) == 0 and vllm_tests["passed"] > 0))
     and ("connector" not in steps or (code(connector_rc) == 0 and connector_tests.get("passed", 0) > 0))
     and ("serving" not in steps or code(serving_rc) == 0)
+    and ("multi-turn" not in steps or code(multi_turn_rc) == 0)
 )
 (report / "gpu-suite.json").write_text(
     json.dumps(summary | {"cases": cases + vllm_cases + connector_cases}, indent=2) + "\n"

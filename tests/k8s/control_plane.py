@@ -15,7 +15,6 @@ import json
 import pathlib
 import secrets
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -26,13 +25,9 @@ from typing import Any, ClassVar, Self
 
 import yaml
 
+from tests.ports import free_port
+
 START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10) -> None:

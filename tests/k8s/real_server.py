@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import pathlib
 
-from .control_plane import START_TIMEOUT_S, ControlPlane, free_port
+from tests.ports import free_port
+
+from .control_plane import START_TIMEOUT_S, ControlPlane
 from .harness import REPO_ROOT
 
 __all__ = ["BINARIES", "START_TIMEOUT_S", "ApiServerMissing", "RealApiServer", "free_port"]

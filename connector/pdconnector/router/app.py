@@ -106,7 +106,7 @@ class Router:
             await self.cache.close()
             self.cache = None
             for backend in self.pool.all():
-                backend.prefix_index = None
+                backend.prefix_index = backend.tier_index = None
         if wanted is not None and self.cache is None:
             self.cache = CacheState(wanted, self.metrics)
             self.cache.track(self.pool)

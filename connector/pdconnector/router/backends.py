@@ -67,6 +67,7 @@ class Backend:
     advertised_compat: str | None = None  # what the engine itself reports on /health, when it does
     # cache-aware policy only
     prefix_index: PrefixIndex | None = None  # what prompt blocks it holds (from its events, or routed there)
+    tier_index: PrefixIndex | None = None  # what its KV tier in host memory holds (its events, medium CPU)
     queued_prompt_tokens: int = 0  # uncached prompt tokens of the prefill legs chosen here, not yet done
     kv_usage: float | None = None  # decode: KV cache usage 0..1, from its metrics
     engine_sequences: int | None = None  # decode: running + waiting sequences, from its metrics
@@ -86,8 +87,9 @@ class Backend:
 
     def forget_cache(self) -> None:
         """The engine restarted or was ejected: what the router knew of its cache no longer holds."""
-        if self.prefix_index is not None:
-            self.prefix_index.clear()
+        for index in (self.prefix_index, self.tier_index):
+            if index is not None:
+                index.clear()
         self.kv_usage = None
         self.engine_sequences = None
 
@@ -122,6 +124,7 @@ class Backend:
             "served": self.served,
             "last_error": self.last_error,
             "prefix_blocks": None if self.prefix_index is None else len(self.prefix_index),
+            "tier_blocks": None if self.tier_index is None else len(self.tier_index),
         }
 
 

@@ -2,14 +2,15 @@
 cached, and which decode has the room to take it.
 
 Prefill: the tokens an engine must compute before this request's prompt is done, that is the uncached
-prompt tokens of the requests already chosen for it plus this prompt less the prefix the engine holds. A
-prefix is worth only what it saves against load, so a hot prefix does not pile every request onto one
-engine; and an engine with ``max_imbalance`` more outstanding requests than the least loaded one is not a
-candidate at all.
+prompt tokens of the requests already chosen for it plus this prompt less the prefix the engine holds (in its
+GPU cache, then in its KV tier, where a token is worth ``tier_weight`` of a cached one: loaded, not
+computed). A prefix is worth only what it saves against load, so a hot prefix does not pile every request
+onto one engine; and an engine with ``max_imbalance`` more outstanding requests than the least loaded one is
+not a candidate at all.
 
 Decode: load first (running and waiting sequences, the engine's own count when its metrics are known, so
-other routers' requests count too), then how full its KV cache is; the share of the prompt it holds is worth
-up to one sequence, since the connector then moves only the blocks decode lacks.
+other routers' requests count too), then how full its KV cache is; the share of the prompt it holds (in its
+cache or its tier) is worth up to one sequence, since the connector then moves only the blocks decode lacks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FULL_KV_USAGE = 0.95
 @dataclass(frozen=True)
 class CacheAwareWeights:
     prefix_weight: float = 1.0  # a cached prompt token is worth this many tokens of queued work
+    tier_weight: float = 0.8  # a prompt token in the engine's KV tier is worth this share of a cached one
     load_weight: float = 1.0  # a queued prompt token ahead of this request costs this much
     max_imbalance: int = 4  # outstanding requests above the least loaded engine that exclude a prefill
     kv_usage_weight: float = 4.0  # a full decode KV cache weighs as this many more sequences
@@ -40,9 +42,21 @@ class PromptBlocks:
     hashes: tuple[int, ...]
 
     def cached_tokens(self, backend: Backend) -> int:
+        """The leading tokens ``backend`` holds in its GPU cache."""
         if backend.prefix_index is None or not self.hashes:
             return 0
         return backend.prefix_index.matched_blocks(self.hashes) * self.block_size
+
+    def tier_tokens(self, backend: Backend) -> int:
+        """The tokens after those that ``backend`` holds in its KV tier (it loads that run from there)."""
+        if backend.tier_index is None or not self.hashes:
+            return 0
+        cached = self.cached_tokens(backend) // self.block_size
+        return backend.tier_index.matched_blocks(self.hashes[cached:]) * self.block_size
+
+    def tokens_to_compute(self, backend: Backend) -> int:
+        """What a prefill ``backend`` computes of this prompt: neither cached nor in its tier."""
+        return self.token_count - self.cached_tokens(backend) - self.tier_tokens(backend)
 
 
 def prefill_costs(
@@ -55,7 +69,7 @@ def prefill_costs(
     return {
         b.name: weights.load_weight * b.queued_prompt_tokens
         + prompt.token_count
-        - weights.prefix_weight * prompt.cached_tokens(b)
+        - weights.prefix_weight * (prompt.cached_tokens(b) + weights.tier_weight * prompt.tier_tokens(b))
         for b in eligible
     }
 
@@ -71,6 +85,6 @@ def decode_costs(
         load = max(backend.outstanding, backend.engine_sequences or 0)
         share_cached = 0.0
         if prompt is not None and prompt.token_count:
-            share_cached = prompt.cached_tokens(backend) / prompt.token_count
+            share_cached = (prompt.cached_tokens(backend) + prompt.tier_tokens(backend)) / prompt.token_count
         costs[backend.name] = load + weights.kv_usage_weight * (backend.kv_usage or 0.0) - share_cached
     return costs

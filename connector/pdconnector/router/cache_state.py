@@ -19,6 +19,7 @@ from pdconnector.router.validation import ClientRequest
 def weights_of(config: CacheAware) -> CacheAwareWeights:
     return CacheAwareWeights(
         prefix_weight=config.prefix_weight,
+        tier_weight=config.tier_weight,
         load_weight=config.load_weight,
         max_imbalance=config.max_imbalance,
         kv_usage_weight=config.kv_usage_weight,
@@ -48,9 +49,15 @@ class CacheState:
             endpoint = backend.spec.kv_events_endpoint
             if endpoint is None:
                 continue
+            if backend.tier_index is None:  # only events tell what a tier holds
+                backend.tier_index = PrefixIndex(self.config.index_blocks)
             feed = self.feeds.get(key)
-            if feed is None or feed.index is not backend.prefix_index:
-                feed = self.feeds[key] = EventFeed(backend.prefix_index)
+            if (
+                feed is None
+                or feed.index is not backend.prefix_index
+                or feed.tier_index is not backend.tier_index
+            ):
+                feed = self.feeds[key] = EventFeed(backend.prefix_index, backend.tier_index)
             wanted[key] = Subscription(
                 endpoint,
                 self.config.kv_events_topic,
@@ -92,6 +99,7 @@ class CacheState:
             return
         self.metrics.prefix_tokens.labels("prompt").inc(prompt.token_count)
         self.metrics.prefix_tokens.labels("cached").inc(prompt.cached_tokens(prefill))
+        self.metrics.prefix_tokens.labels("tier").inc(prompt.tier_tokens(prefill))
         if prefill.prefix_index is not None:
             prefill.prefix_index.store(prompt.hashes)
 

@@ -136,6 +136,15 @@ class CacheAware(_ConfigModel):
         ),
     ] = False
     prefix_weight: Annotated[float, Field(ge=0)] = 1.0
+    tier_weight: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="A prompt token in an engine's KV tier (host memory) against one in its GPU cache: "
+            "loaded, not computed, so worth nearly as much to prefill.",
+        ),
+    ] = 0.8
     load_weight: Annotated[float, Field(ge=0)] = 1.0
     max_imbalance: Annotated[int, Field(ge=0)] = 4
     kv_usage_weight: Annotated[float, Field(ge=0)] = 4.0

@@ -5,8 +5,9 @@ vLLM (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
 three-frame messages on a PUB socket: topic, an 8-byte big-endian sequence number, and a msgpack
 ``[timestamp, [event, ...], data_parallel_rank]`` whose events are maps tagged by ``type``:
 ``BlockStored`` (``block_hashes``, ``medium``, ...), ``BlockRemoved`` (``block_hashes``, ``medium``) and
-``AllBlocksCleared``. Only the engine's own cache counts (medium ``GPU``, vLLM's name for its primary pool
-on every device, or unset); offload tiers do not make prefill skip compute.
+``AllBlocksCleared``. The engine's own cache (medium ``GPU``, vLLM's name for its primary pool on every
+device, or unset) feeds its index; our connector's KV tier in host memory (medium ``CPU``) feeds a second
+one, kept apart because a tier hit is loaded, not free; other media (storage tiers) are not followed.
 
 PUB/SUB drops what a slow subscriber cannot take, and an engine that restarts numbers its batches from 0
 again with an empty cache. Either way the index can no longer be trusted, so a gap or a sequence number that
@@ -34,6 +35,7 @@ from pdconnector.router.prefix import PrefixIndex, external_hash
 log = logging.getLogger(__name__)
 
 PRIMARY_MEDIA = (None, "GPU")
+TIER_MEDIUM = "CPU"
 # ZMQ's receive high-water mark: batches queued beyond it are dropped (and seen as a gap), so a flood of
 # events cannot grow the router's memory.
 RECEIVE_HWM = 10_000
@@ -53,33 +55,39 @@ OutcomeHook = Callable[[FeedOutcome], None]
 
 @dataclass
 class EventFeed:
-    """One engine's event stream applied to its index, in sequence order."""
+    """One engine's event stream applied to its indexes (its cache's and its tier's), in sequence order."""
 
     index: PrefixIndex
+    tier_index: PrefixIndex | None = None
     last_seq: int | None = None
     gaps: int = 0
     restarts: int = 0
 
     def reset(self) -> None:
         """Forget everything (the engine restarted or left, or the subscription was re-made)."""
-        self.index.clear()
+        self._clear()
         self.last_seq = None
+
+    def _clear(self) -> None:
+        self.index.clear()
+        if self.tier_index is not None:
+            self.tier_index.clear()
 
     def apply(self, seq: int, payload: bytes) -> FeedOutcome:
         outcome = FeedOutcome.APPLIED
         if self.last_seq is not None and seq <= self.last_seq:
             self.restarts += 1
-            self.index.clear()
+            self._clear()
             outcome = FeedOutcome.RESTART
         elif self.last_seq is not None and seq > self.last_seq + 1:
             self.gaps += 1
-            self.index.clear()
+            self._clear()
             outcome = FeedOutcome.GAP
         self.last_seq = seq
         try:
             events = _events(msgspec.msgpack.decode(payload))
         except (msgspec.DecodeError, ValueError):
-            self.index.clear()
+            self._clear()
             return FeedOutcome.MALFORMED
         for event in events:
             self._apply_event(event)
@@ -87,16 +95,18 @@ class EventFeed:
 
     def _apply_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
-        if kind == "AllBlocksCleared":
+        if kind == "AllBlocksCleared":  # vLLM's prefix cache reset: the tier keeps its blocks
             self.index.clear()
             return
-        if event.get("medium") not in PRIMARY_MEDIA:
+        medium = event.get("medium")
+        index = self.index if medium in PRIMARY_MEDIA else self.tier_index if medium == TIER_MEDIUM else None
+        if index is None:
             return
         hashes = [external_hash(h) for h in event.get("block_hashes", ())]
         if kind == "BlockStored":
-            self.index.store(hashes)
+            index.store(hashes)
         elif kind == "BlockRemoved":
-            self.index.remove(hashes)
+            index.remove(hashes)
 
 
 def _events(batch: object) -> list[dict[str, Any]]:

@@ -115,8 +115,8 @@ class RouterMetrics:
 
         self.prefix_tokens = Counter(
             "pd_router_prefix_tokens",
-            "Cache-aware routing: prompt tokens routed to prefill (kind=prompt) and those the chosen prefill "
-            "was expected to hold cached (kind=cached)",
+            "Cache-aware routing: prompt tokens routed to prefill (kind=prompt), those the chosen prefill "
+            "was expected to hold cached (kind=cached) and, after them, in its KV tier (kind=tier)",
             ["kind"],
             registry=self.registry,
         )

@@ -175,7 +175,7 @@ class Dispatcher:
         choices."""
         self._unqueue_prompt(exchange)
         if (prompt := exchange.prompt) is not None:
-            exchange.queued = (prefill, prompt.token_count - prompt.cached_tokens(prefill))
+            exchange.queued = (prefill, prompt.tokens_to_compute(prefill))
             prefill.queued_prompt_tokens += exchange.queued[1]
 
     def _unqueue_prompt(self, exchange: Exchange) -> None:

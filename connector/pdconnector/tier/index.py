@@ -33,6 +33,7 @@ class TierIndex:
         # every hash with a slot, least recently used first
         self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()
         self.evictions = 0
+        self._evicted: list[BlockHash] = []  # since the last take_evicted
 
     def __len__(self) -> int:
         """Hashes holding a slot (ready or being written)."""
@@ -106,6 +107,11 @@ class TierIndex:
             del self._entries[block_hash]
             self._free.append(entry.slot)
 
+    def take_evicted(self) -> list[BlockHash]:
+        """The readable hashes evicted since the last call, in order."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
@@ -113,5 +119,6 @@ class TierIndex:
             if entry.ready and entry.readers == 0:
                 del self._entries[block_hash]
                 self.evictions += 1
+                self._evicted.append(block_hash)
                 return entry.slot
         return None

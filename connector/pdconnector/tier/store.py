@@ -11,7 +11,7 @@ one indexed gather or scatter per region, whatever the layout. Copies are synchr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -67,32 +67,19 @@ class TierStore:
         return torch.tensor(list(block_ids), dtype=torch.long), torch.tensor(list(slots), dtype=torch.long)
 
 
-class TierLoadError(RuntimeError):
-    """A load from slots this rank cannot vouch for (their save failed here)."""
-
-
 class RankTier:
-    """A rank's tier: its store bound to the rank's cache tensors (one per region), and the slots whose save
-    failed on this rank: the index (on the scheduler) counts them saved, so a load from them must fail here
-    and the request fall back to its full transfer, until a save into them succeeds."""
+    """A rank's tier: its store bound to the rank's cache tensors (one per region). A save that fails here is
+    reported to the scheduler side (:class:`~pdconnector.vllm.metadata.TierSavesFailed`), which then frees its
+    slots instead of making them readable, so no load ever reads a slot this rank did not fill."""
 
     def __init__(self, store: TierStore, caches: Sequence[torch.Tensor]) -> None:
         self.store = store
         self.caches = tuple(caches)
-        self.broken: set[int] = set()
 
     def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        try:
-            self.store.save(self.caches, block_ids, slots)
-        except Exception:
-            self.broken.update(slots)
-            raise
-        self.broken.difference_update(slots)
+        self.store.save(self.caches, block_ids, slots)
 
-    def load(self, slots: Iterable[int], block_ids: Sequence[int]) -> None:
-        slots = list(slots)
-        if broken := sorted(self.broken.intersection(slots)):
-            raise TierLoadError(f"slots {broken} were not saved on this rank")
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         self.store.load(self.caches, slots, block_ids)
 
 

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -36,7 +37,7 @@ from pdconnector.vllm.kv_layout import (
     memory_regions,
     rank_layout,
 )
-from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake
+from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake, TierSavesFailed
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
 from pdconnector.vllm.tier_memory import rank_tier, tier_slots
@@ -45,8 +46,11 @@ from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
 from pdconnector.worker.side_channel import SideChannelServer
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -258,6 +262,13 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             failed_recving=results.failed_recving,
         )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        failed = self._worker.take_saves_failed() if self._worker is not None else set()
+        return TierSavesFailed(failed) if failed else None
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
@@ -354,6 +365,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         scheduler = self._sched()
+        if isinstance(failed := connector_output.kv_connector_worker_meta, TierSavesFailed):
+            scheduler.tier_saves_failed(failed.request_ids)  # before their finished_sending below
         held = scheduler.update_connector_output(
             set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
         )
@@ -363,6 +376,9 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
             # ended and reported them in finished_sending.
             connector_output.finished_recving.difference_update(held)
         scheduler.finished_sending(set(connector_output.finished_sending or ()))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
 )
 
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
@@ -38,10 +39,14 @@ class ReleaseBlocks:
 
 @dataclass(frozen=True)
 class LoadFromTier:
-    """Decode: copy the request's leading blocks its tier holds (``slots`` into ``block_ids``, attention
-    blocks) before its transfer starts, then hand ``then`` to the transfer worker: the transfer of the blocks
+    """Copy the request's leading blocks its tier holds (``slots`` into ``block_ids``, attention blocks).
+
+    Decode: before its transfer starts; then hand ``then`` to the transfer worker: the transfer of the blocks
     after them, or, when the tier held every block to fill, prefill's release of its copy (the request has
     its KV then). If the copy fails on this rank, ``otherwise`` instead: the transfer of every block.
+    Prefill (``then`` and ``otherwise`` None): before this step's forward computes the rest of the prompt (a
+    synchronous load, vLLM's ``load_kv_async=False``); if the copy fails on this rank, its blocks are reported
+    as load errors and vLLM recomputes them or fails the request (its ``kv_load_failure_policy``).
 
     The copy runs when the rank takes the command, before any later command: a slot a later save reuses is
     read first, so the scheduler need not keep it pinned."""
@@ -49,18 +54,34 @@ class LoadFromTier:
     request_id: str
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]
-    then: ExpectPush | ReadBlocks | AbandonTransfer
-    otherwise: ExpectPush | ReadBlocks
+    then: ExpectPush | ReadBlocks | AbandonTransfer | None = None
+    otherwise: ExpectPush | ReadBlocks | None = None
 
 
 @dataclass(frozen=True)
 class SaveToTier:
     """A finished request's blocks ``block_ids`` (attention blocks) into ``slots``; each rank reports the
-    request in ``finished_sending`` once copied, and vLLM frees the blocks when every rank has."""
+    request in ``finished_sending`` once copied, and vLLM frees the blocks when every rank has.
+    ``after_send`` (prefill): the blocks are held for decode's transfer, so the copy waits until that
+    transfer ended (it never delays the KV decode waits for) and is reported with it."""
 
     request_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
+    after_send: bool = False
+
+
+@dataclass
+class TierSavesFailed(KVConnectorWorkerMetadata):
+    """Worker ranks -> scheduler side: the requests whose save into the tier failed on some rank this step
+    (reported no later than the ``finished_sending`` that ends the save), so the scheduler frees their slots
+    instead of making them readable."""
+
+    request_ids: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TierSavesFailed)
+        return TierSavesFailed(self.request_ids | other.request_ids)
 
 
 Command = (

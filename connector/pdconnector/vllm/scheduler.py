@@ -151,6 +151,8 @@ class SchedulerSide:
         self._received: dict[str, _Incoming] = {}  # decode requests that received, until they finish
         self._holding: dict[str, str] = {}  # prefill request id -> transfer id, blocks kept for decode
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
+        # prefill requests looked up in the tier -> their prefix-cache hits, until vLLM allocates their blocks
+        self._tier_hits: dict[str, int] = {}
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
@@ -205,7 +207,11 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)
-        if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
+        if params is None or params.get(_STAGED_KEY):
+            return 0, False
+        if params.get("do_remote_decode") is True and self.tier is not None:
+            return self._prefill_tier_hit(request, num_computed_tokens), False
+        if params.get("do_remote_prefill") is not True:
             return 0, False
         available = self.remote_token_count(request.num_prompt_tokens)
         remote_tokens = params.get("remote_num_tokens")
@@ -214,10 +220,26 @@ class SchedulerSide:
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
+    def _prefill_tier_hit(self, request: Any, num_computed_tokens: int) -> int:
+        """Prefill: the tokens after vLLM's prefix-cache hits that its tier supplies, loaded synchronously
+        before the step computes the rest. At least one prompt token is left to compute (it samples the first
+        output token)."""
+        assert self.tier is not None
+        gpu_hits = num_computed_tokens // self.block_size
+        limit = (int(request.num_tokens) - 1) // self.block_size - gpu_hits
+        run = self.tier.readable_run(request, gpu_hits, limit) if limit > 0 else 0
+        # vLLM may ask again before it allocates (no room this step): the latest answer is the one staged.
+        self._tier_hits[request.request_id] = gpu_hits
+        return run * self.block_size
+
     def update_state_after_alloc(
         self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int
     ) -> None:
         params = self._params(request)
+        gpu_hits = self._tier_hits.pop(request.request_id, None)
+        if gpu_hits is not None and params is not None and params.get("do_remote_decode") is True:
+            self._load_prefill_tier(request, block_groups, gpu_hits, num_external_tokens)
+            return
         if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
             return
         params[_STAGED_KEY] = True
@@ -294,6 +316,29 @@ class SchedulerSide:
         return LoadFromTier(
             request.request_id, split.tier_slots, split.tier_blocks, then=rest, otherwise=full
         )
+
+    def _load_prefill_tier(
+        self, request: Any, block_groups: Sequence[Sequence[Block]], gpu_hits: int, num_external_tokens: int
+    ) -> None:
+        """Stage the load of the tier's run vLLM allocated for (its blocks follow the ``gpu_hits``
+        prefix-cache hits), which this step's forward reads."""
+        assert self.tier is not None
+        run = num_external_tokens // self.block_size
+        to_load = [block.block_id for block in block_groups[0][gpu_hits : gpu_hits + run]]
+        split = self.tier.split(request, to_load, gpu_hits) if run else None
+        # Nothing evicts between vLLM's two calls (saves are reserved when requests finish, after the step),
+        # so the run it was told of is still readable.
+        assert split is None or not split.remote_blocks, "the tier lost blocks between lookup and allocation"
+        computed = int(request.num_tokens) - (gpu_hits + run) * self.block_size
+        self._stats.record_tokens(
+            {
+                TokenSource.GPU: gpu_hits * self.block_size,
+                TokenSource.TIER: run * self.block_size,
+                TokenSource.COMPUTED: computed,
+            }
+        )
+        if split is not None:
+            self._stage(LoadFromTier(request.request_id, split.tier_slots, split.tier_blocks))
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
@@ -429,6 +474,17 @@ class SchedulerSide:
         """The scheduler's stages since the last call (merged by vLLM with the workers' stats), or None."""
         return self._stats.take()
 
+    def take_events(self) -> list[Any]:
+        """The KV tier's cache events since the last step (vLLM publishes them with its own)."""
+        return self.tier.take_events() if self.tier is not None else []
+
+    def tier_saves_failed(self, request_ids: set[str]) -> None:
+        """A rank could not copy these requests' blocks into its tier (reported before their
+        ``finished_sending``)."""
+        if self.tier is not None:
+            for request_id in request_ids:
+                self.tier.save_failed(request_id)
+
     def finished_sending(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
             self._holding.pop(request_id, None)
@@ -442,6 +498,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
+        self._tier_hits.pop(request_id, None)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:
@@ -540,6 +597,9 @@ class SchedulerSide:
             return False, None
         num_tokens = int(request.num_computed_tokens)
         self._holding[request_id] = transfer.transfer_id
+        save = self.tier.save(request, blocks[0], after_send=True) if self.tier is not None else None
+        if save is not None:
+            self._stage(save)  # copied once the KV left: freed with the transfer's finished_sending
         self._stage(
             PrefillDone(
                 request_id, transfer.transfer_id, blocks, num_tokens, transfer.mode is TransferMode.PULL

@@ -50,11 +50,14 @@ TIER_EVENTS = ("tier_loads_failed", "tier_saves_failed")
 
 
 class TokenSource(StrEnum):
-    """Where decode took a request's prompt tokens from (counted when its transfer is planned)."""
+    """Where an engine took a request's prompt tokens from (counted when its blocks are allocated): decode's
+    from its prefix cache, its tier and prefill; prefill's (with a tier) from its prefix cache, its tier and
+    its own forward."""
 
     GPU = "gpu"  # vLLM's own prefix cache
     TIER = "tier"  # the engine's KV tier in host memory
     REMOTE = "remote"  # prefill, over the transfer
+    COMPUTED = "computed"  # prefill's forward
 
 
 class Direction(StrEnum):
@@ -102,7 +105,7 @@ class PDTransferStats(KVConnectorStats):
                 durations.append(seconds)
 
     def record_tokens(self, tokens: dict[TokenSource, int]) -> None:
-        """Prompt tokens of one decode request by source (scheduler side: counted once per request)."""
+        """Prompt tokens of one request by source (scheduler side: counted once per request)."""
         for source, count in tokens.items():
             if count:
                 self.data["tokens"][source.value] = self.data["tokens"].get(source.value, 0) + count
@@ -226,14 +229,16 @@ class PDPromMetrics(KVConnectorPromMetrics):
         )
         self._tier_events = self._counter_cls(
             name="vllm:pd_kv_tier_events",
-            documentation="The KV tier: loads that failed on a rank, so the request took the full transfer "
-            "(tier_loads_failed), saves that failed on a rank (tier_saves_failed).",
+            documentation="The KV tier: loads that failed on a rank, so decode took the full transfer or "
+            "prefill recomputed the blocks (tier_loads_failed), saves that failed on a rank, so the blocks "
+            "were not kept (tier_saves_failed).",
             labelnames=[*labelnames, "event"],
         )
         self._tokens = self._counter_cls(
             name="vllm:pd_kv_tokens",
-            documentation="Prompt tokens of decode requests by where they came from: vLLM's prefix cache "
-            "(gpu), the engine's KV tier (tier), prefill over the transfer (remote).",
+            documentation="Prompt tokens of disaggregated requests by where the engine took them from: "
+            "vLLM's prefix cache (gpu), the engine's KV tier (tier), prefill over the transfer (remote, on "
+            "decode), its own forward (computed, on prefill with a tier).",
             labelnames=[*labelnames, "source"],
         )
         self._stages = self._histogram_cls(

@@ -5,12 +5,19 @@ vLLM hashes a request's tokens in blocks of ``hash_block_size`` tokens, each has
 prefix; a block of the attention group (``block_size``, a multiple) is named by the hash of its last hash
 block. The index (:class:`~pdconnector.tier.index.TierIndex`) maps those hashes to slots; a hash becomes
 readable once every rank copied its block (``finished_sending``).
+
+What the tier holds is published as vLLM's KV cache events (medium ``CPU``, beside the engine's own ``GPU``
+events): a block stored once readable, removed when evicted, so a router following the engine's events knows
+which prompts it can serve from host memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from pdconnector.tier.index import BlockHash, TierIndex
 from pdconnector.tier.split import PrefixSplit, split_prefix
@@ -26,7 +33,14 @@ class TierPlan:
         self.index = TierIndex(slots)
         self.block_size = block_size
         self._hashes_per_block = block_size // hash_block_size
-        self._saving: dict[str, tuple[BlockHash, ...]] = {}  # request id -> the hashes its save writes
+        # request id -> the hashes its save writes, and their events once readable
+        self._saving: dict[str, tuple[tuple[BlockHash, ...], list[KVCacheEvent]]] = {}
+        self._events: list[KVCacheEvent] = []  # since the last take_events, in order
+        self._failed: set[str] = set()  # requests whose save failed on some rank, until their save ended
+
+    def readable_run(self, request: Any, gpu_hits: int, limit: int) -> int:
+        """How many blocks after vLLM's ``gpu_hits`` the tier can supply, at most ``limit``."""
+        return len(self.index.longest_prefix(self.block_hashes(request)[gpu_hits : gpu_hits + limit]))
 
     def split(self, request: Any, to_fill: Sequence[int], gpu_hits: int) -> PrefixSplit:
         """Where ``to_fill`` (the blocks after vLLM's ``gpu_hits`` prefix-cache hits) comes from."""
@@ -36,13 +50,15 @@ class TierPlan:
         self.index.unpin(split.tier_hashes)
         return split
 
-    def save(self, request: Any, block_ids: Sequence[int]) -> SaveToTier | None:
+    def save(self, request: Any, block_ids: Sequence[int], *, after_send: bool = False) -> SaveToTier | None:
         """The save of a finished request's computed full blocks (``block_ids``: its attention blocks) that
-        the tier lacks, or None; the request's blocks stay allocated until :meth:`saved`."""
+        the tier lacks, or None; the request's blocks stay allocated until :meth:`saved`. ``after_send``: the
+        copy waits for the end of the request's transfer (prefill)."""
         # The last sampled token has no KV yet: only blocks of computed tokens are saved.
         computed = int(request.num_computed_tokens) // self.block_size
         hashes = self.block_hashes(request)[: min(computed, len(block_ids))]
         reserved = self.index.reserve(hashes)
+        self._events += [_removed(block_hash) for block_hash in self.index.take_evicted()]
         if not reserved:
             return None
         saved = [
@@ -50,21 +66,67 @@ class TierPlan:
             for block, block_hash in zip(block_ids, hashes, strict=False)
             if block_hash in reserved
         ]
-        self._saving[request.request_id] = tuple(block_hash for _, block_hash in saved)
+        tokens = list(getattr(request, "all_token_ids", ()))
+        stored = [
+            self._stored(hashes, position, tokens)
+            for position, block_hash in enumerate(hashes)
+            if block_hash in reserved
+        ]
+        self._saving[request.request_id] = (tuple(block_hash for _, block_hash in saved), stored)
         return SaveToTier(
             request.request_id,
             tuple(block for block, _ in saved),
             tuple(reserved[block_hash] for _, block_hash in saved),
+            after_send=after_send,
         )
 
+    def save_failed(self, request_id: str) -> None:
+        """A rank could not copy the request's blocks: its slots are not to be read."""
+        if request_id in self._saving:
+            self._failed.add(request_id)
+
     def saved(self, request_id: str) -> None:
-        """Every rank copied the request's blocks (or it had no save here)."""
-        hashes = self._saving.pop(request_id, None)
-        if hashes is not None:
+        """Every rank ended the request's save (or it had none here): readable if every rank copied it."""
+        saving = self._saving.pop(request_id, None)
+        if saving is None:
+            return
+        hashes, stored = saving
+        if request_id in self._failed:
+            self._failed.discard(request_id)
+            self.index.abandon(hashes)
+        else:
             self.index.commit(hashes)
+            self._events += stored
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The tier's KV cache events since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    def _stored(self, hashes: Sequence[BlockHash], position: int, tokens: Sequence[int]) -> BlockStored:
+        start = position * self.block_size
+        return BlockStored(
+            block_hashes=[_external(hashes[position])],
+            parent_block_hash=_external(hashes[position - 1]) if position else None,
+            token_ids=list(tokens[start : start + self.block_size]),
+            block_size=self.block_size,
+            lora_id=None,
+            medium=MEDIUM_CPU,
+            lora_name=None,
+        )
 
     def block_hashes(self, request: Any) -> list[BlockHash]:
         """The request's hashes at the attention group's block size, from its first block."""
         hashes = list(getattr(request, "block_hashes", ()) or ())
         step = self._hashes_per_block
         return hashes[step - 1 :: step]
+
+
+def _removed(block_hash: BlockHash) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[_external(block_hash)], medium=MEDIUM_CPU)
+
+
+def _external(block_hash: BlockHash) -> Any:
+    """A hash as vLLM's events carry it (its digest bytes, or their low 64 bits as an int where vLLM is told
+    to), so the tier's blocks match the engine's own events."""
+    return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type]

@@ -122,6 +122,9 @@ class WorkerSide:
         self._immediate = TransferResults()
         # requests failed early whose fence still runs -> whether the scheduler asked for the blocks back
         self._held: dict[str, bool] = {}
+        self._saves_after_send: dict[str, SaveToTier] = {}  # prefill: by request id, until its transfer ends
+        self._saves_failed: set[str] = set()
+        self._load_errors: set[int] = set()
 
     def _transport_factory(self) -> Callable[[], Transport]:
         name = agent_name(self.config.engine_id, self.layout.tp_rank)
@@ -203,30 +206,46 @@ class WorkerSide:
                 self._save_to_tier(command)
 
     def _load_from_tier(self, command: LoadFromTier, now: float) -> None:
-        """The tier's run first, then the rest's transfer; if this rank cannot load it, every block's."""
+        """Decode: the tier's run first, then the rest's transfer; if this rank cannot load it, every block's.
+        Prefill: the run before this step's forward; if this rank cannot load it, vLLM hears of its blocks."""
         assert self._tier is not None, "a tier command reached an engine without a tier"
         try:
             self._tier.load(command.slots, command.block_ids)
-        except Exception as error:  # any failure here has the same remedy: prefill sends those blocks too
+        except Exception as error:  # any failure here has the same remedy: the blocks come from elsewhere
+            remedy = "recomputing them" if command.otherwise is None else "taking them from prefill"
             log.error(
-                "request %s: loading %d blocks from the KV tier failed (%s); taking them from prefill",
+                "request %s: loading %d blocks from the KV tier failed (%s); %s",
                 command.request_id,
                 len(command.slots),
                 error,
+                remedy,
             )
             self._stats.count_events({"tier_loads_failed": 1})
-            self._run(command.otherwise, now)
+            if command.otherwise is None:
+                self._load_errors.update(command.block_ids)
+            else:
+                self._run(command.otherwise, now)
+            return
+        if command.then is None:
             return
         self._run(command.then, now)
         if isinstance(command.then, AbandonTransfer):  # the tier held every block the request lacked
             self._immediate.finished_recving.add(command.request_id)
 
     def _save_to_tier(self, command: SaveToTier) -> None:
-        """Copy the blocks, then let vLLM free them (after a failure too: the rank's tier marks the slots)."""
+        """Copy the blocks, then let vLLM free them; a prefill's copy waits for the end of its transfer."""
+        if command.after_send:
+            self._saves_after_send[command.request_id] = command
+            return
+        self._copy_to_tier(command)
+        self._immediate.finished_sending.add(command.request_id)
+
+    def _copy_to_tier(self, command: SaveToTier) -> None:
+        """The blocks are freed after a failure too: the scheduler side hears of it and drops the slots."""
         assert self._tier is not None, "a tier command reached an engine without a tier"
         try:
             self._tier.save(command.block_ids, command.slots)
-        except Exception as error:  # the request's blocks must be freed either way
+        except Exception as error:
             log.error(
                 "request %s: saving %d blocks to the KV tier failed: %s",
                 command.request_id,
@@ -234,7 +253,18 @@ class WorkerSide:
                 error,
             )
             self._stats.count_events({"tier_saves_failed": 1})
-        self._immediate.finished_sending.add(command.request_id)
+            self._saves_failed.add(command.request_id)
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks of this step's synchronous loads (prefill's tier) that did not load (vLLM's
+        ``get_block_ids_with_load_errors``)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_saves_failed(self) -> set[str]:
+        """Requests whose save into the tier failed on this rank since the last call."""
+        failed, self._saves_failed = self._saves_failed, set()
+        return failed
 
     def results(self) -> TransferResults:
         """The transfers that ended since the last call; in a step that runs no request, first wait up to the
@@ -283,6 +313,8 @@ class WorkerSide:
                     )
             match result.kind:
                 case ResultKind.FINISHED_SENDING:
+                    if (save := self._saves_after_send.pop(request_id, None)) is not None:
+                        self._copy_to_tier(save)  # the KV left (or was given up on): the blocks are intact
                     out.finished_sending.add(request_id)
                 case ResultKind.FINISHED_RECVING:
                     out.finished_recving.add(request_id)

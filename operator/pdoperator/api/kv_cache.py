@@ -2,7 +2,9 @@
 
 ``offload.decode``: a tier in each decode engine's host memory. What a decode request received and generated
 stays there after it finished; the next turn of the conversation, which resends that history, loads it from
-the tier and asks prefill only for the new suffix (``docs/design/kv-offload.md``).
+the tier and asks prefill only for the new suffix. ``offload.prefill``: a tier in each prefill engine's host
+memory, holding the prompts it computed, so the next turn loads their KV instead of computing it again
+(``docs/design/kv-offload.md``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ class TierSpec(ApiModel):
 
 class OffloadSpec(ApiModel):
     """KV tiers per role; unset: none (the engines hold KV in GPU memory only)."""
+
+    prefill: Annotated[
+        TierSpec | None,
+        Field(
+            description="Prefill's tier: the prompts prefill computed (their full blocks, saved once their "
+            "KV left for decode) are loaded from it when a later prompt starts with them, instead of "
+            "computed again. Needs spec.prefill.resources.memory; not for hybrid-ssm models."
+        ),
+    ] = None
 
     decode: Annotated[
         TierSpec | None,

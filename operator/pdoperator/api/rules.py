@@ -40,7 +40,6 @@ def _tp_differs(spec: PDServiceSpec) -> bool:
 
 
 _HYBRID = f"'{Architecture.HYBRID_SSM}'"
-_DECODE_TIER = "has(self.kvCache.offload.decode)"
 
 # vLLM reads both spellings, also as --flag=value or --flag.key=value.
 _SPECULATIVE_FLAGS = ("--speculative-config", "--speculative_config")
@@ -67,6 +66,51 @@ def _no_speculative_decoding_rule(role: str) -> CelRule:
         field_path=f".{role}.extraArgs",
         reason=Reason.FORBIDDEN,
         holds=lambda spec: _no_speculative_args(spec, getattr(spec, role)),
+    )
+
+
+def _tier_rules(role: str) -> tuple[CelRule, ...]:
+    """A KV tier for ``role``'s engines (``spec.kvCache.offload.<role>``): attention-only models, our
+    connector on vLLM, and a pod memory to grow by it."""
+    has_tier = f"has(self.kvCache.offload.{role})"
+
+    def tier(spec: PDServiceSpec) -> object:
+        return getattr(spec.kv_cache.offload, role)
+
+    return (
+        CelRule(
+            name=f"{role}-tier-dense-only",
+            owner=PDServiceSpec,
+            cel=f"!{has_tier} || self.model.architecture != {_HYBRID}",
+            message="must not be set for hybrid-ssm models (the tier holds attention blocks; SSM state is "
+            "not tiered)",
+            field_path=f".kvCache.offload.{role}",
+            reason=Reason.FORBIDDEN,
+            holds=lambda spec: tier(spec) is None or spec.model.architecture != Architecture.HYBRID_SSM,
+        ),
+        CelRule(
+            name=f"{role}-tier-builtin-vllm-only",
+            owner=PDServiceSpec,
+            cel=f"!{has_tier} || (self.engine.connector == 'builtin' && self.engine.runtime == 'vllm')",
+            message="needs spec.engine.connector builtin and spec.engine.runtime vllm (the tier is "
+            "PDConnector's)",
+            field_path=f".kvCache.offload.{role}",
+            reason=Reason.FORBIDDEN,
+            holds=lambda spec: (
+                tier(spec) is None
+                or (spec.engine.connector == ConnectorImpl.BUILTIN and spec.engine.runtime == Runtime.VLLM)
+            ),
+        ),
+        CelRule(
+            name=f"{role}-tier-needs-pod-memory",
+            owner=PDServiceSpec,
+            cel=f"!{has_tier} || has(self.{role}.resources.memory)",
+            message=f"required when spec.kvCache.offload.{role} is set (the pod's memory request and limit "
+            "grow by the tier's hostMemory)",
+            field_path=f".{role}.resources.memory",
+            reason=Reason.REQUIRED,
+            holds=lambda spec: tier(spec) is None or getattr(spec, role).resources.memory is not None,
+        ),
     )
 
 
@@ -329,41 +373,7 @@ CEL_RULES: tuple[CelRule, ...] = (
     ),
     *(_no_speculative_decoding_rule(role) for role in ("prefill", "decode")),
     # ------------------------------------------------------------ spec: KV tiers
-    CelRule(
-        name="decode-tier-dense-only",
-        owner=PDServiceSpec,
-        cel=f"!{_DECODE_TIER} || self.model.architecture != {_HYBRID}",
-        message="must not be set for hybrid-ssm models (the tier holds attention blocks; SSM state is not "
-        "tiered)",
-        field_path=".kvCache.offload.decode",
-        reason=Reason.FORBIDDEN,
-        holds=lambda spec: (
-            spec.kv_cache.offload.decode is None or spec.model.architecture != Architecture.HYBRID_SSM
-        ),
-    ),
-    CelRule(
-        name="decode-tier-builtin-vllm-only",
-        owner=PDServiceSpec,
-        cel=f"!{_DECODE_TIER} || (self.engine.connector == 'builtin' && self.engine.runtime == 'vllm')",
-        message="needs spec.engine.connector builtin and spec.engine.runtime vllm (the tier is "
-        "PDConnector's)",
-        field_path=".kvCache.offload.decode",
-        reason=Reason.FORBIDDEN,
-        holds=lambda spec: (
-            spec.kv_cache.offload.decode is None
-            or (spec.engine.connector == ConnectorImpl.BUILTIN and spec.engine.runtime == Runtime.VLLM)
-        ),
-    ),
-    CelRule(
-        name="decode-tier-needs-pod-memory",
-        owner=PDServiceSpec,
-        cel=f"!{_DECODE_TIER} || has(self.decode.resources.memory)",
-        message="required when spec.kvCache.offload.decode is set (the pod's memory request and limit grow "
-        "by the tier's hostMemory)",
-        field_path=".decode.resources.memory",
-        reason=Reason.REQUIRED,
-        holds=lambda spec: spec.kv_cache.offload.decode is None or spec.decode.resources.memory is not None,
-    ),
+    *(rule for role in ("prefill", "decode") for rule in _tier_rules(role)),
     # ------------------------------------------------------------ spec: routing
     CelRule(
         name="cache-aware-needs-attention-only-models",

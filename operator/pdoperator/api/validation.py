@@ -271,21 +271,24 @@ def _quantity(text: str) -> Decimal | None:
     return amount if amount.is_finite() and abs(amount) <= _MAX_QUANTITY else None
 
 
-def _check_decode_tier(spec: PDServiceSpec) -> list[FieldError]:
-    tier = spec.kv_cache.offload.decode
-    if tier is None:
-        return []
-    ranks = spec.decode.world_size // spec.decode.nodes
-    amount = _quantity(tier.host_memory)
-    if amount is None or amount < ranks * _MIN_TIER_BYTES_PER_RANK:
-        return [
-            FieldError(
-                "spec.kvCache.offload.decode.hostMemory",
-                f"must be a Kubernetes quantity of at least {ranks}Mi (1Mi for each of the {ranks} ranks of "
-                "a decode pod), such as 64Gi",
+def _check_tiers(spec: PDServiceSpec) -> list[FieldError]:
+    errors = []
+    for role in ("prefill", "decode"):
+        tier = getattr(spec.kv_cache.offload, role)
+        if tier is None:
+            continue
+        role_spec = getattr(spec, role)
+        ranks = role_spec.world_size // role_spec.nodes
+        amount = _quantity(tier.host_memory)
+        if amount is None or amount < ranks * _MIN_TIER_BYTES_PER_RANK:
+            errors.append(
+                FieldError(
+                    f"spec.kvCache.offload.{role}.hostMemory",
+                    f"must be a Kubernetes quantity of at least {ranks}Mi (1Mi for each of the {ranks} ranks "
+                    f"of a {role} pod), such as 64Gi",
+                )
             )
-        ]
-    return []
+    return errors
 
 
 def _check_resources(role: str, resources: RoleResources, hugepages_requested: bool) -> list[FieldError]:
@@ -382,7 +385,7 @@ def spec_errors(spec: PDServiceSpec) -> list[FieldError]:
     errors += _check_hugepages(spec.network.efa.hugepages)
     errors += _check_autoscaling(spec, errors)
     errors += _check_cache_aware(spec)
-    errors += _check_decode_tier(spec)
+    errors += _check_tiers(spec)
     for index, peer in enumerate(spec.monitoring.scrapers):
         for field, labels in (("namespaceLabels", peer.namespace_labels), ("podLabels", peer.pod_labels)):
             errors += _check_labels(f"spec.monitoring.scrapers[{index}].{field}", labels or {})

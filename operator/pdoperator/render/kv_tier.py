@@ -15,7 +15,8 @@ from .names import ComponentRole
 
 def tier_host_memory(spec: PDServiceSpec, role: ComponentRole) -> Decimal:
     """Bytes of host memory a pod of ``role`` gives its KV tier (0: no tier)."""
-    tier = spec.kv_cache.offload.decode if role is ComponentRole.DECODE else None
+    offload = spec.kv_cache.offload
+    tier = {ComponentRole.PREFILL: offload.prefill, ComponentRole.DECODE: offload.decode}.get(role)
     return Decimal(0) if tier is None else parse_quantity(tier.host_memory)
 
 

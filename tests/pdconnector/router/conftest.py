@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,23 +18,9 @@ from pdconnector.router.app import RouterOptions, create_app
 from pdconnector.router.config import RouterConfig, Timeouts
 from pdconnector.router.health import HealthSettings
 
+from tests.ports import free_port
+
 MODEL = "tiny"
-
-
-def free_port_on(hosts: list[str]) -> int:
-    """A port that is free on every one of ``hosts`` (each role's engines share one port, as in a cluster)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((hosts[0], 0))
-            port = probe.getsockname()[1]
-        try:
-            for host in hosts[1:]:
-                with socket.socket() as other:
-                    other.bind((host, port))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no common free port")
 
 
 CANNED_ANSWERS: dict[str, tuple[int, dict[str, Any]]] = {
@@ -233,8 +218,8 @@ class Cluster:
 async def cluster() -> AsyncIterator[Cluster]:
     prefill = [FakeEngine(f"p{i}", "prefill", f"127.0.0.{10 + i}") for i in range(2)]
     decode = [FakeEngine(f"d{i}", "decode", f"127.0.0.{20 + i}") for i in range(2)]
-    prefill_port = free_port_on([e.host for e in prefill])
-    decode_port = free_port_on([e.host for e in decode])
+    prefill_port = free_port(*(e.host for e in prefill))
+    decode_port = free_port(*(e.host for e in decode))
     servers = {}
     for engines, port in ((prefill, prefill_port), (decode, decode_port)):
         for engine in engines:
@@ -280,7 +265,7 @@ def threaded_router() -> Iterator[str]:
     async def serve() -> None:
         prefill = [FakeEngine("p0", "prefill", "127.0.0.30")]
         decode = [FakeEngine("d0", "decode", "127.0.0.31")]
-        ports = (free_port_on(["127.0.0.30"]), free_port_on(["127.0.0.31"]))
+        ports = (free_port("127.0.0.30"), free_port("127.0.0.31"))
         servers = [
             TestServer(prefill[0].app(), host="127.0.0.30", port=ports[0]),
             TestServer(decode[0].app(), host="127.0.0.31", port=ports[1]),

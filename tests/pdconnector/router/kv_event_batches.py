@@ -30,8 +30,8 @@ def stored(*hashes: bytes, medium: str | None = "GPU") -> object:
     )
 
 
-def removed(*hashes: bytes) -> object:
-    return vllm_events.BlockRemoved(block_hashes=list(hashes), medium="GPU")
+def removed(*hashes: bytes, medium: str | None = "GPU") -> object:
+    return vllm_events.BlockRemoved(block_hashes=list(hashes), medium=medium)
 
 
 def batch(*events: object) -> bytes:

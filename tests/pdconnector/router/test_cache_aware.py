@@ -1,5 +1,5 @@
-"""The cache-aware policy: prefill by work ahead less the prefix held, within an imbalance bound; decode by
-load and KV headroom, the prefix held breaking ties."""
+"""The cache-aware policy: prefill by work ahead less the prefix held (in its cache, then in its KV tier),
+within an imbalance bound; decode by load and KV headroom, the prefix held (cache or tier) breaking ties."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ PROMPT_TOKENS = list(range(160))  # ten full blocks
 PROMPT = PromptBlocks(160, 16, tuple(HASHER.block_hashes(PROMPT_TOKENS)))
 
 
-def engine(name: str, role: EngineRole, *, cached_blocks: int = 0, outstanding: int = 0) -> Backend:
+def engine(
+    name: str, role: EngineRole, *, cached_blocks: int = 0, tier_blocks: int = 0, outstanding: int = 0
+) -> Backend:
+    """An engine holding the prompt's first ``cached_blocks`` in its GPU cache and the next ``tier_blocks`` in
+    its KV tier."""
     backend = Backend(BackendSpec(name=name, role=role, host="127.0.0.1", http_port=8000, engine_id=name))
     backend.prefix_index = PrefixIndex(1000)
     backend.prefix_index.store(PROMPT.hashes[:cached_blocks])
+    backend.tier_index = PrefixIndex(1000)
+    backend.tier_index.store(PROMPT.hashes[cached_blocks : cached_blocks + tier_blocks])
     backend.outstanding = outstanding
     return backend
 
@@ -50,6 +56,20 @@ def test_a_cached_prefix_is_worth_only_what_it_saves_against_queued_work():
     warm.queued_prompt_tokens = 40
     assert pick(EngineRole.PREFILL, [cold, warm]) == "b"
     assert pick(EngineRole.PREFILL, [cold, warm], load_weight=3.0) == "a"
+
+
+def test_a_prefix_in_a_prefills_tier_counts_after_its_cache_and_a_little_less():
+    tiered = engine("a", EngineRole.PREFILL, cached_blocks=2, tier_blocks=6)  # saves 2 + 0.8 x 6 blocks
+    assert (PROMPT.tier_tokens(tiered), PROMPT.tokens_to_compute(tiered)) == (96, 32)
+    assert pick(EngineRole.PREFILL, [tiered, engine("b", EngineRole.PREFILL, cached_blocks=6)]) == "a"
+    assert pick(EngineRole.PREFILL, [tiered, engine("b", EngineRole.PREFILL, cached_blocks=7)]) == "b"
+
+
+def test_a_tier_run_counts_only_from_where_the_cache_ends():
+    gap = engine("a", EngineRole.PREFILL, cached_blocks=0)
+    assert gap.tier_index is not None
+    gap.tier_index.store(PROMPT.hashes[3:9])  # blocks the engine could not load: the run starts at block 0
+    assert PROMPT.tier_tokens(gap) == 0
 
 
 def test_an_engine_past_the_imbalance_bound_is_not_chosen_whatever_it_holds():
@@ -89,6 +109,11 @@ def test_between_equal_decodes_the_one_holding_the_prefix_wins():
     cold.engine_sequences = 0
     warm.engine_sequences = 1  # one more sequence outweighs any prefix
     assert pick(EngineRole.DECODE, [cold, warm]) == "a"
+
+
+def test_between_equal_decodes_the_one_whose_tier_holds_the_history_wins():
+    cold, tiered = engine("a", EngineRole.DECODE), engine("b", EngineRole.DECODE, tier_blocks=8)
+    assert pick(EngineRole.DECODE, [cold, tiered]) == "b"
 
 
 def test_decode_load_is_read_from_vllms_metrics():

@@ -4,8 +4,6 @@ restarted or malformed streams clear it; a flood stays bounded; a late subscribe
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -23,6 +21,7 @@ from pdconnector.router.kv_events import (
 )
 from pdconnector.router.prefix import PrefixIndex, external_hash
 
+from tests import ports
 from tests.pdconnector.router.kv_event_batches import (
     ENCODER,
     batch,
@@ -53,6 +52,18 @@ def test_blocks_of_an_offload_tier_are_not_the_engines_cache():
     feed = EventFeed(PrefixIndex(100))
     feed.apply(0, batch(stored(h(1), medium="CPU"), stored(h(2), medium=None)))
     assert held(feed, 1) == 0 and held(feed, 2) == 1
+
+
+def test_the_engines_kv_tier_has_its_own_index_which_a_prefix_cache_reset_leaves_alone():
+    feed = EventFeed(PrefixIndex(100), tier_index=PrefixIndex(100))
+    assert feed.tier_index is not None
+    feed.apply(0, batch(stored(h(1), h(2), medium="CPU"), stored(h(3), medium="STORAGE")))
+    in_tier = [external_hash(h(n)) for n in (1, 2, 3)]
+    assert feed.tier_index.matched_blocks(in_tier) == 2 and held(feed, 1) == 0
+    feed.apply(1, batch(removed(h(2), medium="CPU"), vllm_events.AllBlocksCleared()))
+    assert feed.tier_index.matched_blocks(in_tier) == 1
+    feed.apply(3, batch(stored(h(4))))  # a lost batch: the tier may be behind too
+    assert len(feed.tier_index) == 0
 
 
 def test_integer_hashes_published_under_vllms_int_option_match_the_same_blocks():
@@ -152,11 +163,8 @@ async def test_subscriptions_follow_engines_that_join_and_forget_those_that_leav
 
 @pytest.fixture
 def ipc_endpoint() -> Iterator[str]:
-    directory = tempfile.mkdtemp(prefix="kv-")  # short: ipc paths are limited to ~100 characters
-    try:
-        yield f"ipc://{directory}/events"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with ports.ipc_endpoint() as endpoint:
+        yield endpoint
 
 
 async def test_a_router_that_starts_after_the_engine_replays_what_it_already_published(ipc_endpoint):

@@ -16,9 +16,7 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,30 +33,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.pdconnector.vllm.engine_device import ENGINE_DEVICE, device_engine_args, device_engine_env
+from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 # First start on a loaded 2-core machine can take minutes (testing-here.md saw up to 5).
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
 TOP_LOGPROBS = 5
-
-
-# Below Linux's ephemeral range (32768-60999): an engine binds its port tens of seconds after it is picked
-# (the side channel only after the model loaded), and a port the kernel hands out for outgoing connections
-# can be taken by one in that window (seen in CI: the side channel's bind failed with EADDRINUSE).
-LISTEN_PORTS = range(20000, 32000)
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now, outside the range outgoing connections draw from."""
-    for port in random.sample(LISTEN_PORTS, 64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on {LOOPBACK} in 64 tries of {LISTEN_PORTS}")
 
 
 def base_engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -30,7 +30,6 @@ from pdconnector.protocol.params import (
 
 from tests.pdconnector.vllm.engine_device import DEFAULT_BLOCK_SIZE, ENGINE_DEVICE, ON_GPU
 from tests.pdconnector.vllm.harness import (
-    LISTEN_PORTS,
     LOOPBACK,
     Completion,
     CompletionError,
@@ -42,6 +41,7 @@ from tests.pdconnector.vllm.harness import (
     output_differences,
     running_servers,
 )
+from tests.ports import LISTEN_PORTS
 
 CONNECTOR_MODULE = "pdconnector.vllm.connector"
 ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
@@ -216,6 +216,7 @@ def pd_pair(
     decode_prefix_caching: bool = False,
     decode_args: Sequence[str] = (),
     extra: dict[str, Any] | None = None,
+    prefill_extra: dict[str, Any] | None = None,
     decode_extra: dict[str, Any] | None = None,
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
@@ -223,7 +224,7 @@ def pd_pair(
     ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off
     everywhere else), so a P/D request there receives only the blocks after its local prefix hit.
     ``decode_args``: more engine arguments for decode. ``extra``: connector settings for both
-    (:data:`CONNECTOR_PATHS`); ``decode_extra``: for decode only."""
+    (:data:`CONNECTOR_PATHS`); ``prefill_extra``, ``decode_extra``: for one of them only."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
@@ -231,7 +232,12 @@ def pd_pair(
         model_dir,
         log_dir,
         kv_transfer_config=connector_config(
-            prefill_id, "kv_producer", prefill_sc, timeout_s=timeout_s, policy=policy, extra=extra
+            prefill_id,
+            "kv_producer",
+            prefill_sc,
+            timeout_s=timeout_s,
+            policy=policy,
+            extra={**(extra or {}), **(prefill_extra or {})},
         ),
         env=ENGINE_ENV,
         port=prefill_http,

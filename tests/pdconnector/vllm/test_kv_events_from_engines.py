@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ from pdconnector.sim.tokenizer import words
 
 from tests.pdconnector.vllm.harness import EngineLauncher, complete
 from tests.pdconnector.vllm.pd_engines import prompt_of
+from tests.ports import ipc_endpoint
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +54,8 @@ async def held_by_a_late_router(endpoint: str, hashes: list[int]) -> int:
 
 @pytest.fixture
 def endpoint() -> Iterator[str]:
-    """An ipc socket (vLLM binds ipc and wildcard endpoints; it would connect to a host:port): nothing
-    listens beyond this machine."""
-    directory = tempfile.mkdtemp(prefix="kv-")  # short: ipc paths are limited to ~100 characters
-    try:
-        yield f"ipc://{directory}/events"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with ipc_endpoint() as path:
+        yield path
 
 
 @contextlib.contextmanager

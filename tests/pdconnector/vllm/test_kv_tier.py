@@ -1,15 +1,19 @@
-"""The KV tier on real vLLM CPU engines: multi-turn conversations, each turn resending the whole history, push
-and pull. Decode keeps what it received and generated in its tier (vLLM's prefix cache off, so the tier is the
-only place the history survives), loads it on the next turn, and takes only the new suffix from prefill; every
-answer equals co-located serving."""
+"""The KV tier on real vLLM engines (the CPU's, or the GPU's under ``PD_VLLM_TEST_DEVICE=cuda``): multi-turn
+conversations, each turn resending the whole history, push and pull. Decode keeps what it received and
+generated in its tier (vLLM's prefix cache off, so the tier is the only place the history survives), loads it
+on the next turn, and takes only the new suffix from prefill; prefill keeps the prompts it computed in a tier
+of its own and loads them instead of computing them again; every answer equals co-located serving."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pdconnector.protocol.params import RECEIVED_KEY, TransferMode
+from pdconnector.router.kv_events import EventFeed, parse_message
+from pdconnector.router.prefix import BlockHasher, PrefixIndex
 
 from tests.pdconnector.vllm.harness import metric_sum, output_differences, scrape_metrics
 from tests.pdconnector.vllm.pd_engines import (
@@ -21,6 +25,8 @@ from tests.pdconnector.vllm.pd_engines import (
     prompt_of,
     wait_for_free_blocks,
 )
+from tests.pdconnector.vllm.test_kv_events_from_engines import events_config, subscribed
+from tests.ports import ipc_endpoint
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +36,23 @@ USER_TOKENS = 40  # each later turn adds the answer and this many new tokens
 
 
 @pytest.fixture(scope="module")
-def tier_pair(dense_model: Path, engine_log_dir: Path) -> Iterator[PDPair]:
-    with pd_pair("tier", dense_model, engine_log_dir, decode_extra={"tier_bytes": TIER_BYTES}) as pair:
+def decode_events() -> Iterator[str]:
+    """Where decode publishes its KV cache events."""
+    with ipc_endpoint() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def tier_pair(dense_model: Path, engine_log_dir: Path, decode_events: str) -> Iterator[PDPair]:
+    tier = {"tier_bytes": TIER_BYTES}
+    with pd_pair(
+        "tier",
+        dense_model,
+        engine_log_dir,
+        prefill_extra=tier,
+        decode_extra=tier,
+        decode_args=("--kv-events-config", events_config(decode_events)),
+    ) as pair:
         yield pair
 
 
@@ -41,13 +62,16 @@ def blocks_of(tokens: int) -> int:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
-def test_each_turn_loads_the_history_from_decodes_tier_and_receives_only_the_new_suffix(
+def test_each_turn_loads_the_history_from_the_tiers_and_moves_only_the_new_suffix(
     tier_pair: PDPair, mode: TransferMode
 ) -> None:
     seed = 1 if mode is TransferMode.PUSH else 2  # each mode its own conversation: nothing of the other's
     history = prompt_of(FIRST_PROMPT, seed=seed)
     before = scrape_metrics(tier_pair.decode.url)
+    prefill_before = scrape_metrics(tier_pair.prefill.url)
     computed_before = 0  # tokens of the last turn whose KV decode computed or received (the tier's share)
+    prefill_tier_tokens = 0  # the full blocks of each earlier prompt, which prefill saved after sending them
+    last_prompt: list[int] = []
     received_per_turn = []
     for turn in range(3):
         prompt = history if turn == 0 else history + prompt_of(USER_TOKENS, seed=10 * seed + turn)
@@ -59,7 +83,9 @@ def test_each_turn_loads_the_history_from_decodes_tier_and_receives_only_the_new
         expected = (from_tier, blocks_of(len(prompt)) - from_tier)
         assert (received["tier_blocks"], received["blocks"]) == expected, f"turn {turn}: {received}"
         received_per_turn.append(received["blocks"])
+        prefill_tier_tokens += len(last_prompt) // BLOCK_SIZE * BLOCK_SIZE
         computed_before = len(prompt) + MAX_TOKENS - 1  # the last sampled token has no KV
+        last_prompt = prompt
         history = prompt + result.decode.token_ids
     assert received_per_turn[1] < blocks_of(FIRST_PROMPT + MAX_TOKENS + USER_TOKENS)
     after = scrape_metrics(tier_pair.decode.url)
@@ -68,3 +94,30 @@ def test_each_turn_loads_the_history_from_decodes_tier_and_receives_only_the_new
     )
     assert tier_tokens > 0
     assert wait_for_free_blocks(tier_pair) == {"prefill": 0.0, "decode": 0.0}
+    prefill_after = scrape_metrics(tier_pair.prefill.url)
+    loaded = metric_sum(prefill_after, "vllm:pd_kv_tokens", labels={"source": "tier"}) - metric_sum(
+        prefill_before, "vllm:pd_kv_tokens", labels={"source": "tier"}
+    )
+    assert loaded == prefill_tier_tokens > 0
+
+
+@pytest.mark.timeout(600)
+def test_decode_publishes_what_its_tier_holds_as_the_routers_block_hashes(
+    tier_pair: PDPair, decode_events: str
+) -> None:
+    hasher = BlockHasher(BLOCK_SIZE, "sha256")  # vLLM's default hashing, as the router is told
+    feed = EventFeed(PrefixIndex(100_000), tier_index=PrefixIndex(100_000))
+    assert feed.tier_index is not None
+    with subscribed(decode_events) as (socket, _):
+        # A ZMQ subscriber misses what is published before its subscription reaches the engine.
+        time.sleep(1.0)
+        prompt = prompt_of(3 * BLOCK_SIZE + 9, seed=3)
+        result = tier_pair.run(TransferMode.PUSH, prompt, MAX_TOKENS)
+        computed = prompt + result.decode.token_ids[:-1]  # the last sampled token has no KV
+        expected = hasher.block_hashes(computed)
+        deadline = time.monotonic() + 30.0
+        while feed.tier_index.matched_blocks(expected) < len(expected) and time.monotonic() < deadline:
+            if socket.poll(200):
+                feed.apply(*parse_message(socket.recv_multipart()))
+    assert feed.tier_index.matched_blocks(expected) == len(expected) == len(computed) // BLOCK_SIZE
+    assert len(feed.index) == 0  # decode's prefix cache is off: these are the tier's blocks alone

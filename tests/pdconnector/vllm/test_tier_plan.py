@@ -7,12 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pdconnector.protocol.params import RECEIVED_KEY, TRANSFER_ID_KEY, push_decode_leg_params
+from pdconnector.protocol.params import (
+    RECEIVED_KEY,
+    TRANSFER_ID_KEY,
+    TransferMode,
+    prefill_leg_params,
+    push_decode_leg_params,
+)
 from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDTransferStats
 from pdconnector.vllm.tier_plan import TierPlan
-from pdconnector.worker.commands import AbandonTransfer, ExpectPush, ReadBlocks
+from pdconnector.worker.commands import AbandonTransfer, ExpectPush, PrefillDone, ReadBlocks
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from tests.pdconnector.vllm.test_scheduler_side import FINISHED, PREFILL, FakeRequest, blocks, config
 
@@ -35,12 +42,12 @@ def scheduler(mode: str = "push", *, tier_slots: int = 8, hash_block_size: int =
 def request(request_id: str, tokens: int, transfer_id: str, **params: Any) -> FakeRequest:
     """A decode request whose full blocks hash to h0, h1, ... (the same tokens, the same hashes)."""
     made = FakeRequest(request_id, push_decode_leg_params(transfer_id, PREFILL) | params, list(range(tokens)))
-    made.block_hashes = [f"h{i}" for i in range(tokens // BLOCK)]  # type: ignore[attr-defined]
+    made.block_hashes = [f"h{i}".encode() for i in range(tokens // BLOCK)]  # type: ignore[attr-defined]
     return made
 
 
-def served(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> SaveToTier:
-    """``finished`` received its KV, ran, and ended normally: its save, copied by every rank."""
+def received_and_finished(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> SaveToTier:
+    """``finished`` received its KV, ran, and ended normally: its save, staged, not yet copied."""
     side.update_state_after_alloc(finished, [blocks(*block_ids)], finished.num_prompt_tokens)
     side.build_meta()
     side.update_connector_output({finished.request_id}, set())
@@ -48,6 +55,12 @@ def served(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> 
     assert delay is True  # the blocks stay until every rank copied them
     (save,) = side.build_meta().commands
     assert isinstance(save, SaveToTier)
+    return save
+
+
+def served(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> SaveToTier:
+    """``finished`` received its KV, ran, and ended normally: its save, copied by every rank."""
+    save = received_and_finished(side, finished, block_ids)
     side.finished_sending({finished.request_id})
     return save
 
@@ -163,3 +176,91 @@ def test_a_tier_is_refused_for_models_with_ssm_state_naming_the_field() -> None:
             finished_statuses=frozenset({FINISHED}),
             tier_slots=4,
         )
+
+
+def test_a_save_that_failed_on_a_rank_is_never_read() -> None:
+    side = scheduler()
+    history = request("d1", 48, "tx-1")
+    history.num_computed_tokens = 48
+    received_and_finished(side, history, [7, 8, 9])
+    side.tier_saves_failed({"d1"})  # one rank's copy failed; the others' finished_sending follows
+    side.finished_sending({"d1"})
+    turn = request("d2", 80, "tx-2")
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24)], 80)
+    (command,) = side.build_meta().commands
+    assert isinstance(command, ExpectPush) and command.cached_blocks == 0
+    assert side.tier is not None and len(side.tier.index) == 0  # the slots are free again
+
+
+def prefill_request(request_id: str, tokens: int, transfer_id: str) -> FakeRequest:
+    """A prefill request (push) whose full blocks hash to h0, h1, ..."""
+    made = FakeRequest(request_id, prefill_leg_params(TransferMode.PUSH, transfer_id), list(range(tokens)))
+    made.block_hashes = [f"h{i}".encode() for i in range(tokens // BLOCK)]  # type: ignore[attr-defined]
+    return made
+
+
+def prefilled(side: SchedulerSide, finished: FakeRequest, block_ids: list[int]) -> SaveToTier:
+    """``finished`` computed its prompt and its KV left for decode: its save, copied by every rank."""
+    finished.num_computed_tokens = finished.num_prompt_tokens
+    delay, _ = side.request_finished(finished, [block_ids])
+    assert delay is True
+    save, done = side.build_meta().commands
+    assert isinstance(save, SaveToTier) and isinstance(done, PrefillDone)
+    side.finished_sending({finished.request_id})
+    return save
+
+
+def test_prefill_saves_its_prompt_once_the_kv_left_and_loads_it_for_the_next_turn() -> None:
+    side = scheduler()
+    save = prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
+    assert (save.block_ids, save.after_send) == ((7, 8, 9), True)  # full blocks; copied after the transfer
+    side.take_stats()
+    turn = prefill_request("p2", 90, "tx-2")  # the first turn's 3 blocks, then 42 new tokens
+    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)  # a synchronous load
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    (load,) = side.build_meta().commands
+    assert load == LoadFromTier("p2", save.slots, (20, 21, 22))
+    stats = side.take_stats()
+    assert stats is not None and stats.data["tokens"] == {"tier": 48, "computed": 42}
+
+
+def test_prefill_loads_the_tier_run_after_its_prefix_cache_hits_and_computes_at_least_one_token() -> None:
+    side = scheduler()
+    save = prefilled(side, prefill_request("p1", 64, "tx-1"), [7, 8, 9, 10])
+    same = prefill_request("p2", 64, "tx-2")  # every block in the tier: the last one is computed
+    assert side.get_num_new_matched_tokens(same, 16) == (32, False)  # after one prefix-cache block
+    side.update_state_after_alloc(same, [blocks(7, 31, 32, 33, cached=1)], 32)
+    (load,) = side.build_meta().commands
+    assert load == LoadFromTier("p2", save.slots[1:3], (31, 32))
+
+
+def test_a_prefill_request_vllm_did_not_allocate_for_loads_nothing() -> None:
+    side = scheduler()
+    prefilled(side, prefill_request("p1", 48, "tx-1"), [7, 8, 9])
+    waiting = prefill_request("p2", 64, "tx-2")
+    assert side.get_num_new_matched_tokens(waiting, 0) == (48, False)
+    waiting.status = "finished_aborted"
+    assert side.request_finished(waiting, [[]]) == (False, None)
+    assert not any(isinstance(command, LoadFromTier) for command in side.build_meta().commands)
+
+
+def test_what_the_tier_holds_is_published_as_cpu_kv_events_once_readable_and_when_evicted() -> None:
+    side = scheduler(tier_slots=3)
+    history = request("d1", 48, "tx-1")
+    history.num_computed_tokens = 48
+    received_and_finished(side, history, [7, 8, 9])
+    assert side.take_events() == []  # being copied: not yet readable
+    side.finished_sending({"d1"})
+    stored = side.take_events()
+    assert [type(event) for event in stored] == [BlockStored] * 3
+    assert all(isinstance(event, BlockStored) and event.medium == "CPU" for event in stored)
+    assert [event.token_ids for event in stored] == [list(range(i, i + BLOCK)) for i in (0, 16, 32)]
+    other = request("d2", 16, "tx-2")  # another prompt: its block evicts the least recently used
+    other.block_hashes = [b"x0"]  # type: ignore[attr-defined]
+    other.num_computed_tokens = 16
+    received_and_finished(side, other, [11])
+    (removed,) = side.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored[0].block_hashes
+    side.tier_saves_failed({"d2"})
+    side.finished_sending({"d2"})
+    assert side.take_events() == []  # a failed save is never published

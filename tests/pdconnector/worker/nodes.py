@@ -17,7 +17,6 @@ vLLM when a registration overtakes the announce the scheduler forwards.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,14 +29,9 @@ from pdconnector.worker.identity import EngineInfo, RankInfo
 from pdconnector.worker.side_channel import SideChannelClient, SideChannelServer
 from pdconnector.worker.transfer_worker import TransferWorker
 
+from tests.ports import free_port
+
 NODE_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
-
-
-def free_port(host: str = NODE_HOSTS[0]) -> int:
-    """A TCP port nobody listens on at ``host`` now: the side-channel port every node of an engine is told."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def spanning_engine(

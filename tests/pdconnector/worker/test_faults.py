@@ -35,7 +35,7 @@ from tests.pdconnector.worker.engines import (
     Engine,
     request_blocks,
 )
-from tests.pdconnector.worker.nodes import free_port
+from tests.ports import free_port
 
 NUM_BLOCKS = 16
 TOKENS = 40  # three logical blocks of the dense model

@@ -263,10 +263,11 @@ def specs(draw: Draw) -> dict[str, Any]:
     if drawn("kvCache", 1):
         # mostly with the pod memory the tier needs, sometimes without; sizes across the least one
         memory = edge(("64Gi", "1Mi", "3Mi", "4096Mi"), ("0", "lots", "-1Gi"))
-        put(spec, "kvCache", {"offload": {"decode": {"hostMemory": draw(memory)}}})
-        if chance(draw, 8):
-            decode = spec.setdefault("decode", {})
-            decode.setdefault("resources", {})["memory"] = "96Gi"
+        tiered = draw(one(("decode",), ("prefill",), ("prefill", "decode")))
+        put(spec, "kvCache", {"offload": {role: {"hostMemory": draw(memory)} for role in tiered}})
+        for role in tiered:
+            if chance(draw, 8):
+                spec.setdefault(role, {}).setdefault("resources", {})["memory"] = "96Gi"
     return spec
 
 

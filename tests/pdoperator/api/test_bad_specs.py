@@ -740,6 +740,16 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ],
     ),
     (
+        "prefill tier without pod memory, and smaller than a MiB per rank",
+        document({"kvCache": {"offload": {"prefill": {"hostMemory": "512Ki"}}}}),
+        [
+            "spec.prefill.resources.memory: required when spec.kvCache.offload.prefill is set (the pod's "
+            "memory request and limit grow by the tier's hostMemory)",
+            "spec.kvCache.offload.prefill.hostMemory: must be a Kubernetes quantity of at least 1Mi (1Mi for "
+            "each of the 1 ranks of a prefill pod), such as 64Gi",
+        ],
+    ),
+    (
         "decode tier size not a quantity",
         document(
             {

@@ -38,9 +38,30 @@ def scaled(**autoscaling: Any) -> dict[str, Any]:
 
 SPECULATIVE = '--speculative-config={"method":"ngram","num_speculative_tokens":2}'
 
-# rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
-DECODE_TIER = {"offload": {"decode": {"hostMemory": "64Gi"}}}
 TIER_MEMORY = {"resources": {"memory": "96Gi"}}
+
+
+def tier_samples(role: str) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """The samples of the KV tier rules of ``role``'s engines."""
+    tier = {"offload": {role: {"hostMemory": "64Gi"}}}
+    other = "decode" if role == "prefill" else "prefill"
+    return {
+        f"{role}-tier-dense-only": (
+            {"model": MODEL, "kvCache": tier, role: TIER_MEMORY},
+            {"model": HYBRID, "ssm": MAMBA2, "kvCache": tier, role: TIER_MEMORY},
+        ),
+        f"{role}-tier-builtin-vllm-only": (
+            {"model": MODEL, "kvCache": tier, role: TIER_MEMORY, "engine": {"connector": "builtin"}},
+            {"model": MODEL, "kvCache": tier, role: TIER_MEMORY, "engine": MOCK_ENGINE},
+        ),
+        f"{role}-tier-needs-pod-memory": (
+            {"model": MODEL, "kvCache": tier, role: TIER_MEMORY},
+            {"model": MODEL, "kvCache": tier, other: TIER_MEMORY},
+        ),
+    }
+
+
+# rule name -> (a spec that satisfies it, a spec that breaks it); neighbours differ in one respect.
 RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "hybrid-requires-ssm": ({"model": HYBRID, "ssm": {"family": "mamba2"}}, {"model": HYBRID}),
     "ssm-only-for-hybrid": ({"model": MODEL}, {"model": MODEL, "ssm": {"family": "mamba2"}}),
@@ -102,18 +123,7 @@ RULE_SAMPLES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": False}},
         {"model": HYBRID, "ssm": MAMBA2, "prefill": {"enablePrefixCaching": True}},
     ),
-    "decode-tier-dense-only": (
-        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
-        {"model": HYBRID, "ssm": MAMBA2, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
-    ),
-    "decode-tier-builtin-vllm-only": (
-        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY, "engine": {"connector": "builtin"}},
-        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY, "engine": MOCK_ENGINE},
-    ),
-    "decode-tier-needs-pod-memory": (
-        {"model": MODEL, "kvCache": DECODE_TIER, "decode": TIER_MEMORY},
-        {"model": MODEL, "kvCache": DECODE_TIER},
-    ),
+    **{name: samples for role in ("prefill", "decode") for name, samples in tier_samples(role).items()},
     "hybrid-decode-prefix-caching-off": (
         {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": False}},
         {"model": HYBRID, "ssm": {"family": "mamba2"}, "decode": {"enablePrefixCaching": True}},

@@ -1,5 +1,5 @@
-"""spec.kvCache.offload.decode in the rendered engines: each decode rank's connector gets its share of the
-tier, the decode pods' memory grows by it, and nothing else changes."""
+"""spec.kvCache.offload in the rendered engines: each rank's connector of a role with a tier gets its share
+of it, that role's pods' memory grows by it, and nothing else changes."""
 
 from __future__ import annotations
 
@@ -36,3 +36,17 @@ def test_without_a_tier_the_manifests_are_those_of_a_spec_without_the_field(make
     plain = make_pds({"decode": {"resources": {"memory": "96Gi"}}})
     empty = make_pds({"kvCache": {"offload": {}}, "decode": {"resources": {"memory": "96Gi"}}})
     assert render_pdservice(empty, RenderDefaults()) == render_pdservice(plain, RenderDefaults())
+
+
+def test_prefill_and_decode_tiers_are_each_their_own_roles(make_pds):
+    pds = make_pds(
+        {
+            "kvCache": {"offload": {"prefill": {"hostMemory": "8Gi"}, "decode": {"hostMemory": "64Gi"}}},
+            "prefill": {"tensorParallelSize": 2, "resources": {"memory": "16Gi"}},
+            "decode": {"tensorParallelSize": 2, "resources": {"memory": "96Gi"}},
+        }
+    )
+    assert kv_config(pds, "prefill")["kv_connector_extra_config"]["tier_bytes"] == 4 * 2**30
+    assert kv_config(pds, "decode")["kv_connector_extra_config"]["tier_bytes"] == 32 * 2**30
+    assert container(pds, "prefill")["resources"]["limits"]["memory"] == "24Gi"
+    assert container(pds, "decode")["resources"]["limits"]["memory"] == "160Gi"
