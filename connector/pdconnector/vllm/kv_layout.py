@@ -121,7 +121,7 @@ def check_supported(kv_cache_config: KVCacheConfig, *, speculative: bool) -> Non
 def kv_buffer_device(buffer_device: str, kv_caches: Mapping[str, Any]) -> Device:
     """The memory kind to register, checked against where vLLM put the cache (``kv_buffer_device`` names
     it)."""
-    tensors = [t for value in kv_caches.values() for t in layer_tensors(value)]
+    tensors = all_layer_tensors(kv_caches)
     on_gpu = {t.device.type == "cuda" for t in tensors}
     if on_gpu == {True} and buffer_device != "cuda":
         raise LayoutMismatch(
@@ -323,6 +323,11 @@ def check_groups(layout: RankLayout, kv_cache_config: KVCacheConfig) -> None:
 def layer_tensors(value: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A layer's KV cache tensors as vLLM registers them (one tensor, or several views of one page)."""
     return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def all_layer_tensors(kv_caches: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Every layer's KV cache tensors, in registration order."""
+    return [tensor for value in kv_caches.values() for tensor in layer_tensors(value)]
 
 
 def memory_regions(

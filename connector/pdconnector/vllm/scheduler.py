@@ -24,7 +24,9 @@ The KV tier (``tier_slots`` > 0, dense models): a decode request's blocks after 
 split between the tier (the leading run it holds, :func:`pdconnector.tier.split.split_prefix`) and prefill
 (the rest: the registration's ``cached_blocks`` grows by the run, a READ covers only the rest); a request that
 received its KV and finished normally has its computed full blocks saved (the prompt and what it generated,
-the next turn's history), its blocks freed once every rank copied them.
+the next turn's history), its blocks freed once every rank copied them. On prefill, the tier's run after the
+prefix-cache hits is loaded before the step computes the rest (:meth:`TierPlan.prefill_load`), and a prompt
+whose KV left for decode is saved after its transfer.
 """
 
 from __future__ import annotations
@@ -210,7 +212,9 @@ class SchedulerSide:
         if params is None or params.get(_STAGED_KEY):
             return 0, False
         if params.get("do_remote_decode") is True and self.tier is not None:
-            return self._prefill_tier_hit(request, num_computed_tokens), False
+            # vLLM may ask again before it allocates (no room this step): the latest answer is the one staged.
+            self._tier_hits[request.request_id] = num_computed_tokens // self.block_size
+            return self.tier.prefill_hit(request, num_computed_tokens), False
         if params.get("do_remote_prefill") is not True:
             return 0, False
         available = self.remote_token_count(request.num_prompt_tokens)
@@ -220,25 +224,17 @@ class SchedulerSide:
         count = available - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _prefill_tier_hit(self, request: Any, num_computed_tokens: int) -> int:
-        """Prefill: the tokens after vLLM's prefix-cache hits that its tier supplies, loaded synchronously
-        before the step computes the rest. At least one prompt token is left to compute (it samples the first
-        output token)."""
-        assert self.tier is not None
-        gpu_hits = num_computed_tokens // self.block_size
-        limit = (int(request.num_tokens) - 1) // self.block_size - gpu_hits
-        run = self.tier.readable_run(request, gpu_hits, limit) if limit > 0 else 0
-        # vLLM may ask again before it allocates (no room this step): the latest answer is the one staged.
-        self._tier_hits[request.request_id] = gpu_hits
-        return run * self.block_size
-
     def update_state_after_alloc(
         self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int
     ) -> None:
         params = self._params(request)
         gpu_hits = self._tier_hits.pop(request.request_id, None)
-        if gpu_hits is not None and params is not None and params.get("do_remote_decode") is True:
-            self._load_prefill_tier(request, block_groups, gpu_hits, num_external_tokens)
+        if gpu_hits is not None and self.tier is not None:
+            blocks = [block.block_id for block in block_groups[0]]
+            load, tokens = self.tier.prefill_load(request, blocks, gpu_hits, num_external_tokens)
+            self._stats.record_tokens(tokens)
+            if load is not None:
+                self._stage(load)
             return
         if params is None or params.get("do_remote_prefill") is not True or params.get(_STAGED_KEY):
             return
@@ -316,29 +312,6 @@ class SchedulerSide:
         return LoadFromTier(
             request.request_id, split.tier_slots, split.tier_blocks, then=rest, otherwise=full
         )
-
-    def _load_prefill_tier(
-        self, request: Any, block_groups: Sequence[Sequence[Block]], gpu_hits: int, num_external_tokens: int
-    ) -> None:
-        """Stage the load of the tier's run vLLM allocated for (its blocks follow the ``gpu_hits``
-        prefix-cache hits), which this step's forward reads."""
-        assert self.tier is not None
-        run = num_external_tokens // self.block_size
-        to_load = [block.block_id for block in block_groups[0][gpu_hits : gpu_hits + run]]
-        split = self.tier.split(request, to_load, gpu_hits) if run else None
-        # Nothing evicts between vLLM's two calls (saves are reserved when requests finish, after the step),
-        # so the run it was told of is still readable.
-        assert split is None or not split.remote_blocks, "the tier lost blocks between lookup and allocation"
-        computed = int(request.num_tokens) - (gpu_hits + run) * self.block_size
-        self._stats.record_tokens(
-            {
-                TokenSource.GPU: gpu_hits * self.block_size,
-                TokenSource.TIER: run * self.block_size,
-                TokenSource.COMPUTED: computed,
-            }
-        )
-        if split is not None:
-            self._stage(LoadFromTier(request.request_id, split.tier_slots, split.tier_blocks))
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if

@@ -14,7 +14,7 @@ from pdconnector.layout import RankLayout
 from pdconnector.tier.store import RankTier, TierStore, slot_bytes
 from pdconnector.transport.base import Device, MemoryRegion
 from pdconnector.vllm.config import ConnectorConfigError
-from pdconnector.vllm.kv_layout import layer_tensors
+from pdconnector.vllm.kv_layout import all_layer_tensors
 
 TIER_BYTES_KEY = "kv_connector_extra_config.tier_bytes"
 
@@ -56,7 +56,7 @@ def rank_tier(
             f"{block_bytes(kv_cache_config)}: the tier's slots would not fit its blocks",
         )
     store = TierStore(layout.regions, slots, pin_memory=regions[0].device is Device.VRAM)
-    tensors = [tensor for value in kv_caches.values() for tensor in layer_tensors(value)]
+    tensors = all_layer_tensors(kv_caches)
     return RankTier(store, [_region_view(region, tensors) for region in regions])
 
 

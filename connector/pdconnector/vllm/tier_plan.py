@@ -21,7 +21,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from pdconnector.tier.index import BlockHash, TierIndex
 from pdconnector.tier.split import PrefixSplit, split_prefix
-from pdconnector.vllm.metadata import SaveToTier
+from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
+from pdconnector.vllm.stats import TokenSource
 
 
 class TierPlan:
@@ -38,9 +39,35 @@ class TierPlan:
         self._events: list[KVCacheEvent] = []  # since the last take_events, in order
         self._failed: set[str] = set()  # requests whose save failed on some rank, until their save ended
 
-    def readable_run(self, request: Any, gpu_hits: int, limit: int) -> int:
-        """How many blocks after vLLM's ``gpu_hits`` the tier can supply, at most ``limit``."""
-        return len(self.index.longest_prefix(self.block_hashes(request)[gpu_hits : gpu_hits + limit]))
+    def prefill_hit(self, request: Any, num_computed_tokens: int) -> int:
+        """Prefill: the tokens after vLLM's prefix-cache hits (``num_computed_tokens``, whole blocks) its tier
+        supplies, loaded synchronously before the step computes the rest. At least one prompt token is left to
+        compute (it samples the first output token)."""
+        gpu_hits = num_computed_tokens // self.block_size
+        limit = (int(request.num_tokens) - 1) // self.block_size - gpu_hits
+        if limit <= 0:
+            return 0
+        hashes = self.block_hashes(request)[gpu_hits : gpu_hits + limit]
+        return len(self.index.longest_prefix(hashes)) * self.block_size
+
+    def prefill_load(
+        self, request: Any, block_ids: Sequence[int], gpu_hits: int, num_external_tokens: int
+    ) -> tuple[LoadFromTier | None, dict[TokenSource, int]]:
+        """Prefill: the load of the run vLLM allocated for after its ``gpu_hits`` prefix-cache hits
+        (``block_ids``: the request's attention blocks), and the request's prompt tokens by source."""
+        run = num_external_tokens // self.block_size
+        tokens = {
+            TokenSource.GPU: gpu_hits * self.block_size,
+            TokenSource.TIER: run * self.block_size,
+            TokenSource.COMPUTED: int(request.num_tokens) - (gpu_hits + run) * self.block_size,
+        }
+        if not run:
+            return None, tokens
+        split = self.split(request, block_ids[gpu_hits : gpu_hits + run], gpu_hits)
+        # Nothing evicts between vLLM's two calls (saves reserve slots when requests finish, outside its
+        # scheduling pass), so the run it was told of is still readable.
+        assert not split.remote_blocks, "the tier lost blocks between lookup and allocation"
+        return LoadFromTier(request.request_id, split.tier_slots, split.tier_blocks), tokens
 
     def split(self, request: Any, to_fill: Sequence[int], gpu_hits: int) -> PrefixSplit:
         """Where ``to_fill`` (the blocks after vLLM's ``gpu_hits`` prefix-cache hits) comes from."""

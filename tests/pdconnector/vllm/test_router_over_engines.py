@@ -207,7 +207,10 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 # what prefill would hold a transfer's blocks for if no abort reached it (pd_pair's transfer timeout)
 LEASE_S = 30.0
-ABORT_BOUND_S = 3.0
+# Freed on decode's abort, well before the lease: the outcome (cancelled, not expired) is the proof; the bound
+# only has to tell the two apart on a loaded machine (CI saw 3.8 s between the client leaving and prefill's
+# cache gauge showing the blocks freed, the gauge being updated at prefill's next logged step).
+ABORT_BOUND_S = LEASE_S / 3
 
 
 @pytest.mark.timeout(900)
