@@ -88,22 +88,13 @@ class TierPlan:
         self._events += [_removed(block_hash) for block_hash in self.index.take_evicted()]
         if not reserved:
             return None
-        saved = [
-            (block, block_hash)
-            for block, block_hash in zip(block_ids, hashes, strict=False)
-            if block_hash in reserved
-        ]
-        tokens = list(getattr(request, "all_token_ids", ()))
-        stored = [
-            self._stored(hashes, position, tokens)
-            for position, block_hash in enumerate(hashes)
-            if block_hash in reserved
-        ]
-        self._saving[request.request_id] = (tuple(block_hash for _, block_hash in saved), stored)
+        positions = [position for position, block_hash in enumerate(hashes) if block_hash in reserved]
+        stored = [self._stored(hashes, position, request.all_token_ids) for position in positions]
+        self._saving[request.request_id] = (tuple(hashes[position] for position in positions), stored)
         return SaveToTier(
             request.request_id,
-            tuple(block for block, _ in saved),
-            tuple(reserved[block_hash] for _, block_hash in saved),
+            tuple(block_ids[position] for position in positions),
+            tuple(reserved[hashes[position]] for position in positions),
             after_send=after_send,
         )
 
