@@ -2,7 +2,11 @@
 
 A slot is *free*, *being written* (a save in flight: not readable, not evictable), or *ready* (readable). A
 ready slot being read by a load is pinned (a count: several requests may load the same prefix) and is not
-evicted; ready slots nobody reads are evicted least recently used first when a save needs room. A hash is
+evicted; ready slots nobody reads are evicted least recently used first when a save needs room. A prompt's
+blocks are used as a chain, head first, and a hit is a chain's prefix: so each use refreshes a chain tail
+first, leaving its head the most recent, and eviction takes a conversation's last blocks before its first
+(what stays is still a readable prefix; evicting the head would strand the rest). A save never evicts the
+chain it saves. A hash is
 readable only once its save was committed, so a load never reads a block before it landed, and a save that
 failed gives its slot back. vLLM's block hashes chain each block to everything before it, so a hit is the same
 tokens at the same positions (of the same model: a tier belongs to one engine).
@@ -60,12 +64,18 @@ class TierIndex:
         if any(entry is None or not entry.ready for entry in entries):
             raise KeyError(f"not every hash is ready to read: {hashes}")
         slots = []
-        for block_hash, entry in zip(hashes, entries, strict=True):
+        for entry in entries:
             assert entry is not None
             entry.readers += 1
-            self._entries.move_to_end(block_hash)
             slots.append(entry.slot)
+        self.touch(hashes)
         return slots
+
+    def touch(self, chain: Sequence[BlockHash]) -> None:
+        """A prompt used ``chain`` (head first): its held hashes become the most recently used, tail first."""
+        for block_hash in reversed(chain):
+            if block_hash in self._entries:
+                self._entries.move_to_end(block_hash)
 
     def unpin(self, hashes: Iterable[BlockHash]) -> None:
         for block_hash in hashes:
@@ -74,29 +84,32 @@ class TierIndex:
                 raise ValueError(f"{block_hash!r} is not being read")
             entry.readers -= 1
 
-    def reserve(self, hashes: Iterable[BlockHash]) -> dict[BlockHash, int]:
-        """Slots to save ``hashes`` into, evicting unread ready blocks least recently used first; a hash the
-        tier holds or is writing already gets none (it is saved once). Stops when no slot can be freed: the
-        hashes without a slot are not saved."""
+    def reserve(self, chain: Sequence[BlockHash]) -> dict[BlockHash, int]:
+        """Slots to save ``chain``'s blocks (a prompt's, head first) into, evicting unread ready blocks of
+        other chains least recently used first; a hash the tier holds or is writing already gets none (it
+        is saved once, and is touched). Stops when no slot can be freed: the hashes without one are not
+        saved."""
+        self.touch(chain)
+        own = set(chain)
         reserved: dict[BlockHash, int] = {}
-        for block_hash in hashes:
+        for block_hash in chain:
             if block_hash in self._entries or block_hash in reserved:
                 continue
-            slot = self._take_slot()
+            slot = self._take_slot(keep=own)
             if slot is None:
                 break
             self._entries[block_hash] = _Entry(slot)
             reserved[block_hash] = slot
         return reserved
 
-    def commit(self, hashes: Iterable[BlockHash]) -> None:
-        """The saves of ``hashes`` landed: readable from now on."""
+    def commit(self, hashes: Sequence[BlockHash]) -> None:
+        """The saves of ``hashes`` (a run of a chain, head first) landed: readable from now on."""
         for block_hash in hashes:
             entry = self._entries[block_hash]
             if entry.ready:
                 raise ValueError(f"{block_hash!r} was committed already")
             entry.ready = True
-            self._entries.move_to_end(block_hash)
+        self.touch(hashes)
 
     def abandon(self, hashes: Iterable[BlockHash]) -> None:
         """The saves of ``hashes`` failed: their slots are free again."""
@@ -112,11 +125,11 @@ class TierIndex:
         evicted, self._evicted = self._evicted, []
         return evicted
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, keep: set[BlockHash]) -> int | None:
         if self._free:
             return self._free.pop()
         for block_hash, entry in self._entries.items():
-            if entry.ready and entry.readers == 0:
+            if entry.ready and entry.readers == 0 and block_hash not in keep:
                 del self._entries[block_hash]
                 self.evictions += 1
                 self._evicted.append(block_hash)

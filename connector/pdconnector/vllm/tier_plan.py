@@ -14,6 +14,7 @@ which prompts it can serve from host memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
@@ -25,6 +26,13 @@ from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
 from pdconnector.vllm.stats import TokenSource
 
 
+@dataclass(frozen=True)
+class _Saving:
+    chain: tuple[BlockHash, ...]  # the prompt's saved prefix, head first
+    written: tuple[BlockHash, ...]  # those the tier lacked: the save writes them
+    stored: list[KVCacheEvent]  # their events, published once readable
+
+
 class TierPlan:
     def __init__(self, slots: int, *, block_size: int, hash_block_size: int) -> None:
         if block_size % hash_block_size:
@@ -34,8 +42,7 @@ class TierPlan:
         self.index = TierIndex(slots)
         self.block_size = block_size
         self._hashes_per_block = block_size // hash_block_size
-        # request id -> the hashes its save writes, and their events once readable
-        self._saving: dict[str, tuple[tuple[BlockHash, ...], list[KVCacheEvent]]] = {}
+        self._saving: dict[str, _Saving] = {}  # by request id
         self._events: list[KVCacheEvent] = []  # since the last take_events, in order
         self._failed: set[str] = set()  # requests whose save failed on some rank, until their save ended
 
@@ -90,7 +97,8 @@ class TierPlan:
             return None
         positions = [position for position, block_hash in enumerate(hashes) if block_hash in reserved]
         stored = [self._stored(hashes, position, request.all_token_ids) for position in positions]
-        self._saving[request.request_id] = (tuple(hashes[position] for position in positions), stored)
+        written = tuple(hashes[position] for position in positions)
+        self._saving[request.request_id] = _Saving(tuple(hashes), written, stored)
         return SaveToTier(
             request.request_id,
             tuple(block_ids[position] for position in positions),
@@ -108,13 +116,13 @@ class TierPlan:
         saving = self._saving.pop(request_id, None)
         if saving is None:
             return
-        hashes, stored = saving
         if request_id in self._failed:
             self._failed.discard(request_id)
-            self.index.abandon(hashes)
+            self.index.abandon(saving.written)
         else:
-            self.index.commit(hashes)
-            self._events += stored
+            self.index.commit(saving.written)
+            self.index.touch(saving.chain)  # the prompt's held prefix and its new blocks: one chain
+            self._events += saving.stored
 
     def take_events(self) -> list[KVCacheEvent]:
         """The tier's KV cache events since the last call, in order."""

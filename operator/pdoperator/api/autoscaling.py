@@ -138,7 +138,8 @@ class AutoscalingSpec(ApiModel):
     scale_down_window_seconds: Annotated[
         int,
         Field(
-            description="A role scales down to the largest need seen over this window, once it covers it.",
+            description="A role scales down to the largest need seen over this window, once it served "
+            "through the whole window with the engines it has; a step keeps at least half of them.",
             ge=0,
             le=86400,
         ),

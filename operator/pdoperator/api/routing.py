@@ -41,6 +41,15 @@ class CacheAwareSpec(ApiModel):
             le=MAX_WEIGHT,
         ),
     ] = 1
+    tier_weight_percent: Annotated[
+        int,
+        Field(
+            description="Worth of a prompt token in an engine's KV tier (spec.kvCache.offload) against one "
+            "in its GPU cache, in percent: loaded, not computed.",
+            ge=0,
+            le=100,
+        ),
+    ] = 80
     load_weight: Annotated[
         int,
         Field(description="Weight of the prompt tokens already queued at a prefill.", ge=0, le=MAX_WEIGHT),

@@ -9,7 +9,10 @@ the engines it had, so a load near its target holds still.
 
 Windows damp the decision as Kubernetes' HPA stabilisation does: a role scales up to the smallest need of the
 scale-up window (a load that lasted the window, not a spike) and down to the largest need of the scale-down
-window, only once the samples cover that whole window (the load stayed low that long). Bounds and the
+window, only once the role served with its engines through that whole window (the load stayed low that long
+on them). A scale-down keeps half a role's engines, rounded down (an HPA's 50 % per period policy): a latency
+well under its target does not say how few engines would hold it (queueing makes latency grow faster than the
+load per engine), so the role steps down and measures again at the new count. Bounds and the
 prefill:decode ratio range come last: of the replica pairs inside both, the planner picks the one that leaves
 the least need uncovered, then the fewest engines, then the closest to the needs; so a role is never held
 below what it needs to keep the ratio, unless its maximum forces it.
@@ -159,14 +162,12 @@ def need(policy: Policy, sample: Sample, role: EngineRole) -> Need:
 def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: float) -> Decision:
     """The replicas each role should have at ``now`` given the samples so far (any order) and what the roles
     have; the reason names the signal and window behind each change. Samples older than the scale-down window
-    only say that the window is covered: keep one such sample, or no role ever scales down."""
+    only say that the window is covered: keep the newest such sample, or no role ever scales down."""
     recent = sorted(
         (s for s in history if now - policy.scale_down_window_s <= s.at <= now), key=lambda s: s.at
     )
     if not recent:
         return _fit(policy, current, "no metrics in the scale-down window: holding")
-    # the scale-down window is covered once a sample that old exists
-    covered = any(s.at <= now - policy.scale_down_window_s for s in history)
     up_window = [s for s in recent if s.at >= now - policy.scale_up_window_s] or recent[-1:]
     wanted: dict[EngineRole, int] = {}
     reasons: list[str] = []
@@ -180,16 +181,29 @@ def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: floa
                 f"{role} {have} -> {up.replicas}: {up.signal} at {up.pressure:.2f}x its target through "
                 f"{policy.scale_up_window_s:g} s"
             )
-        elif down.replicas < have and covered:
-            wanted[role] = down.replicas
+        elif down.replicas < have and _served_through(history, role, have, now - policy.scale_down_window_s):
+            wanted[role] = max(down.replicas, have // 2)
+            halved = " (half at a time)" if wanted[role] > down.replicas else ""
             reasons.append(
-                f"{role} {have} -> {down.replicas}: {down.signal} at most {down.pressure:.2f}x its target "
-                f"through {policy.scale_down_window_s:g} s"
+                f"{role} {have} -> {wanted[role]}{halved}: {down.signal} at most {down.pressure:.2f}x its "
+                f"target through {policy.scale_down_window_s:g} s"
             )
         else:
             wanted[role] = have
     needs = Replicas(wanted[EngineRole.PREFILL], wanted[EngineRole.DECODE])
     return _fit(policy, needs, "; ".join(reasons) or "within targets: holding")
+
+
+def _served_through(history: Sequence[Sample], role: EngineRole, engines: int, since: float) -> bool:
+    """Whether ``role`` served with ``engines`` engines from ``since`` on: a sample at or before ``since``
+    says the window is covered, and every interval ending after it had that count."""
+    return any(s.at <= since for s in history) and all(
+        _replicas(s, role) == engines for s in history if s.at > since
+    )
+
+
+def _replicas(sample: Sample, role: EngineRole) -> int:
+    return sample.prefill_replicas if role is EngineRole.PREFILL else sample.decode_replicas
 
 
 def feasible_pairs(policy: Policy) -> list[Replicas]:

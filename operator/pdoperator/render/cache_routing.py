@@ -81,6 +81,7 @@ def router_cache_aware(spec: PDServiceSpec) -> CacheAware | None:
         kv_events_topic=KV_EVENTS_TOPIC,
         kv_events_replay=publishes_kv_events(spec),
         prefix_weight=settings.prefix_weight,
+        tier_weight=settings.tier_weight_percent / 100,
         load_weight=settings.load_weight,
         max_imbalance=settings.max_imbalance,
         kv_usage_weight=settings.kv_usage_weight,

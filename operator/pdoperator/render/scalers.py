@@ -25,6 +25,7 @@ from .names import ComponentRole, child_name, object_meta
 
 HPA_METRIC_NAMES = {name: name.replace(":", "_") for name in (ENGINE_WAITING, ENGINE_RUNNING)}
 LATENCY_RATE_WINDOW = "1m"
+_HPA_MAX_PERIOD_S = 1800  # autoscaling/v2 HPAScalingPolicy.periodSeconds
 
 
 def render_scalers(pds: PDService) -> list[dict[str, Any]]:
@@ -45,9 +46,13 @@ def _target(pds: PDService, role: ComponentRole) -> dict[str, str]:
 
 
 def _behavior(scaling: AutoscalingSpec) -> dict[str, Any]:
+    """The builtin planner's windows, and its halving: a scale-down keeps half a role's engines per window (an
+    HPA's policy period lies in 1..1800 s)."""
+    window = scaling.scale_down_window_seconds
+    halving = {"type": "Percent", "value": 50, "periodSeconds": min(max(window, 1), _HPA_MAX_PERIOD_S)}
     return {
         "scaleUp": {"stabilizationWindowSeconds": scaling.scale_up_window_seconds},
-        "scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_window_seconds},
+        "scaleDown": {"stabilizationWindowSeconds": window, "policies": [halving]},
     }
 
 

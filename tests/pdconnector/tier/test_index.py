@@ -45,6 +45,27 @@ def test_room_is_made_by_evicting_the_least_recently_used_block_nobody_reads():
     assert "c" not in index and index.evictions == 1
 
 
+def test_a_chain_is_evicted_from_its_tail_so_what_stays_is_still_a_prefix():
+    index = TierIndex(4)
+    a, b, _ = saved(index, "a", "b", "c")  # one prompt's blocks, head first
+    saved(index, "x")
+    assert index.reserve(["y"]).keys() == {"y"}  # evicts c, the chain's last block
+    assert index.longest_prefix(["a", "b", "c"]) == [a, b]
+    index.touch(["a", "b"])  # a later prompt used the chain: newer than x and y
+    index.commit(["y"])
+    assert index.reserve(["z"]).keys() == {"z"} and "x" not in index
+
+
+def test_a_save_never_evicts_the_prefix_of_the_chain_it_saves():
+    index = TierIndex(3)
+    saved(index, "a", "b")
+    saved(index, "x")
+    index.pin(["x"])  # being read: only a and b could make room
+    assert index.reserve(["a", "b", "c"]) == {}  # evicting a or b would strand c
+    index.unpin(["x"])
+    assert index.reserve(["a", "b", "c"]).keys() == {"c"} and "x" not in index
+
+
 def test_blocks_being_read_or_written_are_never_evicted_so_a_full_tier_saves_nothing_more():
     index = TierIndex(2)
     saved(index, "a")

@@ -259,8 +259,30 @@ def test_what_the_tier_holds_is_published_as_cpu_kv_events_once_readable_and_whe
     other.block_hashes = [b"x0"]  # type: ignore[attr-defined]
     other.num_computed_tokens = 16
     received_and_finished(side, other, [11])
-    (removed,) = side.take_events()
-    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored[0].block_hashes
+    (removed,) = side.take_events()  # the conversation's last block: its first two are still a prefix
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored[2].block_hashes
     side.tier_saves_failed({"d2"})
     side.finished_sending({"d2"})
     assert side.take_events() == []  # a failed save is never published
+
+
+def test_eviction_takes_a_conversations_last_blocks_first_and_a_new_turn_keeps_its_history_whole() -> None:
+    plan = TierPlan(4, block_size=BLOCK, hash_block_size=BLOCK)
+
+    def save(request_id: str, *hashes: str) -> None:
+        made = FakeRequest(request_id, None, list(range(len(hashes) * BLOCK)))
+        made.block_hashes = [h.encode() for h in hashes]  # type: ignore[attr-defined]
+        made.num_computed_tokens = made.num_tokens
+        plan.save(made, list(range(len(hashes))))
+        plan.saved(request_id)
+
+    def held(*hashes: str) -> int:
+        return len(plan.index.longest_prefix([h.encode() for h in hashes]))
+
+    save("a-turn-1", "a0", "a1")
+    save("b", "b0")
+    save("a-turn-2", "a0", "a1", "a2")  # the history is used again: the whole conversation is the newest
+    save("c", "c0")  # evicts b0, the least recently used
+    assert (held("b0"), held("a0", "a1", "a2")) == (0, 3)
+    save("d", "d0")  # then the conversation's last block, not its first: the rest is still a prefix
+    assert held("a0", "a1", "a2") == 2

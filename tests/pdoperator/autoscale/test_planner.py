@@ -1,6 +1,6 @@
 """The autoscaling planner as a specification: never outside the bounds or the ratio range, still on a steady
-load, up within one window of a step, down only after its window, and a closed loop over a capacity model that
-settles instead of flapping."""
+load, up within one window of a step, down only after its window and by half at a time, and a closed loop over
+a capacity model that settles instead of flapping."""
 
 from __future__ import annotations
 
@@ -124,16 +124,26 @@ def test_a_step_up_scales_up_once_it_lasted_the_scale_up_window_and_not_before()
     assert "make it prefill 6, decode 3" in decision.reason
 
 
-def test_a_drop_scales_down_only_after_the_scale_down_window() -> None:
+def test_a_drop_scales_down_only_after_the_scale_down_window_and_by_half_a_role_per_window() -> None:
     current = Replicas(6, 4)
     busy = steady(current, 500.0, ttft_s=0.5, tpot_s=0.05, since=300.0)
-    quiet = steady(current, 800.0, ttft_s=0.1, tpot_s=0.01, since=505.0)  # a fifth of both targets
+    quiet = steady(current, 630.0, ttft_s=0.1, tpot_s=0.01, since=505.0)  # a fifth of both targets
     history = busy + quiet
     for now in (520.0, 560.0, 600.0, 620.0):  # the busy samples are still inside the 120 s window
         assert plan(POLICY, [s for s in history if s.at <= now], current, now).replicas == current, now
-    decision = plan(POLICY, [s for s in history if s.at <= 630.0], current, 630.0)
-    assert decision.replicas == Replicas(2, 1)  # ceil(6 / 5) and ceil(4 / 5), within the 0.25-2 ratio
-    assert "through 120 s" in decision.reason
+    decision = plan(POLICY, history, current, 630.0)
+    # the quiet load needs ceil(6 / 5) and ceil(4 / 5) engines; a scale-down keeps half of each role
+    assert decision.replicas == Replicas(3, 2)
+    assert "prefill 6 -> 3 (half at a time): ttft at most 0.20x its target through 120 s" in decision.reason
+    # the next step down waits for a whole window measured at the new count, though the need said less
+    halved = decision.replicas
+    history += steady(
+        halved, 900.0, ttft_s=0.2, tpot_s=0.02, since=635.0
+    )  # the same load on half the engines
+    for now in (640.0, 700.0, 745.0):
+        assert plan(POLICY, [s for s in history if s.at <= now], halved, now).replicas == halved, now
+    # on half the engines the load needs ceil(3 x 0.4) and ceil(2 x 0.4): what the first window said it would
+    assert plan(POLICY, [s for s in history if s.at <= 750.0], halved, 750.0).replicas == Replicas(2, 1)
 
 
 def test_the_ratio_range_raises_the_role_that_falls_short_instead_of_starving_the_other() -> None:
@@ -184,13 +194,15 @@ def test_a_closed_loop_follows_a_ramp_and_settles_without_flapping() -> None:
     # the first ramp step: prefill needs 2 of capacity 1 each, decode 1 of capacity 2; both within a window
     assert by_time[60.0] == Replicas(2, 1)
     assert by_time[300.0 + UP_S + INTERVAL_S] == Replicas(6, 3)
-    assert by_time[900.0 + DOWN_S + 2 * INTERVAL_S] == Replicas(2, 1)
+    # down in halves, a scale-down window at each count: 6 -> 3 prefill, then the 2 the load needs
+    assert by_time[900.0 + DOWN_S + 2 * INTERVAL_S] == Replicas(3, 2)
+    assert by_time[900.0 + 2 * DOWN_S + 5 * INTERVAL_S] == Replicas(2, 1)
     # between the steps, once settled, nothing moves
-    for start, end in ((100.0, 300.0), (400.0, 900.0), (1100.0, trace[-1][0])):
+    for start, end in ((100.0, 300.0), (400.0, 900.0), (1150.0, trace[-1][0])):
         settled = {replicas for at, replicas in trace if start <= at < end}
         assert len(settled) == 1, (start, end, settled)
     changes = sum(a != b for (_, a), (_, b) in itertools.pairwise(trace))
-    assert changes <= 4
+    assert changes <= 5
 
 
 def test_policies_that_cannot_hold_their_ratio_or_bounds_are_refused_by_name() -> None:

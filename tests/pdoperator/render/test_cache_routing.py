@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from pdoperator.render import RenderDefaults, build_router_config, render_pdservice
 
 from tests.pdoperator.render.conftest import VARIANTS, pds_from_spec
@@ -52,6 +53,21 @@ def test_the_router_hashes_as_the_engines_do_and_subscribes_to_both_roles():
     assert config.cache_aware.kv_events_replay  # a router that starts late asks the engines what they hold
     assert config.cache_aware.max_imbalance == 2
     assert config.prefill.kv_events_port == config.decode.kv_events_port == 5557
+
+
+@pytest.mark.parametrize(("percent", "weight"), [(None, 0.8), (50, 0.5), (0, 0.0)])
+def test_a_token_in_an_engines_kv_tier_weighs_tier_weight_percent_of_a_cached_one(
+    percent: int | None, weight: float
+) -> None:
+    cache_aware = {**VARIANTS["cache-aware"]["router"]["cacheAware"]}
+    if percent is not None:
+        cache_aware["tierWeightPercent"] = percent
+    spec = {
+        **VARIANTS["cache-aware"],
+        "router": {**VARIANTS["cache-aware"]["router"], "cacheAware": cache_aware},
+    }
+    config = build_router_config(pds_from_spec(spec), RenderDefaults())
+    assert config.cache_aware is not None and config.cache_aware.tier_weight == weight
 
 
 def test_the_router_alone_is_admitted_to_the_events_and_replay_ports():

@@ -36,7 +36,10 @@ def test_hpa_scales_each_statefulset_on_its_queue_per_engine(make_pds, defaults)
         assert name in statefulsets
         assert scaler["spec"]["behavior"] == {
             "scaleUp": {"stabilizationWindowSeconds": 15},
-            "scaleDown": {"stabilizationWindowSeconds": 600},
+            "scaleDown": {
+                "stabilizationWindowSeconds": 600,
+                "policies": [{"type": "Percent", "value": 50, "periodSeconds": 600}],
+            },
         }
     prefill, decode = scalers["svc-prefill"]["spec"], scalers["svc-decode"]["spec"]
     assert (prefill["minReplicas"], prefill["maxReplicas"]) == (1, 4)
@@ -62,7 +65,8 @@ def test_keda_scales_prefill_on_router_ttft_and_waiting_prompts_decode_on_tpot(m
     assert prefill["scaleTargetRef"]["name"] == "svc-prefill"
     assert (prefill["minReplicaCount"], prefill["maxReplicaCount"]) == (0, 4)
     assert prefill["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
-        "stabilizationWindowSeconds": 300
+        "stabilizationWindowSeconds": 300,
+        "policies": [{"type": "Percent", "value": 50, "periodSeconds": 300}],
     }
     ttft, waiting = prefill["triggers"]
     assert ttft["metricType"] == "Value"
