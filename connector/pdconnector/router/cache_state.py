@@ -94,7 +94,8 @@ class CacheState:
 
         Also where the engine publishes events: they report blocks once computed, so a follow-up sent while
         this prompt is still being prefilled would otherwise miss them (and its prefix be computed twice, on
-        two engines). What the engine evicts, its events remove."""
+        two engines). What the engine evicts, its events remove. A prefill with a KV tier saves the prompts
+        it computed there once their KV left, so its tier index learns them too."""
         if prompt is None:
             return
         self.metrics.prefix_tokens.labels("prompt").inc(prompt.token_count)
@@ -102,6 +103,9 @@ class CacheState:
         self.metrics.prefix_tokens.labels("tier").inc(prompt.tier_tokens(prefill))
         if prefill.prefix_index is not None:
             prefill.prefix_index.store(prompt.hashes)
+        feed = self.feeds.get(_key(prefill))
+        if feed is not None and feed.has_tier and prefill.tier_index is not None:
+            prefill.tier_index.store(prompt.hashes)
 
     async def close(self) -> None:
         await self.subscriptions.close()

@@ -62,13 +62,18 @@ class EventFeed:
     last_seq: int | None = None
     gaps: int = 0
     restarts: int = 0
+    # The engine published a block of its KV tier: it has one, so what is routed there lands in it too. Kept
+    # when the indexes are cleared: a tier's events name only what it newly wrote, so after a lost batch the
+    # router relearns the prefixes a tier still holds from the prompts routed there.
+    has_tier: bool = False
 
     def reset(self) -> None:
         """Forget everything (the engine restarted or left, or the subscription was re-made)."""
-        self._clear()
+        self.clear()
         self.last_seq = None
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
+        """Forget what the indexes hold: they may be behind the engine."""
         self.index.clear()
         if self.tier_index is not None:
             self.tier_index.clear()
@@ -77,17 +82,17 @@ class EventFeed:
         outcome = FeedOutcome.APPLIED
         if self.last_seq is not None and seq <= self.last_seq:
             self.restarts += 1
-            self._clear()
+            self.clear()
             outcome = FeedOutcome.RESTART
         elif self.last_seq is not None and seq > self.last_seq + 1:
             self.gaps += 1
-            self._clear()
+            self.clear()
             outcome = FeedOutcome.GAP
         self.last_seq = seq
         try:
             events = _events(msgspec.msgpack.decode(payload))
         except (msgspec.DecodeError, ValueError):
-            self._clear()
+            self.clear()
             return FeedOutcome.MALFORMED
         for event in events:
             self._apply_event(event)
@@ -99,6 +104,7 @@ class EventFeed:
             self.index.clear()
             return
         medium = event.get("medium")
+        self.has_tier = self.has_tier or medium == TIER_MEDIUM
         index = self.index if medium in PRIMARY_MEDIA else self.tier_index if medium == TIER_MEDIUM else None
         if index is None:
             return
@@ -150,7 +156,7 @@ def _take(subscription: Subscription, frames: list[bytes], *, skip_seen: bool = 
     except ValueError as error:
         extra = {"endpoint": subscription.endpoint, "error": str(error)}
         log.warning("KV event message ignored", extra=extra)
-        feed.index.clear()
+        feed.clear()
         return
     if skip_seen and feed.last_seq is not None and seq <= feed.last_seq:
         return

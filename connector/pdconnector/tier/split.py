@@ -5,7 +5,9 @@ rest. With a tier, the longest run of those blocks whose hashes the tier holds (
 first block to fill) is loaded from host memory, and only the blocks after that run come from prefill: the
 registration's ``cached_blocks`` grows by the run, so prefill skips it (push), or decode reads only the rest
 (pull). Each block has exactly one source, so no block is moved twice. The run's slots are pinned in the index
-until the load ends (:meth:`TierIndex.unpin`), so a save cannot evict a block being read.
+(:meth:`TierIndex.pin`) until the caller unpins them: for as long as the load may still read them, no save can
+evict them. Today's loads are copies each rank makes when it takes its command, before any later command's
+save, so the caller unpins at once (:meth:`pdconnector.vllm.tier_plan.TierPlan.split`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def split_prefix(
     prompt order) between the tier and prefill. ``block_hashes``: the request's hashes of its full blocks
     (vLLM's ``request.block_hashes``), from the first block of the prompt.
 
-    Pins the tier run: the caller unpins ``tier_hashes`` once the load ended, failed or was dropped."""
+    Pins the tier run: the caller unpins ``tier_hashes`` once no load can read it any more."""
     if gpu_hits < 0 or gpu_hits > len(block_hashes):
         raise ValueError(f"{gpu_hits} prefix-cache hits for a prompt of {len(block_hashes)} full blocks")
     # Only full blocks have hashes: a partial last block is never in the tier; it always comes from prefill.

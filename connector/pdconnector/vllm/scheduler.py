@@ -134,11 +134,6 @@ class SchedulerSide:
         self.block_size = block_size
         self.finished_statuses = finished_statuses
         self.backoff_tokens = 1 if ssm_groups else 0
-        if tier_slots and (ssm_groups or num_groups != 1):
-            raise ValueError(
-                "kv_connector_extra_config.tier_bytes: the KV tier holds the blocks of one attention group; "
-                f"this model has {num_groups} KV cache groups ({len(ssm_groups)} of SSM state)"
-            )
         self.tier = (
             TierPlan(tier_slots, block_size=block_size, hash_block_size=hash_block_size or block_size)
             if tier_slots
@@ -153,8 +148,8 @@ class SchedulerSide:
         self._received: dict[str, _Incoming] = {}  # decode requests that received, until they finish
         self._holding: dict[str, str] = {}  # prefill request id -> transfer id, blocks kept for decode
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
-        # prefill requests looked up in the tier -> their prefix-cache hits, until vLLM allocates their blocks
-        self._tier_hits: dict[str, int] = {}
+        # prefill requests looked up in the tier -> their prefix-cache hits (blocks), until vLLM allocates
+        self._prefill_gpu_hits: dict[str, int] = {}
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
@@ -205,7 +200,7 @@ class SchedulerSide:
             else num_prompt_tokens
         )
 
-    # --- decode ---------------------------------------------------------------------------------------------
+    # --- external tokens: decode's from prefill, prefill's from its KV tier ---------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = self._params(request)
@@ -213,7 +208,7 @@ class SchedulerSide:
             return 0, False
         if params.get("do_remote_decode") is True and self.tier is not None:
             # vLLM may ask again before it allocates (no room this step): the latest answer is the one staged.
-            self._tier_hits[request.request_id] = num_computed_tokens // self.block_size
+            self._prefill_gpu_hits[request.request_id] = num_computed_tokens // self.block_size
             return self.tier.prefill_hit(request, num_computed_tokens), False
         if params.get("do_remote_prefill") is not True:
             return 0, False
@@ -228,11 +223,12 @@ class SchedulerSide:
         self, request: Any, block_groups: Sequence[Sequence[Block]], num_external_tokens: int
     ) -> None:
         params = self._params(request)
-        gpu_hits = self._tier_hits.pop(request.request_id, None)
+        gpu_hits = self._prefill_gpu_hits.pop(request.request_id, None)
         if gpu_hits is not None and self.tier is not None:
             blocks = [block.block_id for block in block_groups[0]]
             load, tokens = self.tier.prefill_load(request, blocks, gpu_hits, num_external_tokens)
-            self._stats.record_tokens(tokens)
+            if not getattr(request, "num_preemptions", 0):  # a preempted prompt was counted when admitted
+                self._stats.record_tokens(tokens)
             if load is not None:
                 self._stage(load)
             return
@@ -471,7 +467,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
-        self._tier_hits.pop(request_id, None)
+        self._prefill_gpu_hits.pop(request_id, None)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

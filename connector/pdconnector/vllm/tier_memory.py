@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from pdconnector.layout import RankLayout
 from pdconnector.tier.store import RankTier, TierStore, slot_bytes
@@ -26,9 +26,17 @@ def block_bytes(kv_cache_config: KVCacheConfig) -> int:
 
 
 def tier_slots(tier_bytes: int, kv_cache_config: KVCacheConfig) -> int:
-    """The blocks ``tier_bytes`` of host memory hold per rank; refuses a tier too small for one block."""
+    """The blocks ``tier_bytes`` of host memory hold per rank. Refuses a tier too small for one block, and a
+    model whose KV cache is not one group of full attention: SSM state is rewritten in place, and vLLM
+    replaces the blocks a sliding window left behind with its null block in the lists the tier saves from."""
     if not tier_bytes:
         return 0
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
+        raise ConnectorConfigError(
+            TIER_BYTES_KEY, f"the KV tier holds one group of full attention; this model's KV cache is {kinds}"
+        )
     per_block = block_bytes(kv_cache_config)
     if tier_bytes < per_block:
         raise ConnectorConfigError(

@@ -309,7 +309,8 @@ class EngineSpec(ApiModel):
         KVLoadFailurePolicy,
         Field(
             description="What decode does when KV cannot be received: fail the request, or recompute the "
-            "prompt locally."
+            "prompt locally. A prefill with a KV tier (spec.kvCache.offload.prefill) always recomputes what "
+            "its tier could not load."
         ),
     ] = KVLoadFailurePolicy.FAIL
     transfer_timeout_seconds: Annotated[

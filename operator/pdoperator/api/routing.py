@@ -44,8 +44,9 @@ class CacheAwareSpec(ApiModel):
     tier_weight_percent: Annotated[
         int,
         Field(
-            description="Worth of a prompt token in an engine's KV tier (spec.kvCache.offload) against one "
-            "in its GPU cache, in percent: loaded, not computed.",
+            description="Prefill: worth of a prompt token in an engine's KV tier (spec.kvCache.offload) "
+            "against one in its GPU cache, in percent of prefixWeight (loaded, not computed). Decode counts "
+            "the tokens its tier holds as held.",
             ge=0,
             le=100,
         ),

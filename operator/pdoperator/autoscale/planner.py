@@ -9,17 +9,19 @@ the engines it had, so a load near its target holds still.
 
 Windows damp the decision as Kubernetes' HPA stabilisation does: a role scales up to the smallest need of the
 scale-up window (a load that lasted the window, not a spike) and down to the largest need of the scale-down
-window, only once the role served with its engines through that whole window (the load stayed low that long
-on them). A scale-down keeps half a role's engines, rounded down (an HPA's 50 % per period policy): a latency
-well under its target does not say how few engines would hold it (queueing makes latency grow faster than the
-load per engine), so the role steps down and measures again at the new count. Bounds and the
-prefill:decode ratio range come last: of the replica pairs inside both, the planner picks the one that leaves
-the least need uncovered, then the fewest engines, then the closest to the needs; so a role is never held
-below what it needs to keep the ratio, unless its maximum forces it.
+window, only once that whole window was measured on no more engines than the role has (the load stayed low
+that long on them; an engine that missed a scrape does not hold it back). A scale-down keeps half a role's
+engines, rounded down (an HPA's 50 % per period policy): a latency well under its target does not say how few
+engines would hold it (queueing makes latency grow faster than the load per engine), so the role steps down
+and measures again at the new count. Bounds and the prefill:decode ratio range come last: of the replica pairs
+inside both, the planner picks the one that leaves the least need uncovered, then the fewest engines, then the
+closest to the needs; so a role is never held below what it needs to keep the ratio, unless its maximum forces
+it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,14 +176,16 @@ def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: floa
     for role in EngineRole:
         have = current.of(role)
         up = min((need(policy, s, role) for s in up_window), key=lambda n: n.replicas)
-        down = max((need(policy, s, role) for s in recent), key=lambda n: n.replicas)
+        down = max((_need_to_keep(policy, s, role, have) for s in recent), key=lambda n: n.replicas)
         if up.replicas > have:
             wanted[role] = up.replicas
             reasons.append(
                 f"{role} {have} -> {up.replicas}: {up.signal} at {up.pressure:.2f}x its target through "
                 f"{policy.scale_up_window_s:g} s"
             )
-        elif down.replicas < have and _served_through(history, role, have, now - policy.scale_down_window_s):
+        elif down.replicas < have and _measured_on_at_most(
+            history, role, have, now - policy.scale_down_window_s
+        ):
             wanted[role] = max(down.replicas, have // 2)
             halved = " (half at a time)" if wanted[role] > down.replicas else ""
             reasons.append(
@@ -194,11 +198,21 @@ def plan(policy: Policy, history: Sequence[Sample], current: Replicas, now: floa
     return _fit(policy, needs, "; ".join(reasons) or "within targets: holding")
 
 
-def _served_through(history: Sequence[Sample], role: EngineRole, engines: int, since: float) -> bool:
-    """Whether ``role`` served with ``engines`` engines from ``since`` on: a sample at or before ``since``
-    says the window is covered, and every interval ending after it had that count."""
+def _need_to_keep(policy: Policy, sample: Sample, role: EngineRole, engines: int) -> Need:
+    """What ``sample`` says ``role`` needs, engines that did not answer it counted as needed: scaling down, an
+    HPA takes a pod without metrics as at its target, so a dead or pending engine does not make the healthy
+    ones look like too many (the highest ordinals, healthy or not, are the ones that leave)."""
+    needed = need(policy, sample, role)
+    silent = max(0, engines - _replicas(sample, role))
+    return dataclasses.replace(needed, replicas=needed.replicas + silent)
+
+
+def _measured_on_at_most(history: Sequence[Sample], role: EngineRole, engines: int, since: float) -> bool:
+    """Whether every interval from ``since`` on measured ``role`` on at most ``engines`` engines (a sample at
+    or before ``since`` says the window is covered): a latency measured on more engines, before a scale-down,
+    says little about how fewer do."""
     return any(s.at <= since for s in history) and all(
-        _replicas(s, role) == engines for s in history if s.at > since
+        _replicas(s, role) <= engines for s in history if s.at > since
     )
 
 

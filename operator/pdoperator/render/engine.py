@@ -14,6 +14,7 @@ from pdoperator.api.model import (
     ENGINE_TEARDOWN_SECONDS,
     Architecture,
     ConnectorImpl,
+    KVLoadFailurePolicy,
     PDService,
     PDServiceSpec,
     Runtime,
@@ -103,7 +104,7 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
         "kv_role": KV_ROLE[role],
         "kv_buffer_device": "cuda" if engine_gpus(spec, role) > 0 else "cpu",
         "engine_id": pod_engine_id,
-        "kv_load_failure_policy": engine.kv_load_failure_policy.value,
+        "kv_load_failure_policy": kv_load_failure_policy(spec, role).value,
     }
     if engine.connector is ConnectorImpl.VLLM:
         return {
@@ -132,6 +133,15 @@ def kv_transfer_config(spec: PDServiceSpec, role: ComponentRole, pod_engine_id: 
             **({"tier_bytes": tier} if (tier := tier_bytes_per_rank(spec, role)) else {}),
         },
     }
+
+
+def kv_load_failure_policy(spec: PDServiceSpec, role: ComponentRole) -> KVLoadFailurePolicy:
+    """What vLLM does with blocks a load could not fill: the spec's policy, which is decode's (KV from
+    prefill). Prefill loads only from its own KV tier, where recomputing the blocks is always safe: a failed
+    tier load never fails a request there."""
+    if role is ComponentRole.PREFILL and tier_bytes_per_rank(spec, role):
+        return KVLoadFailurePolicy.RECOMPUTE
+    return spec.engine.kv_load_failure_policy
 
 
 def staging_mib(spec: PDServiceSpec, role: ComponentRole) -> int:

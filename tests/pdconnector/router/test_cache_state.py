@@ -76,6 +76,30 @@ async def test_without_events_a_follow_up_goes_back_to_the_prefill_its_conversat
     assert choose(pool, unrelated) == "a"
 
 
+async def test_a_prompt_routed_to_a_prefill_with_a_kv_tier_is_remembered_in_its_tier_too():
+    publisher, endpoint = publisher_socket()
+    pool = pool_of(prefill("a", endpoint))
+    state = CacheState(CONFIG, RouterMetrics())
+    try:
+        state.track(pool)
+        a = named(pool, "a")
+        prompt = await blocks(state, pool, [*PREFIX, 1, 2, 3])
+        assert prompt is not None and a.tier_index is not None
+        state.routed(a, prompt)
+        assert len(a.tier_index) == 0  # no sign of a tier yet: only its events could tell
+        feed = state.feeds["prefill/a"]
+        feed.apply(0, batch(stored(b"t" * 32, medium="CPU")))  # it published one of its tier's blocks
+        feed.apply(2, batch())  # a lost batch: what the router knew of both is gone
+        state.routed(a, prompt)
+        # vLLM evicts the prompt from the GPU cache (its events remove it there); the tier still serves it
+        assert a.prefix_index is not None
+        a.prefix_index.remove(prompt.hashes)
+        assert (prompt.cached_tokens(a), prompt.tier_tokens(a)) == (0, len(PREFIX))
+    finally:
+        await state.close()
+        publisher.close(linger=0)
+
+
 async def test_a_prompt_that_cannot_be_tokenized_is_routed_on_load_and_counted():
     pool = pool_of(prefill("a"))
     state = CacheState(CONFIG, RouterMetrics())

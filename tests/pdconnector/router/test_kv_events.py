@@ -66,6 +66,15 @@ def test_the_engines_kv_tier_has_its_own_index_which_a_prefix_cache_reset_leaves
     assert len(feed.tier_index) == 0
 
 
+def test_an_engine_that_published_a_tier_block_is_known_to_have_a_tier_after_its_indexes_are_cleared():
+    feed = EventFeed(PrefixIndex(100), tier_index=PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1))))
+    assert not feed.has_tier
+    feed.apply(1, batch(stored(h(2), medium="CPU")))
+    feed.apply(3, batch(stored(h(3))))  # a lost batch clears what it held, not that it has a tier
+    assert feed.tier_index is not None and len(feed.tier_index) == 0 and feed.has_tier
+
+
 def test_integer_hashes_published_under_vllms_int_option_match_the_same_blocks():
     feed = EventFeed(PrefixIndex(100))
     as_int = int.from_bytes(h(7), "big") & ((1 << 64) - 1)
@@ -103,10 +112,14 @@ def test_a_malformed_batch_is_ignored_and_clears_what_may_now_be_behind(payload)
     assert len(feed.index) == 0
 
 
-def test_a_message_without_vllms_three_frames_is_refused():
+def test_a_message_without_vllms_three_frames_is_refused_and_clears_both_indexes():
     assert parse_message([b"", (3).to_bytes(8, "big"), b"x"]) == (3, b"x")
     with pytest.raises(ValueError, match=r"3|frames"):
         parse_message([b"", b"x"])
+    feed = EventFeed(PrefixIndex(100), tier_index=PrefixIndex(100))
+    feed.apply(0, batch(stored(h(1)), stored(h(2), medium="CPU")))
+    kv_events._take(Subscription("ipc:///unused", "kv-events", feed), [b"", b"x"])
+    assert feed.tier_index is not None and len(feed.index) == len(feed.tier_index) == 0
 
 
 def test_a_flood_of_stored_blocks_keeps_the_index_at_its_bound():

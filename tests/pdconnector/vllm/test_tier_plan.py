@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from pdconnector.protocol.params import (
     RECEIVED_KEY,
     TRANSFER_ID_KEY,
@@ -165,19 +164,6 @@ def test_hashes_finer_than_the_block_name_each_block_by_its_last_hash() -> None:
     assert plan.block_hashes(made) == ["b", "d"]
 
 
-def test_a_tier_is_refused_for_models_with_ssm_state_naming_the_field() -> None:
-    with pytest.raises(ValueError, match="tier_bytes: the KV tier holds the blocks of one attention group"):
-        SchedulerSide(
-            config(),
-            EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
-            num_groups=2,
-            ssm_groups=frozenset({1}),
-            block_size=BLOCK,
-            finished_statuses=frozenset({FINISHED}),
-            tier_slots=4,
-        )
-
-
 def test_a_save_that_failed_on_a_rank_is_never_read() -> None:
     side = scheduler()
     history = request("d1", 48, "tx-1")
@@ -232,6 +218,21 @@ def test_prefill_loads_the_tier_run_after_its_prefix_cache_hits_and_computes_at_
     side.update_state_after_alloc(same, [blocks(7, 31, 32, 33, cached=1)], 32)
     (load,) = side.build_meta().commands
     assert load == LoadFromTier("p2", save.slots[1:3], (31, 32))
+
+
+def test_a_preempted_prefill_loads_its_tier_run_again_but_counts_its_tokens_once() -> None:
+    side = scheduler()
+    save = prefilled(side, prefill_request("p1", 64, "tx-1"), [7, 8, 9, 10])
+    side.take_stats()
+    again = prefill_request("p2", 64, "tx-2")
+    for preemptions, block_ids in ((0, (40, 41, 42, 43)), (1, (50, 51, 52, 53))):
+        again.num_preemptions = preemptions  # type: ignore[attr-defined]
+        assert side.get_num_new_matched_tokens(again, 0) == (48, False)
+        side.update_state_after_alloc(again, [blocks(*block_ids)], 48)
+        (load,) = side.build_meta().commands
+        assert load == LoadFromTier("p2", save.slots[:3], block_ids[:3])  # its blocks were freed: reloaded
+    stats = side.take_stats()
+    assert isinstance(stats, PDTransferStats) and stats.data["tokens"] == {"tier": 48, "computed": 16}
 
 
 def test_a_prefill_request_vllm_did_not_allocate_for_loads_nothing() -> None:

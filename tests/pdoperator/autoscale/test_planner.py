@@ -146,6 +146,26 @@ def test_a_drop_scales_down_only_after_the_scale_down_window_and_by_half_a_role_
     assert plan(POLICY, [s for s in history if s.at <= 750.0], halved, 750.0).replicas == Replicas(2, 1)
 
 
+def test_an_engine_that_missed_a_scrape_does_not_hold_a_scale_down_back() -> None:
+    current = Replicas(6, 4)
+    quiet = steady(current, 630.0, ttft_s=0.1, tpot_s=0.01, since=500.0)
+    # one prefill engine did not answer at 600 s: that sample measured five
+    history = [dataclasses.replace(s, prefill_replicas=5) if s.at == 600.0 else s for s in quiet]
+    assert plan(POLICY, history, current, 630.0).replicas == Replicas(3, 2)
+
+
+def test_an_engine_that_never_answers_counts_as_needed_so_the_healthy_ones_hold_at_their_target() -> None:
+    current = Replicas(6, 4)
+    # one prefill engine is dead (or pending): five answer, their TTFT at its target
+    history = [
+        dataclasses.replace(s, prefill_replicas=5)
+        for s in steady(current, 630.0, ttft_s=0.5, tpot_s=0.05, since=500.0)
+    ]
+    assert plan(POLICY, history, current, 630.0).replicas == current
+    quiet = [dataclasses.replace(s, ttft_s=0.1) for s in history]  # a fifth of the target: one engine's need
+    assert plan(POLICY, quiet, current, 630.0).replicas.prefill == 3  # half at a time, the silent one counted
+
+
 def test_the_ratio_range_raises_the_role_that_falls_short_instead_of_starving_the_other() -> None:
     policy = dataclasses.replace(POLICY, ratio_min=0.5, ratio_max=1.0, scale_up_window_s=0.0)
     current = Replicas(2, 2)

@@ -50,3 +50,11 @@ def test_prefill_and_decode_tiers_are_each_their_own_roles(make_pds):
     assert kv_config(pds, "decode")["kv_connector_extra_config"]["tier_bytes"] == 32 * 2**30
     assert container(pds, "prefill")["resources"]["limits"]["memory"] == "24Gi"
     assert container(pds, "decode")["resources"]["limits"]["memory"] == "160Gi"
+
+
+def test_a_prefill_with_a_tier_recomputes_what_a_tier_load_could_not_fill_whatever_decode_does(make_pds):
+    spec = {"engine": {"kvLoadFailurePolicy": "fail"}, "prefill": {"resources": {"memory": "16Gi"}}}
+    with_tier = make_pds({**spec, "kvCache": {"offload": {"prefill": {"hostMemory": "8Gi"}}}})
+    assert kv_config(with_tier, "prefill")["kv_load_failure_policy"] == "recompute"
+    assert kv_config(with_tier, "decode")["kv_load_failure_policy"] == "fail"  # decode's KV is prefill's
+    assert kv_config(make_pds(spec), "prefill")["kv_load_failure_policy"] == "fail"  # as rendered before
