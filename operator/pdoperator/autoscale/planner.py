@@ -21,10 +21,9 @@ it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdconnector.protocol.params import EngineRole
 
@@ -109,6 +108,9 @@ class Sample:
     prefill_waiting: float = 0.0  # summed over the prefill engines
     decode_running: float = 0.0  # summed over the decode engines
 
+    def engines(self, role: EngineRole) -> int:
+        return self.prefill_replicas if role is EngineRole.PREFILL else self.decode_replicas
+
 
 @dataclass(frozen=True)
 class Replicas:
@@ -137,14 +139,13 @@ class Decision:
 def need(policy: Policy, sample: Sample, role: EngineRole) -> Need:
     """Engines ``role`` needs at ``sample``, from its worst signal."""
     targets = policy.targets
+    engines = sample.engines(role)
     if role is EngineRole.PREFILL:
-        engines = sample.prefill_replicas
         signals = [
             ("ttft", sample.ttft_s, targets.ttft_s),
             ("waiting prompts", _per_engine(sample.prefill_waiting, engines), targets.waiting_per_prefill),
         ]
     else:
-        engines = sample.decode_replicas
         signals = [
             ("tpot", sample.tpot_s, targets.tpot_s),
             ("running requests", _per_engine(sample.decode_running, engines), targets.running_per_decode),
@@ -203,8 +204,8 @@ def _need_to_keep(policy: Policy, sample: Sample, role: EngineRole, engines: int
     HPA takes a pod without metrics as at its target, so a dead or pending engine does not make the healthy
     ones look like too many (the highest ordinals, healthy or not, are the ones that leave)."""
     needed = need(policy, sample, role)
-    silent = max(0, engines - _replicas(sample, role))
-    return dataclasses.replace(needed, replicas=needed.replicas + silent)
+    silent = max(0, engines - sample.engines(role))
+    return replace(needed, replicas=needed.replicas + silent)
 
 
 def _measured_on_at_most(history: Sequence[Sample], role: EngineRole, engines: int, since: float) -> bool:
@@ -212,12 +213,8 @@ def _measured_on_at_most(history: Sequence[Sample], role: EngineRole, engines: i
     or before ``since`` says the window is covered): a latency measured on more engines, before a scale-down,
     says little about how fewer do."""
     return any(s.at <= since for s in history) and all(
-        _replicas(s, role) <= engines for s in history if s.at > since
+        s.engines(role) <= engines for s in history if s.at > since
     )
-
-
-def _replicas(sample: Sample, role: EngineRole) -> int:
-    return sample.prefill_replicas if role is EngineRole.PREFILL else sample.decode_replicas
 
 
 def feasible_pairs(policy: Policy) -> list[Replicas]:
