@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from pdconnector.layout import BlockPlacement, ConvLayout
@@ -39,7 +40,7 @@ from pdconnector.vllm.kv_layout import (
 )
 from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake, TierSavesFailed
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
-from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats
+from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats, TokenSource
 from pdconnector.vllm.tier_memory import rank_tier, tier_slots
 from pdconnector.vllm.worker import WorkerSide
 from pdconnector.worker.identity import EngineInfo, RankInfo, layout_summary
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# vLLM's names for where our external tokens came from (``vllm:prompt_tokens_cached_by_source``)
+_HIT_SOURCES = {TokenSource.TIER: CacheHitSource.HOST, TokenSource.REMOTE: CacheHitSource.P2P}
 
 
 def _route_logs_to_vllm() -> None:
@@ -356,6 +360,14 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks.blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        tokens = self._sched().external_tokens(request.request_id)
+        if not tokens:  # refused before a transfer was planned: vLLM's own label
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {_HIT_SOURCES[source]: count for source, count in tokens.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pdconnector.protocol.params import (
     ERROR_KEY,
@@ -54,6 +54,7 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.protocol.timeline import Stage
 from pdconnector.vllm.config import ConnectorConfig
+from pdconnector.vllm.decode_plan import Block, decode_command, local_blocks, waited_s
 from pdconnector.vllm.metadata import (
     Command,
     FailRequest,
@@ -75,14 +76,8 @@ from pdconnector.worker.commands import (
 log = logging.getLogger(__name__)
 
 _TRIMMED_KEY = "_pd_prompt_trimmed"
-PULL_HOLD_SLACK_S = 2.0  # router transit and the step between staging a READ and the worker taking it
 _STAGED_KEY = "_pd_staged"
-
-
-class Block(Protocol):
-    block_id: int
-    block_hash: Any
-    is_null: bool
+_EXTERNAL = frozenset({TokenSource.TIER, TokenSource.REMOTE})  # the tokens vLLM counts as external hits
 
 
 @dataclass(frozen=True)
@@ -150,6 +145,8 @@ class SchedulerSide:
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
         # prefill requests looked up in the tier -> their prefix-cache hits (blocks), until vLLM allocates
         self._prefill_gpu_hits: dict[str, int] = {}
+        # requests vLLM just allocated for -> their external tokens by source, until vLLM asks for the split
+        self._external: dict[str, dict[TokenSource, int]] = {}
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
@@ -227,8 +224,7 @@ class SchedulerSide:
         if gpu_hits is not None and self.tier is not None:
             blocks = [block.block_id for block in block_groups[0]]
             load, tokens = self.tier.prefill_load(request, blocks, gpu_hits, num_external_tokens)
-            if not getattr(request, "num_preemptions", 0):  # a preempted prompt was counted when admitted
-                self._stats.record_tokens(tokens)
+            self._count_tokens(request, tokens)
             if load is not None:
                 self._stage(load)
             return
@@ -258,13 +254,14 @@ class SchedulerSide:
                     TRANSFER_ID_KEY,
                     f"{transfer.transfer_id} is already in use by request {owner} on this engine",
                 )
-            local, cached = self._local_blocks(block_groups)
-            waited_s = self._waited(request)
+            local, cached = local_blocks(block_groups, num_groups=self.num_groups, ssm_groups=self.ssm_groups)
+            waited = waited_s(request)
             command = self._decode_command(
-                request_id, transfer, local, cached, num_external_tokens, waited_s=waited_s
+                request_id, transfer, local, cached, num_external_tokens, waited=waited
             )
-            command = self._with_tier(request, transfer, command, cached=cached)
-            self._stats.record_stages({Stage.ADMISSION.value: waited_s})
+            command, tokens = self._with_tier(request, transfer, command, cached=cached)
+            self._count_tokens(request, tokens)
+            self._stats.record_stages({Stage.ADMISSION.value: waited})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
             self._incoming[request_id] = _Incoming(
@@ -277,17 +274,38 @@ class SchedulerSide:
         )
         self._stage(command)
 
+    def _decode_command(
+        self,
+        request_id: str,
+        transfer: TransferRequest,
+        local: BlockIds,
+        cached: int,
+        num_tokens: int,
+        *,
+        waited: float,
+    ) -> ExpectPush | ReadBlocks:
+        return decode_command(
+            request_id,
+            transfer,
+            local,
+            cached,
+            num_tokens,
+            ssm_groups=self.ssm_groups,
+            lease_s=self.config.lease_s,
+            waited_s=waited,
+        )
+
     def _with_tier(
         self, request: Any, transfer: TransferRequest, full: ExpectPush | ReadBlocks, *, cached: int
-    ) -> Command:
-        """The decode command for a request: ``full`` (every block from prefill), or, where the tier holds the
-        leading run of the blocks to fill, a load of that run followed by the transfer of the rest."""
+    ) -> tuple[Command, dict[TokenSource, int]]:
+        """The decode command for a request, and its prompt tokens by source: ``full`` (every block from
+        prefill), or, where the tier holds the leading run of the blocks to fill, a load of that run followed
+        by the transfer of the rest."""
         num_tokens = full.num_tokens
         tokens = {TokenSource.GPU: cached * self.block_size, TokenSource.REMOTE: num_tokens}
         split = self.tier.split(request, full.block_ids[0], cached) if self.tier is not None else None
         if split is None or not split.tier_blocks:
-            self._stats.record_tokens(tokens)
-            return full
+            return full, tokens
         from_tier = min(num_tokens, len(split.tier_blocks) * self.block_size)
         rest: ExpectPush | ReadBlocks | AbandonTransfer
         if split.remote_blocks:
@@ -297,17 +315,30 @@ class SchedulerSide:
                 (split.remote_blocks,),
                 split.cached_blocks,
                 num_tokens - from_tier,
-                waited_s=self._waited(request),
+                waited=waited_s(request),
             )
         else:
             assert transfer.remote is not None
             detail = f"decode request {request.request_id} took every prompt token it lacked from its KV tier"
             rest = AbandonTransfer(request.request_id, transfer.transfer_id, transfer.remote, detail)
         tokens |= {TokenSource.TIER: from_tier, TokenSource.REMOTE: num_tokens - from_tier}
-        self._stats.record_tokens(tokens)
-        return LoadFromTier(
+        load = LoadFromTier(
             request.request_id, split.tier_slots, split.tier_blocks, then=rest, otherwise=full
         )
+        return load, tokens
+
+    def _count_tokens(self, request: Any, tokens: dict[TokenSource, int]) -> None:
+        """A request's prompt tokens by source, counted once (a preempted prompt was counted when first
+        admitted), and the external ones kept for vLLM's hit-source split (:meth:`external_tokens`)."""
+        if not getattr(request, "num_preemptions", 0):
+            self._stats.record_tokens(tokens)
+        self._external[request.request_id] = {
+            source: count for source, count in tokens.items() if source in _EXTERNAL and count
+        }
+
+    def external_tokens(self, request_id: str) -> dict[TokenSource, int]:
+        """The external tokens vLLM was just told of for this request, by source (empty: none recorded)."""
+        return self._external.pop(request_id, {})
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
@@ -315,76 +346,6 @@ class SchedulerSide:
         live = [*((r, i) for r, i in self._incoming.items() if not i.failed), *self._received.items()]
         return next(
             (request_id for request_id, incoming in live if incoming.transfer_id == transfer_id), None
-        )
-
-    def _local_blocks(self, block_groups: Sequence[Sequence[Block]]) -> tuple[BlockIds, int]:
-        """Decode's blocks to fill (per group) and how many leading attention blocks it already holds (prefix
-        hit)."""
-        if len(block_groups) != self.num_groups:
-            raise ValueError(
-                f"expected blocks for {self.num_groups} KV cache groups, got {len(block_groups)}"
-            )
-        local: list[tuple[int, ...]] = []
-        cached = 0
-        for g, group in enumerate(block_groups):
-            real = [b for b in group if not b.is_null]
-            if g in self.ssm_groups:
-                local.append((real[-1].block_id,) if real else ())
-                continue
-            hits = sum(1 for b in real if b.block_hash is not None)
-            cached = max(cached, hits)
-            local.append(tuple(b.block_id for b in real if b.block_hash is None))
-        return tuple(local), cached
-
-    @staticmethod
-    def _waited(request: Any) -> float:
-        """Seconds since the request reached this engine (vLLM stamps ``arrival_time`` with the wall
-        clock)."""
-        arrival = getattr(request, "arrival_time", None)
-        return max(0.0, time.time() - arrival) if isinstance(arrival, int | float) else 0.0
-
-    def _decode_command(
-        self,
-        request_id: str,
-        transfer: TransferRequest,
-        local: BlockIds,
-        cached: int,
-        num_tokens: int,
-        *,
-        waited_s: float,
-    ) -> ExpectPush | ReadBlocks:
-        assert transfer.remote is not None
-        if transfer.mode is TransferMode.PUSH:
-            # Prefill pairs its blocks with ours after skipping the ``cached`` ones (the registration carries
-            # the count).
-            return ExpectPush(request_id, transfer.transfer_id, transfer.remote, local, num_tokens, cached)
-        remote = transfer.remote_block_ids or ()
-        if len(remote) != self.num_groups:
-            raise TransferParamsError(
-                "remote_block_ids", f"expected {self.num_groups} KV cache groups, got {len(remote)}"
-            )
-        matched: list[tuple[int, ...]] = []
-        for g, (theirs, ours) in enumerate(zip(remote, local, strict=True)):
-            source = theirs[-1:] if g in self.ssm_groups else theirs[cached : cached + len(ours)]
-            if len(source) != len(ours):
-                raise TransferParamsError(
-                    "remote_block_ids",
-                    f"KV cache group {g}: prefill sent {len(theirs)} blocks, decode needs {len(ours)} after "
-                    f"{cached} cached",
-                )
-            matched.append(tuple(source))
-        # Prefill's hold began before it answered, so before this request arrived: what is left of it bounds
-        # the READs.
-        hold_s = transfer.remote_hold_s if transfer.remote_hold_s is not None else self.config.lease_s
-        valid_for_s = hold_s - waited_s - PULL_HOLD_SLACK_S
-        if valid_for_s <= 0:
-            detail = (
-                f"waited {waited_s:.1f}s at decode; prefill holds its blocks for {hold_s:.1f}s after "
-                "answering, so they may be gone"
-            )
-            raise TransferParamsError(REMOTE_HOLD_KEY, detail)
-        return ReadBlocks(
-            request_id, transfer.transfer_id, transfer.remote, tuple(matched), local, num_tokens, valid_for_s
         )
 
     def _stage(self, command: Command) -> None:
@@ -468,6 +429,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
         self._prefill_gpu_hits.pop(request_id, None)
+        self._external.pop(request_id, None)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

@@ -2,7 +2,8 @@
 conversations, each turn resending the whole history, push and pull. Decode keeps what it received and
 generated in its tier (vLLM's prefix cache off, so the tier is the only place the history survives), loads it
 on the next turn, and takes only the new suffix from prefill; prefill keeps the prompts it computed in a tier
-of its own and loads them instead of computing them again; every answer equals co-located serving."""
+of its own and loads them instead of computing them again; every answer equals co-located serving, and
+vLLM's own hit-source metric names the tier (host) and prefill (p2p) as our counters do."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.slow
 TIER_BYTES = 64 << 20
 FIRST_PROMPT = 2 * BLOCK_SIZE + 40  # the history's first turn: two full blocks and a partial one
 USER_TOKENS = 40  # each later turn adds the answer and this many new tokens
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"  # vLLM's hit tokens by tier (ours: host and p2p)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +91,25 @@ def test_each_turn_loads_the_history_from_the_tiers_and_moves_only_the_new_suffi
         history = prompt + result.decode.token_ids
     assert received_per_turn[1] < blocks_of(FIRST_PROMPT + MAX_TOKENS + USER_TOKENS)
     after = scrape_metrics(tier_pair.decode.url)
-    tier_tokens = metric_sum(after, "vllm:pd_kv_tokens", labels={"source": "tier"}) - metric_sum(
-        before, "vllm:pd_kv_tokens", labels={"source": "tier"}
-    )
+    tier_tokens = _grown(before, after, "vllm:pd_kv_tokens", "tier")
     assert tier_tokens > 0
+    # vLLM's own split of the external hits names the same tiers: host memory, and another instance (prefill)
+    assert _grown(before, after, CACHED_BY_SOURCE, "host") == tier_tokens
+    assert _grown(before, after, CACHED_BY_SOURCE, "p2p") == _grown(
+        before, after, "vllm:pd_kv_tokens", "remote"
+    )
     assert wait_for_free_blocks(tier_pair) == {"prefill": 0.0, "decode": 0.0}
     prefill_after = scrape_metrics(tier_pair.prefill.url)
-    loaded = metric_sum(prefill_after, "vllm:pd_kv_tokens", labels={"source": "tier"}) - metric_sum(
-        prefill_before, "vllm:pd_kv_tokens", labels={"source": "tier"}
-    )
+    loaded = _grown(prefill_before, prefill_after, "vllm:pd_kv_tokens", "tier")
     assert loaded == prefill_tier_tokens > 0
+    assert _grown(prefill_before, prefill_after, CACHED_BY_SOURCE, "host") == loaded
+
+
+def _grown(before: str, after: str, name: str, source: str) -> float:
+    """How much a metric's ``source`` sample grew between two scrapes."""
+    return metric_sum(after, name, labels={"source": source}) - metric_sum(
+        before, name, labels={"source": source}
+    )
 
 
 @pytest.mark.timeout(600)

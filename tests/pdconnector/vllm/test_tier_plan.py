@@ -15,7 +15,7 @@ from pdconnector.protocol.params import (
 )
 from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
-from pdconnector.vllm.stats import PDTransferStats
+from pdconnector.vllm.stats import PDTransferStats, TokenSource
 from pdconnector.vllm.tier_plan import TierPlan
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, PrefillDone, ReadBlocks
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -110,6 +110,22 @@ def test_tokens_are_counted_by_source() -> None:
     stats = side.take_stats()
     assert isinstance(stats, PDTransferStats)
     assert stats.data["tokens"] == {"gpu": 16, "tier": 16, "remote": 18}
+
+
+def test_vllm_is_told_which_external_tokens_came_from_the_tier_and_which_from_prefill_once() -> None:
+    side = scheduler()
+    history = request("d1", 32, "tx-1")
+    history.num_computed_tokens = 32
+    served(side, history, [7, 8])
+    turn = request("d2", 50, "tx-2")
+    side.update_state_after_alloc(turn, [blocks(1, 20, 21, 22, cached=1)], 34)
+    assert side.external_tokens("d2") == {TokenSource.TIER: 16, TokenSource.REMOTE: 18}  # sums to the 34
+    assert side.external_tokens("d2") == {}  # asked once per allocation: nothing left behind
+    fresh = request("d3", 40, "tx-3", do_remote_prefill=True)
+    fresh.block_hashes = [b"other-0", b"other-1"]  # type: ignore[attr-defined]
+    side.update_state_after_alloc(fresh, [blocks(30, 31, 32)], 40)
+    side.request_finished(fresh, [[30, 31, 32]])  # vLLM did not ask (its stats off): forgotten at the end
+    assert side.external_tokens("d3") == {}
 
 
 def test_a_request_the_tier_holds_entirely_takes_nothing_from_prefill_and_releases_its_copy() -> None:
@@ -208,6 +224,15 @@ def test_prefill_saves_its_prompt_once_the_kv_left_and_loads_it_for_the_next_tur
     assert load == LoadFromTier("p2", save.slots, (20, 21, 22))
     stats = side.take_stats()
     assert stats is not None and stats.data["tokens"] == {"tier": 48, "computed": 42}
+
+
+def test_a_prefills_external_tokens_all_came_from_its_tier() -> None:
+    side = scheduler()
+    prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
+    turn = prefill_request("p2", 90, "tx-2")
+    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    assert side.external_tokens("p2") == {TokenSource.TIER: 48}
 
 
 def test_prefill_loads_the_tier_run_after_its_prefix_cache_hits_and_computes_at_least_one_token() -> None:
