@@ -69,7 +69,7 @@ class TierStore:
 
 class RankTier:
     """A rank's tier: its store bound to the rank's cache tensors (one per region). A save that fails here is
-    reported to the scheduler side (:class:`~pdconnector.vllm.metadata.TierSavesFailed`), which then frees its
+    reported to the scheduler side (:class:`~pdconnector.vllm.metadata.TierFailures`), which then frees its
     slots instead of making them readable, so no load ever reads a slot this rank did not fill."""
 
     def __init__(self, store: TierStore, caches: Sequence[torch.Tensor]) -> None:

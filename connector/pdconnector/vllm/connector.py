@@ -38,7 +38,7 @@ from pdconnector.vllm.kv_layout import (
     memory_regions,
     rank_layout,
 )
-from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake, TierSavesFailed
+from pdconnector.vllm.metadata import PDConnectorMetadata, RankHandshake, TierFailures
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDPromMetrics, PDTransferStats, TokenSource
 from pdconnector.vllm.tier_memory import rank_tier, tier_slots
@@ -270,8 +270,7 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        failed = self._worker.take_saves_failed() if self._worker is not None else set()
-        return TierSavesFailed(failed) if failed else None
+        return self._worker.take_tier_failures() if self._worker is not None else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -377,8 +376,8 @@ class PDConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         scheduler = self._sched()
-        if isinstance(failed := connector_output.kv_connector_worker_meta, TierSavesFailed):
-            scheduler.tier_saves_failed(failed.request_ids)  # before their finished_sending below
+        if isinstance(failures := connector_output.kv_connector_worker_meta, TierFailures):
+            scheduler.tier_failed(failures)  # before the finished_sending / finished_recving they precede
         held = scheduler.update_connector_output(
             set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
         )

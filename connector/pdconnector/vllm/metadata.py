@@ -72,16 +72,21 @@ class SaveToTier:
 
 
 @dataclass
-class TierSavesFailed(KVConnectorWorkerMetadata):
-    """Worker ranks -> scheduler side: the requests whose save into the tier failed on some rank this step
-    (reported no later than the ``finished_sending`` that ends the save), so the scheduler frees their slots
-    instead of making them readable."""
+class TierFailures(KVConnectorWorkerMetadata):
+    """Worker ranks -> scheduler side: the requests whose tier copies failed on some rank this step.
+    ``saves``: reported no later than the ``finished_sending`` that ends the save, so the scheduler frees
+    their slots instead of making them readable. ``loads``: the blocks came from elsewhere instead (decode:
+    prefill, the whole transfer; prefill: its forward), which the scheduler counts as their source."""
 
-    request_ids: set[str] = field(default_factory=set)
+    saves: set[str] = field(default_factory=set)
+    loads: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, TierSavesFailed)
-        return TierSavesFailed(self.request_ids | other.request_ids)
+        assert isinstance(other, TierFailures)
+        return TierFailures(self.saves | other.saves, self.loads | other.loads)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
 
 
 Command = (

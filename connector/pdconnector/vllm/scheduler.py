@@ -61,6 +61,7 @@ from pdconnector.vllm.metadata import (
     LoadFromTier,
     PDConnectorMetadata,
     ReleaseBlocks,
+    TierFailures,
 )
 from pdconnector.vllm.stats import PDTransferStats, TokenSource
 from pdconnector.vllm.tier_plan import TierPlan
@@ -145,8 +146,8 @@ class SchedulerSide:
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
         # prefill requests looked up in the tier -> their prefix-cache hits (blocks), until vLLM allocates
         self._prefill_gpu_hits: dict[str, int] = {}
-        # requests vLLM just allocated for -> their external tokens by source, until vLLM asks for the split
-        self._external: dict[str, dict[TokenSource, int]] = {}
+        # requests vLLM allocated for -> their prompt tokens by source, counted when they finish
+        self._tokens: dict[str, dict[TokenSource, int]] = {}
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
@@ -224,7 +225,7 @@ class SchedulerSide:
         if gpu_hits is not None and self.tier is not None:
             blocks = [block.block_id for block in block_groups[0]]
             load, tokens = self.tier.prefill_load(request, blocks, gpu_hits, num_external_tokens)
-            self._count_tokens(request, tokens)
+            self._plan_tokens(request, tokens)
             if load is not None:
                 self._stage(load)
             return
@@ -260,7 +261,7 @@ class SchedulerSide:
                 request_id, transfer, local, cached, num_external_tokens, waited=waited
             )
             command, tokens = self._with_tier(request, transfer, command, cached=cached)
-            self._count_tokens(request, tokens)
+            self._plan_tokens(request, tokens)
             self._stats.record_stages({Stage.ADMISSION.value: waited})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
@@ -327,18 +328,24 @@ class SchedulerSide:
         )
         return load, tokens
 
-    def _count_tokens(self, request: Any, tokens: dict[TokenSource, int]) -> None:
-        """A request's prompt tokens by source, counted once (a preempted prompt was counted when first
-        admitted), and the external ones kept for vLLM's hit-source split (:meth:`external_tokens`)."""
-        if not getattr(request, "num_preemptions", 0):
-            self._stats.record_tokens(tokens)
-        self._external[request.request_id] = {
-            source: count for source, count in tokens.items() if source in _EXTERNAL and count
-        }
+    def _plan_tokens(self, request: Any, tokens: dict[TokenSource, int]) -> None:
+        """Where a request's prompt tokens are to come from; counted when it finishes (with what a failed tier
+        load changed), so a preempted prompt planned again counts once."""
+        self._tokens[request.request_id] = tokens
 
     def external_tokens(self, request_id: str) -> dict[TokenSource, int]:
-        """The external tokens vLLM was just told of for this request, by source (empty: none recorded)."""
-        return self._external.pop(request_id, {})
+        """The external tokens vLLM was told of for this request, by planned source (empty: none planned)."""
+        tokens = self._tokens.get(request_id, {})
+        return {source: count for source, count in tokens.items() if source in _EXTERNAL and count}
+
+    def _count_tokens(self, request_id: str) -> None:
+        tokens = self._tokens.pop(request_id, None)
+        if tokens is None:
+            return
+        self._stats.record_tokens(tokens)
+        if self.config.log_timeline:
+            counts = " ".join(f"{source.value}={count}" for source, count in tokens.items() if count)
+            log.info("request %s prompt tokens: %s", request_id, counts)
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
@@ -408,12 +415,20 @@ class SchedulerSide:
         """The KV tier's cache events since the last step (vLLM publishes them with its own)."""
         return self.tier.take_events() if self.tier is not None else []
 
-    def tier_saves_failed(self, request_ids: set[str]) -> None:
-        """A rank could not copy these requests' blocks into its tier (reported before their
-        ``finished_sending``)."""
+    def tier_failed(self, failures: TierFailures) -> None:
+        """Some rank could not copy these requests' blocks into its tier (reported before their
+        ``finished_sending``) or out of it (the blocks came from prefill, or prefill computed them)."""
         if self.tier is not None:
-            for request_id in request_ids:
+            for request_id in failures.saves:
                 self.tier.save_failed(request_id)
+        for request_id in failures.loads:
+            tokens = self._tokens.get(request_id)
+            if tokens is not None:
+                instead = TokenSource.REMOTE if request_id in self._incoming else TokenSource.COMPUTED
+                tokens[instead] = tokens.get(instead, 0) + tokens.pop(TokenSource.TIER, 0)
+            if (incoming := self._incoming.get(request_id)) is not None:
+                incoming.blocks += incoming.tier_blocks
+                incoming.tier_blocks = 0
 
     def finished_sending(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -429,7 +444,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
         self._prefill_gpu_hits.pop(request_id, None)
-        self._external.pop(request_id, None)
+        self._count_tokens(request_id)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

@@ -50,7 +50,7 @@ TIER_EVENTS = ("tier_loads_failed", "tier_saves_failed")
 
 
 class TokenSource(StrEnum):
-    """Where an engine took a request's prompt tokens from (counted when its blocks are allocated): decode's
+    """Where an engine took a request's prompt tokens from (counted when it finishes): decode's
     from its prefix cache, its tier and prefill; prefill's (with a tier) from its prefix cache, its tier and
     its own forward."""
 

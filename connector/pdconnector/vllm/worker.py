@@ -37,6 +37,7 @@ from pdconnector.vllm.metadata import (
     PDConnectorMetadata,
     ReleaseBlocks,
     SaveToTier,
+    TierFailures,
 )
 from pdconnector.vllm.stats import COUNTED_EVENTS, Direction, PDTransferStats
 from pdconnector.worker.commands import AbandonTransfer, CancelTransfer, ExpectPush, PrefillDone, ReadBlocks
@@ -123,7 +124,7 @@ class WorkerSide:
         # requests failed early whose fence still runs -> whether the scheduler asked for the blocks back
         self._held: dict[str, bool] = {}
         self._saves_after_send: dict[str, SaveToTier] = {}  # prefill: by request id, until its transfer ends
-        self._saves_failed: set[str] = set()
+        self._tier_failures = TierFailures()
         self._load_errors: set[int] = set()
 
     def _transport_factory(self) -> Callable[[], Transport]:
@@ -221,6 +222,7 @@ class WorkerSide:
                 remedy,
             )
             self._stats.count_events({"tier_loads_failed": 1})
+            self._tier_failures.loads.add(command.request_id)
             if command.otherwise is None:
                 self._load_errors.update(command.block_ids)
             else:
@@ -253,7 +255,7 @@ class WorkerSide:
                 error,
             )
             self._stats.count_events({"tier_saves_failed": 1})
-            self._saves_failed.add(command.request_id)
+            self._tier_failures.saves.add(command.request_id)
 
     def take_load_errors(self) -> set[int]:
         """Blocks of this step's synchronous loads (prefill's tier) that did not load (vLLM's
@@ -261,10 +263,10 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_saves_failed(self) -> set[str]:
-        """Requests whose save into the tier failed on this rank since the last call."""
-        failed, self._saves_failed = self._saves_failed, set()
-        return failed
+    def take_tier_failures(self) -> TierFailures | None:
+        """Requests whose tier save or load failed on this rank since the last call, if any."""
+        failures, self._tier_failures = self._tier_failures, TierFailures()
+        return failures or None
 
     def results(self) -> TransferResults:
         """The transfers that ended since the last call; in a step that runs no request, first wait up to the

@@ -97,12 +97,14 @@ def connector_config(
     timeout_s: float = 30.0,
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
+    module: str = CONNECTOR_MODULE,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` the operator renders for our connector (``pdoperator.render.engine``),
-    with ``extra`` keys added to its ``kv_connector_extra_config``."""
+    with ``extra`` keys added to its ``kv_connector_extra_config``; ``module``: where vLLM finds the
+    connector class (a fault test's wrapper of ours)."""
     return {
         "kv_connector": "PDConnector",
-        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_connector_module_path": module,
         "kv_role": kv_role,
         "kv_buffer_device": ENGINE_DEVICE.value,
         "engine_id": engine_id,
@@ -218,13 +220,15 @@ def pd_pair(
     extra: dict[str, Any] | None = None,
     prefill_extra: dict[str, Any] | None = None,
     decode_extra: dict[str, Any] | None = None,
+    module: str = CONNECTOR_MODULE,
 ) -> Iterator[PDPair]:
     """Start a prefill and a decode engine with our connector side by side; both are stopped on exit.
 
     ``decode_prefix_caching``: the decode engine keeps vLLM's prefix cache on (the harness turns it off
     everywhere else), so a P/D request there receives only the blocks after its local prefix hit.
     ``decode_args``: more engine arguments for decode. ``extra``: connector settings for both
-    (:data:`CONNECTOR_PATHS`); ``prefill_extra``, ``decode_extra``: for one of them only."""
+    (:data:`CONNECTOR_PATHS`); ``prefill_extra``, ``decode_extra``: for one of them only; ``module``: the
+    connector's module for both (:func:`connector_config`)."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
     prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
     prefill = launch_server(
@@ -238,6 +242,7 @@ def pd_pair(
             timeout_s=timeout_s,
             policy=policy,
             extra={**(extra or {}), **(prefill_extra or {})},
+            module=module,
         ),
         env=ENGINE_ENV,
         port=prefill_http,
@@ -253,6 +258,7 @@ def pd_pair(
             timeout_s=timeout_s,
             policy=policy,
             extra={**(extra or {}), **(decode_extra or {})},
+            module=module,
         ),
         env=ENGINE_ENV,
         port=decode_http,

@@ -105,11 +105,9 @@ def test_each_turn_loads_the_history_from_the_tiers_and_moves_only_the_new_suffi
     assert _grown(prefill_before, prefill_after, CACHED_BY_SOURCE, "host") == loaded
 
 
-def _grown(before: str, after: str, name: str, source: str) -> float:
-    """How much a metric's ``source`` sample grew between two scrapes."""
-    return metric_sum(after, name, labels={"source": source}) - metric_sum(
-        before, name, labels={"source": source}
-    )
+def _grown(before: str, after: str, name: str, source: str, *, label: str = "source") -> float:
+    """How much a metric's sample labelled ``source`` grew between two scrapes."""
+    return metric_sum(after, name, labels={label: source}) - metric_sum(before, name, labels={label: source})
 
 
 @pytest.mark.timeout(600)
@@ -132,3 +130,40 @@ def test_decode_publishes_what_its_tier_holds_as_the_routers_block_hashes(
                 feed.apply(*parse_message(socket.recv_multipart()))
     assert feed.tier_index.matched_blocks(expected) == len(expected) == len(computed) // BLOCK_SIZE
     assert len(feed.index) == 0  # decode's prefix cache is off: these are the tier's blocks alone
+
+
+@pytest.mark.timeout(600)
+def test_a_tier_load_that_fails_falls_back_to_prefills_transfer_on_decode_and_to_recomputing_on_prefill(
+    dense_model: Path, engine_log_dir: Path
+) -> None:
+    tier = {"tier_bytes": TIER_BYTES}
+    with pd_pair(
+        "tier-faults",
+        dense_model,
+        engine_log_dir,
+        policy="recompute",  # as the operator renders it for a prefill with a tier
+        prefill_extra=tier,
+        decode_extra=tier,
+        module="tests.pdconnector.vllm.failing_tier",
+    ) as pair:
+        history = prompt_of(FIRST_PROMPT, seed=4)
+        first = pair.run(TransferMode.PUSH, history, MAX_TOKENS)  # both tiers save it (saves do not fail)
+        prompt = history + first.decode.token_ids + prompt_of(USER_TOKENS, seed=41)
+        before = scrape_metrics(pair.decode.url), scrape_metrics(pair.prefill.url)
+        result = pair.run(TransferMode.PUSH, prompt, MAX_TOKENS)  # both tiers hold its start; loads fail
+        colocated = pair.colocated(prompt, MAX_TOKENS)
+        assert output_differences(colocated, result.decode, logprob_atol=LOGPROB_ATOL) == []
+        received = (result.decode.kv_transfer_params or {})[RECEIVED_KEY]
+        assert (received["tier_blocks"], received["blocks"]) == (
+            0,
+            blocks_of(len(prompt)),
+        )  # all from prefill
+        after = scrape_metrics(pair.decode.url), scrape_metrics(pair.prefill.url)
+    for role, was, now in zip(("decode", "prefill"), before, after, strict=True):
+        failed = _grown(was, now, "vllm:pd_kv_tier_events", "tier_loads_failed", label="event")
+        assert failed == 1, f"{role}: {failed} tier loads counted failed"
+        assert _grown(was, now, "vllm:pd_kv_tokens", "tier") == 0, role
+    assert _grown(before[0], after[0], "vllm:pd_kv_tokens", "remote") == len(
+        prompt
+    )  # decode: all from prefill
+    assert _grown(before[1], after[1], "vllm:pd_kv_tokens", "computed") == len(prompt)  # prefill: recomputed

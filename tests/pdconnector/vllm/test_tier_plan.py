@@ -13,7 +13,7 @@ from pdconnector.protocol.params import (
     prefill_leg_params,
     push_decode_leg_params,
 )
-from pdconnector.vllm.metadata import LoadFromTier, SaveToTier
+from pdconnector.vllm.metadata import LoadFromTier, SaveToTier, TierFailures
 from pdconnector.vllm.scheduler import EngineCoordinates, SchedulerSide
 from pdconnector.vllm.stats import PDTransferStats, TokenSource
 from pdconnector.vllm.tier_plan import TierPlan
@@ -99,33 +99,51 @@ def test_the_next_turn_loads_the_history_from_the_tier_and_registers_only_the_re
     assert (params[RECEIVED_KEY]["blocks"], params[RECEIVED_KEY]["tier_blocks"]) == (2, 3)
 
 
-def test_tokens_are_counted_by_source() -> None:
-    side = scheduler()
+def turn_after_history(side: SchedulerSide) -> FakeRequest:
+    """A 50-token turn whose first block vLLM's prefix cache holds and whose second the tier holds (a
+    32-token history served before), allocated: 34 external tokens, 16 of them from the tier."""
     history = request("d1", 32, "tx-1")
     history.num_computed_tokens = 32
     served(side, history, [7, 8])
     side.take_stats()
     turn = request("d2", 50, "tx-2")
     side.update_state_after_alloc(turn, [blocks(1, 20, 21, 22, cached=1)], 34)
+    side.build_meta()
+    return turn
+
+
+def finished_after_receiving(side: SchedulerSide, turn: FakeRequest, block_ids: list[int]) -> dict[str, Any]:
+    side.update_connector_output({turn.request_id}, set())
+    _, params = side.request_finished(turn, [block_ids])
+    assert params is not None
+    return params[RECEIVED_KEY]
+
+
+def test_tokens_are_counted_by_source_when_the_request_finishes() -> None:
+    side = scheduler()
+    turn = turn_after_history(side)
+    stats = side.take_stats()
+    assert stats is not None and stats.data["tokens"] == {}  # not yet: a tier load may still fail
+    finished_after_receiving(side, turn, [1, 20, 21, 22])
     stats = side.take_stats()
     assert isinstance(stats, PDTransferStats)
     assert stats.data["tokens"] == {"gpu": 16, "tier": 16, "remote": 18}
 
 
-def test_vllm_is_told_which_external_tokens_came_from_the_tier_and_which_from_prefill_once() -> None:
+def test_vllm_is_told_which_external_tokens_come_from_the_tier_and_which_from_prefill() -> None:
     side = scheduler()
-    history = request("d1", 32, "tx-1")
-    history.num_computed_tokens = 32
-    served(side, history, [7, 8])
-    turn = request("d2", 50, "tx-2")
-    side.update_state_after_alloc(turn, [blocks(1, 20, 21, 22, cached=1)], 34)
+    turn_after_history(side)
     assert side.external_tokens("d2") == {TokenSource.TIER: 16, TokenSource.REMOTE: 18}  # sums to the 34
-    assert side.external_tokens("d2") == {}  # asked once per allocation: nothing left behind
-    fresh = request("d3", 40, "tx-3", do_remote_prefill=True)
-    fresh.block_hashes = [b"other-0", b"other-1"]  # type: ignore[attr-defined]
-    side.update_state_after_alloc(fresh, [blocks(30, 31, 32)], 40)
-    side.request_finished(fresh, [[30, 31, 32]])  # vLLM did not ask (its stats off): forgotten at the end
-    assert side.external_tokens("d3") == {}
+
+
+def test_a_tier_load_that_failed_on_a_rank_counts_its_tokens_and_blocks_as_received_from_prefill() -> None:
+    side = scheduler()
+    turn = turn_after_history(side)
+    side.tier_failed(TierFailures(loads={"d2"}))  # that rank took every block from prefill instead
+    received = finished_after_receiving(side, turn, [1, 20, 21, 22])
+    assert (received["blocks"], received["tier_blocks"]) == (3, 0)
+    stats = side.take_stats()
+    assert isinstance(stats, PDTransferStats) and stats.data["tokens"] == {"gpu": 16, "remote": 34}
 
 
 def test_a_request_the_tier_holds_entirely_takes_nothing_from_prefill_and_releases_its_copy() -> None:
@@ -185,7 +203,9 @@ def test_a_save_that_failed_on_a_rank_is_never_read() -> None:
     history = request("d1", 48, "tx-1")
     history.num_computed_tokens = 48
     received_and_finished(side, history, [7, 8, 9])
-    side.tier_saves_failed({"d1"})  # one rank's copy failed; the others' finished_sending follows
+    side.tier_failed(
+        TierFailures(saves={"d1"})
+    )  # one rank's copy failed; the others' finished_sending follows
     side.finished_sending({"d1"})
     turn = request("d2", 80, "tx-2")
     side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24)], 80)
@@ -222,8 +242,23 @@ def test_prefill_saves_its_prompt_once_the_kv_left_and_loads_it_for_the_next_tur
     side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
     (load,) = side.build_meta().commands
     assert load == LoadFromTier("p2", save.slots, (20, 21, 22))
+    prefilled(side, turn, [20, 21, 22, 23, 24, 25])
     stats = side.take_stats()
     assert stats is not None and stats.data["tokens"] == {"tier": 48, "computed": 42}
+
+
+def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None:
+    side = scheduler()
+    prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
+    side.take_stats()
+    turn = prefill_request("p2", 90, "tx-2")
+    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    side.build_meta()
+    side.tier_failed(TierFailures(loads={"p2"}))  # vLLM recomputes the blocks it reported as load errors
+    prefilled(side, turn, [20, 21, 22, 23, 24, 25])
+    stats = side.take_stats()
+    assert stats is not None and stats.data["tokens"] == {"computed": 90}
 
 
 def test_a_prefills_external_tokens_all_came_from_its_tier() -> None:
@@ -256,6 +291,8 @@ def test_a_preempted_prefill_loads_its_tier_run_again_but_counts_its_tokens_once
         side.update_state_after_alloc(again, [blocks(*block_ids)], 48)
         (load,) = side.build_meta().commands
         assert load == LoadFromTier("p2", save.slots[:3], block_ids[:3])  # its blocks were freed: reloaded
+    again.num_computed_tokens = 64
+    side.request_finished(again, [[50, 51, 52, 53]])  # the tier holds every full block: nothing to save
     stats = side.take_stats()
     assert isinstance(stats, PDTransferStats) and stats.data["tokens"] == {"tier": 48, "computed": 16}
 
@@ -287,7 +324,7 @@ def test_what_the_tier_holds_is_published_as_cpu_kv_events_once_readable_and_whe
     received_and_finished(side, other, [11])
     (removed,) = side.take_events()  # the conversation's last block: its first two are still a prefix
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored[2].block_hashes
-    side.tier_saves_failed({"d2"})
+    side.tier_failed(TierFailures(saves={"d2"}))
     side.finished_sending({"d2"})
     assert side.take_events() == []  # a failed save is never published
 

@@ -14,7 +14,7 @@ from pdconnector.layout import RankLayout
 from pdconnector.tier.store import RankTier, TierStore
 from pdconnector.transport.base import Device, MemoryRegion
 from pdconnector.vllm.config import parse_connector_config
-from pdconnector.vllm.metadata import Command, LoadFromTier, PDConnectorMetadata, SaveToTier
+from pdconnector.vllm.metadata import Command, LoadFromTier, PDConnectorMetadata, SaveToTier, TierFailures
 from pdconnector.vllm.worker import TransferResults, WorkerSide
 from pdconnector.worker.commands import PrefillDone
 
@@ -65,7 +65,7 @@ def test_prefill_saves_a_request_once_its_kv_left_and_reports_both_together(rank
     assert step(side, idle_wait_s=30.0).finished_sending == {"req-1"}
     assert tier.store.buffer[0].numpy().tobytes() == block(pools, 2)
     assert tier.store.buffer[3].numpy().tobytes() == block(pools, 5)
-    assert side.take_saves_failed() == set()
+    assert side.take_tier_failures() is None
 
 
 def test_a_prefill_load_that_fails_is_reported_as_load_errors_of_its_blocks(rank) -> None:
@@ -77,13 +77,15 @@ def test_a_prefill_load_that_fails_is_reported_as_load_errors_of_its_blocks(rank
     assert block(pools, 1) == before
     stats = side.take_stats()
     assert stats is not None and stats.data["events"]["tier_loads_failed"] == 1
+    assert side.take_tier_failures() == TierFailures(loads={"req-2"})  # the scheduler counts them computed
 
 
 def test_a_save_that_fails_frees_the_blocks_and_is_reported_to_the_scheduler_side(rank) -> None:
     side, _, _ = rank
     results = step(side, SaveToTier("req-3", (99,), (1,)))  # a block outside the cache
     assert results.finished_sending == {"req-3"}
-    assert side.take_saves_failed() == {"req-3"} and side.take_saves_failed() == set()
+    assert side.take_tier_failures() == TierFailures(saves={"req-3"})
+    assert side.take_tier_failures() is None
 
 
 def test_a_load_copies_the_saved_bytes_into_other_blocks(rank) -> None:
