@@ -1,4 +1,5 @@
-"""Fixtures shared by every suite: the real kubectl and helm binaries, and the real CRD-serving API server."""
+"""Fixtures shared by every suite: the real kubectl and helm binaries, and the real CRD-serving API server;
+Hypothesis's settings for the whole suite."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from tests.k8s.real_server import RealApiServer
+
+# No per-example deadline: on CI's loaded 2-core machine one example stalled by a neighbour's process would
+# fail a property that holds (what is checked is the property, never its speed).
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_TOOLS = REPO / ".cache" / "k8s-tools" / "bin"

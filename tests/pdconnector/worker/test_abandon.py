@@ -28,13 +28,13 @@ def test_an_abandoned_transfer_frees_every_prefill_rank_within_a_second(
         prefill.prefill_finished(transfer_id="tx-gone", blocks=blocks, num_tokens=PROMPT_TOKENS, pull=pull)
         started = time.monotonic()
         decode.abandon("tx-gone", prefill=coords)
-        results = prefill.wait(transfer_id="tx-gone", timeout_s=5.0)
+        results = prefill.wait(transfer_id="tx-gone", timeout_s=LEASE_S / 2)
         elapsed = time.monotonic() - started
         assert sorted((r["rank"], r["kind"]) for r in results) == [
             (rank, "finished_sending") for rank in range(p_tp)
         ], results
         assert all(r["outcome"] != "expired" for r in results), results
-        assert elapsed < 1.0
+        assert elapsed < LEASE_S / 2  # freed on the notice, not at the lease
         # nothing waited for it on decode: nothing to report
         assert decode.wait(transfer_id="tx-gone", timeout_s=0.2) == []
     finally:

@@ -63,8 +63,9 @@ def prefill_host(transport: str) -> Iterator[EngineHost]:
 
 def _frozen_after_registration(
     prefill_host: EngineHost, memory: tuple[str, str | None], *, fence_s: float
-) -> tuple[RemoteEngine, Engine, dict[str, Any]]:
-    """Decode registers a push with a prefill process, which is frozen once it has the registration."""
+) -> tuple[RemoteEngine, Engine, dict[str, Any], float]:
+    """Decode registers a push with a prefill process, which is frozen once it has the registration; returns
+    both engines, the request and when decode registered it (its deadline runs from then)."""
     transport, device = memory
     prefill = prefill_host.create(
         "prefill-frozen", "dense", tp=1, num_blocks=BLOCKS, transport=transport, device=device
@@ -82,18 +83,19 @@ def _frozen_after_registration(
     )
     request = {"src": src, "dst": dst, "num_tokens": num_tokens}
     prefill.fill(blocks=request["src"], num_tokens=num_tokens)
+    asked = time.monotonic()
     decode.expect_push(
         "tx-fenced", prefill=coords, blocks=request["dst"], num_tokens=num_tokens, timeout_s=DEADLINE_S
     )
     assert prefill.wait_stat(name="registrations_received", value=1, timeout_s=20)
     prefill_host.pause()
-    return prefill, decode, request
+    return prefill, decode, request, asked
 
 
 def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_and_frees_them_on_its_answer(
     prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
-    prefill, decode, request = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
+    prefill, decode, request, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         # deadline passed: the blocks are still held
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []
@@ -130,11 +132,14 @@ def test_decode_holds_the_blocks_past_its_deadline_while_the_prefill_is_frozen_a
 def test_a_prefill_that_never_answers_is_fenced_for_fence_s_after_the_deadline_then_released_and_counted(
     prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
-    fence_s = 2.0
-    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=fence_s)
+    fence_s = 6.0
+    _, decode, _, asked = _frozen_after_registration(prefill_host, memory, fence_s=fence_s)
     try:
-        assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + fence_s - 0.5) == []
-        results = decode.wait("tx-fenced", timeout_s=SLACK_S + 1.0)
+        # Nothing by midway through the fence (from decode's registration, which the setup's round trips and
+        # the freeze follow), then the release at its end.
+        midway = asked + DEADLINE_S + fence_s / 2
+        assert decode.wait("tx-fenced", timeout_s=max(0.0, midway - time.monotonic())) == []
+        results = decode.wait("tx-fenced", timeout_s=fence_s / 2 + SLACK_S + 1.0)
         assert [(r["kind"], r["outcome"]) for r in results] == [("failed_recving", "timeout")], results
         assert decode.stats()[0]["fences_expired"] == 1
     finally:
@@ -144,7 +149,7 @@ def test_a_prefill_that_never_answers_is_fenced_for_fence_s_after_the_deadline_t
 def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(
     prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
-    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
+    _, decode, _, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S) == []
         # a dead process posts nothing: its side channel refuses, and the fence ends after a grace
@@ -161,7 +166,7 @@ def test_a_prefill_process_that_is_gone_releases_the_fence_at_once(
 def test_a_decode_cancel_is_fenced_the_same_way(
     prefill_host: EngineHost, memory: tuple[str, str | None]
 ) -> None:
-    _, decode, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
+    _, decode, _, _ = _frozen_after_registration(prefill_host, memory, fence_s=60.0)
     try:
         decode.cancel("tx-fenced")
         assert decode.wait("tx-fenced", timeout_s=DEADLINE_S + SLACK_S) == []

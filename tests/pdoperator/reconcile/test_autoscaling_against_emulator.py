@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pathlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,21 @@ def rounds(count: int) -> float:
     return count * AUTOSCALE_INTERVAL_S
 
 
+# How long a scale may take to show: a few rounds here, but the operator's process, the emulator, the real API
+# server and pytest share CI's two loaded cores (a bound tells "scales" from "never scales").
+SCALES_WITHIN_S = 15.0
+
+
+def settle(env: Env, quiet: float = rounds(3), timeout: float = 30.0) -> None:
+    """Wait until the operator has written nothing for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        since = env.mark()
+        threading.Event().wait(quiet)
+        if not env.writes_since(since) or time.monotonic() > deadline:
+            return
+
+
 def autoscaler_writes(writes: list[str]) -> list[str]:
     """The writes, events aside (each carries a fresh name), as sorted unique lines."""
     return sorted({w for w in writes if "/events" not in w})
@@ -172,16 +188,16 @@ def test_the_operator_starts_the_roles_at_their_minimum_and_holds_without_load(e
     assert env.scaling()["decode"] == {"replicas": 1, "serving": 1}
     eventually(lambda: env.decode_backends() == {f"{NAME}-decode-0": False}, "the router's decode pool")
 
-    threading.Event().wait(rounds(3))  # the first reconcile's writes settle
+    settle(env)  # the first reconcile's writes
     since = env.mark()
     threading.Event().wait(rounds(6))
     assert env.writes_since(since) == [], "an idle service at its minimum is left alone"
 
 
-def test_a_load_step_scales_decode_up_within_a_round_or_two_and_writes_only_the_scale(env: Env) -> None:
+def test_a_load_step_scales_decode_up_and_writes_only_the_scale(env: Env) -> None:
     since = env.mark()
     env.metrics.decode_running = 24  # three decode engines' worth, on one
-    eventually(lambda: env.replicas("decode") == 3, "decode scaled to 3", timeout=rounds(10))
+    eventually(lambda: env.replicas("decode") == 3, "decode scaled to 3", timeout=SCALES_WITHIN_S)
     eventually(lambda: env.scaling().get("decode") == {"replicas": 3, "serving": 3}, "status of the scale")
     assert env.decode_backends() == {f"{NAME}-decode-{i}": False for i in range(3)}
     assert env.replicas("prefill") == 1, "prefill had no load: it stays"
@@ -213,7 +229,7 @@ def test_a_drop_drains_the_highest_ordinals_and_removes_them_only_when_idle(env:
             == {f"{NAME}-decode-0": False, f"{NAME}-decode-1": True, f"{NAME}-decode-2": True}
         ),
         "the two highest decode ordinals draining",
-        timeout=AUTOSCALING["scaleDownWindowSeconds"] + rounds(10),
+        timeout=AUTOSCALING["scaleDownWindowSeconds"] + SCALES_WITHIN_S,
     )
     assert env.scaling()["decode"] == {"replicas": 3, "serving": 1}
     assert env.scaling().get("drainingSince")
@@ -224,7 +240,7 @@ def test_a_drop_drains_the_highest_ordinals_and_removes_them_only_when_idle(env:
 
     with env.metrics.lock:
         env.metrics.left_on = {}
-    eventually(lambda: env.replicas("decode") == 1, "decode shrunk to 1", timeout=rounds(10))
+    eventually(lambda: env.replicas("decode") == 1, "decode shrunk to 1", timeout=SCALES_WITHIN_S)
     eventually(lambda: env.scaling().get("decode") == {"replicas": 1, "serving": 1}, "status of the scale")
     assert env.decode_backends() == {f"{NAME}-decode-0": False}
     assert "drainingSince" not in env.scaling()
