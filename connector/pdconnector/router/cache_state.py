@@ -103,9 +103,21 @@ class CacheState:
         self.metrics.prefix_tokens.labels("tier").inc(prompt.tier_tokens(prefill))
         if prefill.prefix_index is not None:
             prefill.prefix_index.store(prompt.hashes)
-        feed = self.feeds.get(_key(prefill))
-        if feed is not None and feed.has_tier and prefill.tier_index is not None:
-            prefill.tier_index.store(prompt.hashes)
+        self._learn_tier(prefill, prompt)
+
+    def decoding(self, decode: Backend, prompt: PromptBlocks | None) -> None:
+        """``decode`` started answering this prompt. A decode with a KV tier saves the request's blocks there
+        when it ends, so its tier index learns the prompt's: the tier's events name only what it newly wrote,
+        so after a lost batch or an index reset the router would not know the conversations it still holds."""
+        if prompt is not None:
+            self._learn_tier(decode, prompt)
+
+    def _learn_tier(self, backend: Backend, prompt: PromptBlocks) -> None:
+        """Remember the prompt in ``backend``'s tier index once the engine has shown it has a tier (only its
+        events can tell)."""
+        feed = self.feeds.get(_key(backend))
+        if feed is not None and feed.has_tier and backend.tier_index is not None:
+            backend.tier_index.store(prompt.hashes)
 
     async def close(self) -> None:
         await self.subscriptions.close()

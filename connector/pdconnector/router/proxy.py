@@ -348,7 +348,7 @@ class Dispatcher:
         for number in range(1, self.settings.max_attempts + 1):
             tried_at = loop.time()
             try:
-                return await attempt(request, exchange, deadline)
+                started = await attempt(request, exchange, deadline)
             except errors.RouterError as refusal:
                 # No pair left to try (the selection's 503). Where the engines that failed were ejected, the
                 # refusal names them all; otherwise the failure that sent us here is the answer.
@@ -373,6 +373,10 @@ class Dispatcher:
                     raise
                 exchange.pending_retry = (error, retry.cause, now - tried_at)
                 exchange.failed.update(backend.name for backend in retry.avoid)
+                continue
+            if self.cache is not None:
+                self.cache.decoding(started.backend, exchange.prompt)
+            return started
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _retry_started(self, exchange: Exchange) -> None:

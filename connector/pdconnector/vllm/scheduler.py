@@ -63,6 +63,7 @@ from pdconnector.vllm.metadata import (
     ReleaseBlocks,
     TierFailures,
 )
+from pdconnector.vllm.prompt_tokens import PromptTokens
 from pdconnector.vllm.stats import PDTransferStats, TokenSource
 from pdconnector.vllm.tier_plan import TierPlan
 from pdconnector.worker.commands import (
@@ -78,7 +79,6 @@ log = logging.getLogger(__name__)
 
 _TRIMMED_KEY = "_pd_prompt_trimmed"
 _STAGED_KEY = "_pd_staged"
-_EXTERNAL = frozenset({TokenSource.TIER, TokenSource.REMOTE})  # the tokens vLLM counts as external hits
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,7 @@ class SchedulerSide:
         self._resuming: dict[str, float] = {}  # decode requests whose KV arrived, until scheduled: since when
         # prefill requests looked up in the tier -> their prefix-cache hits (blocks), until vLLM allocates
         self._prefill_gpu_hits: dict[str, int] = {}
-        # requests vLLM allocated for -> their prompt tokens by source, counted when they finish
-        self._tokens: dict[str, dict[TokenSource, int]] = {}
+        self._prompt_tokens = PromptTokens()
         # the stages vLLM's scheduler adds around a transfer (admission, resume)
         self._stats = PDTransferStats()
 
@@ -225,7 +224,7 @@ class SchedulerSide:
         if gpu_hits is not None and self.tier is not None:
             blocks = [block.block_id for block in block_groups[0]]
             load, tokens = self.tier.prefill_load(request, blocks, gpu_hits, num_external_tokens)
-            self._plan_tokens(request, tokens)
+            self._prompt_tokens.plan(request.request_id, tokens)
             if load is not None:
                 self._stage(load)
             return
@@ -261,7 +260,7 @@ class SchedulerSide:
                 request_id, transfer, local, cached, num_external_tokens, waited=waited
             )
             command, tokens = self._with_tier(request, transfer, command, cached=cached)
-            self._plan_tokens(request, tokens)
+            self._prompt_tokens.plan(request_id, tokens)
             self._stats.record_stages({Stage.ADMISSION.value: waited})
         except (TransferParamsError, ValueError) as error:
             self._stage(FailRequest(request_id, f"request {request_id}: {error}"))
@@ -328,24 +327,9 @@ class SchedulerSide:
         )
         return load, tokens
 
-    def _plan_tokens(self, request: Any, tokens: dict[TokenSource, int]) -> None:
-        """Where a request's prompt tokens are to come from; counted when it finishes (with what a failed tier
-        load changed), so a preempted prompt planned again counts once."""
-        self._tokens[request.request_id] = tokens
-
     def external_tokens(self, request_id: str) -> dict[TokenSource, int]:
         """The external tokens vLLM was told of for this request, by planned source (empty: none planned)."""
-        tokens = self._tokens.get(request_id, {})
-        return {source: count for source, count in tokens.items() if source in _EXTERNAL and count}
-
-    def _count_tokens(self, request_id: str) -> None:
-        tokens = self._tokens.pop(request_id, None)
-        if tokens is None:
-            return
-        self._stats.record_tokens(tokens)
-        if self.config.log_timeline:
-            counts = " ".join(f"{source.value}={count}" for source, count in tokens.items() if count)
-            log.info("request %s prompt tokens: %s", request_id, counts)
+        return self._prompt_tokens.external(request_id)
 
     def _decode_owner(self, transfer_id: str) -> str | None:
         """The live decode request (receiving, or received and still running) that uses ``transfer_id``, if
@@ -402,13 +386,24 @@ class SchedulerSide:
             if request_id not in failed_recving:
                 self._received[request_id] = incoming
                 self._resuming[request_id] = now
-            elif not self.config.recompute_on_failure:
+                continue
+            # vLLM computes the prompt itself (recompute) or ends the request unserved (fail)
+            recomputed = TokenSource.COMPUTED if self.config.recompute_on_failure else None
+            self._prompt_tokens.moved(request_id, (TokenSource.TIER, TokenSource.REMOTE), recomputed)
+            if not self.config.recompute_on_failure:
                 held.add(request_id)
                 self._stage(ReleaseBlocks(request_id))
         return held
 
     def take_stats(self) -> PDTransferStats | None:
-        """The scheduler's stages since the last call (merged by vLLM with the workers' stats), or None."""
+        """The scheduler's stages and finished requests' prompt tokens since the last call (merged by vLLM
+        with the workers' stats), or None. vLLM asks after the step's worker reports: their corrections
+        count."""
+        for request_id, tokens in self._prompt_tokens.take().items():
+            self._stats.record_tokens(tokens)
+            if self.config.log_timeline:
+                counts = " ".join(f"{source.value}={count}" for source, count in tokens.items() if count)
+                log.info("request %s prompt tokens: %s", request_id, counts)
         return self._stats.take()
 
     def take_events(self) -> list[Any]:
@@ -422,10 +417,8 @@ class SchedulerSide:
             for request_id in failures.saves:
                 self.tier.save_failed(request_id)
         for request_id in failures.loads:
-            tokens = self._tokens.get(request_id)
-            if tokens is not None:
-                instead = TokenSource.REMOTE if request_id in self._incoming else TokenSource.COMPUTED
-                tokens[instead] = tokens.get(instead, 0) + tokens.pop(TokenSource.TIER, 0)
+            instead = TokenSource.REMOTE if request_id in self._incoming else TokenSource.COMPUTED
+            self._prompt_tokens.moved(request_id, (TokenSource.TIER,), instead)
             if (incoming := self._incoming.get(request_id)) is not None:
                 incoming.blocks += incoming.tier_blocks
                 incoming.tier_blocks = 0
@@ -444,7 +437,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
         self._prefill_gpu_hits.pop(request_id, None)
-        self._count_tokens(request_id)
+        self._prompt_tokens.finished(request_id)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

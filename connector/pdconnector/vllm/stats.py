@@ -50,14 +50,15 @@ TIER_EVENTS = ("tier_loads_failed", "tier_saves_failed")
 
 
 class TokenSource(StrEnum):
-    """Where an engine took a request's prompt tokens from (counted when it finishes): decode's
-    from its prefix cache, its tier and prefill; prefill's (with a tier) from its prefix cache, its tier and
-    its own forward."""
+    """Where an engine took a request's prompt tokens from (counted once it finished, by
+    :class:`~pdconnector.vllm.prompt_tokens.PromptTokens`): decode's from its prefix cache, its tier and
+    prefill (its own forward where a failed receive was recomputed); prefill's (with a tier) from its prefix
+    cache, its tier and its own forward."""
 
     GPU = "gpu"  # vLLM's own prefix cache
     TIER = "tier"  # the engine's KV tier in host memory
     REMOTE = "remote"  # prefill, over the transfer
-    COMPUTED = "computed"  # prefill's forward
+    COMPUTED = "computed"  # the engine's own forward
 
 
 class Direction(StrEnum):
@@ -238,7 +239,8 @@ class PDPromMetrics(KVConnectorPromMetrics):
             name="vllm:pd_kv_tokens",
             documentation="Prompt tokens of disaggregated requests by where the engine took them from: "
             "vLLM's prefix cache (gpu), the engine's KV tier (tier), prefill over the transfer (remote, on "
-            "decode), its own forward (computed, on prefill with a tier).",
+            "decode), its own forward (computed: on prefill with a tier, on decode where a failed transfer "
+            "was recomputed); counted once a request finished, a request that failed unserved not at all.",
             labelnames=[*labelnames, "source"],
         )
         self._stages = self._histogram_cls(

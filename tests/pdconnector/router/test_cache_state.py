@@ -23,15 +23,18 @@ CONFIG = CacheAware(block_size=BLOCK)
 PREFIX = list(range(8 * BLOCK))
 
 
-def prefill(name: str, events: str | None = None) -> BackendSpec:
+def engine(role: EngineRole, name: str, events: str | None) -> BackendSpec:
     return BackendSpec(
-        name=name,
-        role=EngineRole.PREFILL,
-        host="127.0.0.1",
-        http_port=9,
-        engine_id=name,
-        kv_events_address=events,
+        name=name, role=role, host="127.0.0.1", http_port=9, engine_id=name, kv_events_address=events
     )
+
+
+def prefill(name: str, events: str | None = None) -> BackendSpec:
+    return engine(EngineRole.PREFILL, name, events)
+
+
+def decode(name: str, events: str | None = None) -> BackendSpec:
+    return engine(EngineRole.DECODE, name, events)
 
 
 def request(tokens: list[int]) -> ClientRequest:
@@ -95,6 +98,27 @@ async def test_a_prompt_routed_to_a_prefill_with_a_kv_tier_is_remembered_in_its_
         assert a.prefix_index is not None
         a.prefix_index.remove(prompt.hashes)
         assert (prompt.cached_tokens(a), prompt.tier_tokens(a)) == (0, len(PREFIX))
+    finally:
+        await state.close()
+        publisher.close(linger=0)
+
+
+async def test_a_decode_with_a_kv_tier_learns_the_prompts_it_answers_into_its_tier_index():
+    publisher, endpoint = publisher_socket()
+    pool = pool_of(prefill("p"), decode("d", endpoint))
+    state = CacheState(CONFIG, RouterMetrics())
+    try:
+        state.track(pool)
+        d = named(pool, "d")
+        prompt = await blocks(state, pool, [*PREFIX, 1, 2, 3])
+        assert prompt is not None and d.tier_index is not None
+        state.decoding(d, prompt)
+        assert len(d.tier_index) == 0  # no sign of a tier yet: only its events could tell
+        feed = state.feeds["decode/d"]
+        feed.apply(0, batch(stored(b"t" * 32, medium="CPU")))  # it published one of its tier's blocks
+        feed.apply(2, batch())  # a lost batch: what the router knew of the tier is gone
+        state.decoding(d, prompt)  # the request's blocks go to decode's tier when it ends
+        assert (prompt.cached_tokens(d), prompt.tier_tokens(d)) == (0, len(PREFIX))
     finally:
         await state.close()
         publisher.close(linger=0)

@@ -36,6 +36,8 @@ from tests.pdconnector.vllm.engine_device import ENGINE_DEVICE, device_engine_ar
 from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
+# Engines run from here, so a connector module under tests/ (a fault test's) imports whatever pytest's cwd.
+REPO = Path(__file__).resolve().parents[3]
 # First start on a loaded 2-core machine can take minutes (testing-here.md saw up to 5).
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
 DEFAULT_REQUEST_TIMEOUT_S = 120.0
@@ -208,7 +210,12 @@ def launch_server(
     )
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=base_engine_env(env), start_new_session=True
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=base_engine_env(env),
+            start_new_session=True,
+            cwd=REPO,
         )
     return VllmServer(name=name, port=port, process=process, log_path=log_path, started_at=time.monotonic())
 

@@ -148,6 +148,7 @@ def test_a_tier_load_that_fails_falls_back_to_prefills_transfer_on_decode_and_to
     ) as pair:
         history = prompt_of(FIRST_PROMPT, seed=4)
         first = pair.run(TransferMode.PUSH, history, MAX_TOKENS)  # both tiers save it (saves do not fail)
+        assert wait_for_free_blocks(pair) == {"prefill": 0.0, "decode": 0.0}  # saved: blocks held until then
         prompt = history + first.decode.token_ids + prompt_of(USER_TOKENS, seed=41)
         before = scrape_metrics(pair.decode.url), scrape_metrics(pair.prefill.url)
         result = pair.run(TransferMode.PUSH, prompt, MAX_TOKENS)  # both tiers hold its start; loads fail

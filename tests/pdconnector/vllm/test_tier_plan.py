@@ -25,9 +25,11 @@ from tests.pdconnector.vllm.test_scheduler_side import FINISHED, PREFILL, FakeRe
 BLOCK = 16
 
 
-def scheduler(mode: str = "push", *, tier_slots: int = 8, hash_block_size: int = BLOCK) -> SchedulerSide:
+def scheduler(
+    mode: str = "push", *, tier_slots: int = 8, hash_block_size: int = BLOCK, failure_policy: str = "fail"
+) -> SchedulerSide:
     return SchedulerSide(
-        config(mode),
+        config(mode, failure_policy),
         EngineCoordinates("engine-a", "10.0.0.2", 5601, 1),
         num_groups=1,
         ssm_groups=frozenset(),
@@ -146,6 +148,16 @@ def test_a_tier_load_that_failed_on_a_rank_counts_its_tokens_and_blocks_as_recei
     assert isinstance(stats, PDTransferStats) and stats.data["tokens"] == {"gpu": 16, "remote": 34}
 
 
+def test_a_failed_receive_counts_its_tokens_as_recomputed_or_not_at_all() -> None:
+    for policy, counted in (("recompute", {"gpu": 16, "computed": 34}), ("fail", {})):
+        side = scheduler(failure_policy=policy)
+        turn = turn_after_history(side)
+        side.update_connector_output({"d2"}, {"d2"})  # the transfer failed
+        side.request_finished(turn, [[1, 20, 21, 22]])
+        stats = side.take_stats()
+        assert stats is not None and stats.data["tokens"] == counted, policy
+
+
 def test_a_request_the_tier_holds_entirely_takes_nothing_from_prefill_and_releases_its_copy() -> None:
     side = scheduler()
     history = request("d1", 48, "tx-1")
@@ -257,6 +269,22 @@ def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None
     side.build_meta()
     side.tier_failed(TierFailures(loads={"p2"}))  # vLLM recomputes the blocks it reported as load errors
     prefilled(side, turn, [20, 21, 22, 23, 24, 25])
+    stats = side.take_stats()
+    assert stats is not None and stats.data["tokens"] == {"computed": 90}
+
+
+def test_a_prefill_that_failed_its_tier_load_and_ended_in_that_step_counts_its_tokens_as_computed() -> None:
+    side = scheduler()
+    prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
+    side.take_stats()
+    turn = prefill_request("p2", 90, "tx-2")
+    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
+    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    side.build_meta()
+    # the fail policy: vLLM ends the request on its load errors, then hands over the step's worker reports
+    turn.status = "FINISHED_ERROR"
+    side.request_finished(turn, [[20, 21, 22, 23, 24, 25]])
+    side.tier_failed(TierFailures(loads={"p2"}))
     stats = side.take_stats()
     assert stats is not None and stats.data["tokens"] == {"computed": 90}
 

@@ -94,3 +94,10 @@ def test_a_load_copies_the_saved_bytes_into_other_blocks(rank) -> None:
     assert step(side, SaveToTier("req-4", (4,), (2,))).finished_sending == {"req-4"}
     step(side, LoadFromTier("req-5", (2,), (7,)))
     assert block(pools, 7) == saved and side.take_load_errors() == set()
+
+
+def test_the_ranks_tier_failures_reach_the_scheduler_side_as_one_report() -> None:
+    # vLLM aggregates the worker metadata of every rank of a step
+    one, other = TierFailures(saves={"a"}), TierFailures(loads={"b"}, saves={"c"})
+    assert one.aggregate(other) == TierFailures(saves={"a", "c"}, loads={"b"})
+    assert not TierFailures() and TierFailures(loads={"b"})
