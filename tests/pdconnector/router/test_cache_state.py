@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 from pdconnector.protocol.params import EngineRole
 from pdconnector.router.backends import Backend, BackendPool, BackendSpec
 from pdconnector.router.cache_aware import CacheAwareWeights
@@ -31,10 +32,6 @@ def engine(role: EngineRole, name: str, events: str | None) -> BackendSpec:
 
 def prefill(name: str, events: str | None = None) -> BackendSpec:
     return engine(EngineRole.PREFILL, name, events)
-
-
-def decode(name: str, events: str | None = None) -> BackendSpec:
-    return engine(EngineRole.DECODE, name, events)
 
 
 def request(tokens: list[int]) -> ClientRequest:
@@ -79,46 +76,29 @@ async def test_without_events_a_follow_up_goes_back_to_the_prefill_its_conversat
     assert choose(pool, unrelated) == "a"
 
 
-async def test_a_prompt_routed_to_a_prefill_with_a_kv_tier_is_remembered_in_its_tier_too():
+@pytest.mark.parametrize("role", [EngineRole.PREFILL, EngineRole.DECODE])
+async def test_an_engine_with_a_kv_tier_learns_the_prompts_routed_to_it_into_its_tier_index(role: EngineRole):
+    """Prefill saves the prompts it computed once their KV left, decode a request's blocks when it ends: their
+    tiers' events name only what they newly wrote, so after a lost batch the router relearns from routing."""
     publisher, endpoint = publisher_socket()
-    pool = pool_of(prefill("a", endpoint))
+    pool = pool_of(prefill("p"), engine(role, "a", endpoint))
     state = CacheState(CONFIG, RouterMetrics())
+    learn = state.routed if role is EngineRole.PREFILL else state.decoding
     try:
         state.track(pool)
         a = named(pool, "a")
         prompt = await blocks(state, pool, [*PREFIX, 1, 2, 3])
         assert prompt is not None and a.tier_index is not None
-        state.routed(a, prompt)
+        learn(a, prompt)
         assert len(a.tier_index) == 0  # no sign of a tier yet: only its events could tell
-        feed = state.feeds["prefill/a"]
+        feed = state.feeds[f"{role.value}/a"]
         feed.apply(0, batch(stored(b"t" * 32, medium="CPU")))  # it published one of its tier's blocks
-        feed.apply(2, batch())  # a lost batch: what the router knew of both is gone
-        state.routed(a, prompt)
+        feed.apply(2, batch())  # a lost batch: what the router knew of the engine is gone
+        learn(a, prompt)
         # vLLM evicts the prompt from the GPU cache (its events remove it there); the tier still serves it
         assert a.prefix_index is not None
         a.prefix_index.remove(prompt.hashes)
         assert (prompt.cached_tokens(a), prompt.tier_tokens(a)) == (0, len(PREFIX))
-    finally:
-        await state.close()
-        publisher.close(linger=0)
-
-
-async def test_a_decode_with_a_kv_tier_learns_the_prompts_it_answers_into_its_tier_index():
-    publisher, endpoint = publisher_socket()
-    pool = pool_of(prefill("p"), decode("d", endpoint))
-    state = CacheState(CONFIG, RouterMetrics())
-    try:
-        state.track(pool)
-        d = named(pool, "d")
-        prompt = await blocks(state, pool, [*PREFIX, 1, 2, 3])
-        assert prompt is not None and d.tier_index is not None
-        state.decoding(d, prompt)
-        assert len(d.tier_index) == 0  # no sign of a tier yet: only its events could tell
-        feed = state.feeds["decode/d"]
-        feed.apply(0, batch(stored(b"t" * 32, medium="CPU")))  # it published one of its tier's blocks
-        feed.apply(2, batch())  # a lost batch: what the router knew of the tier is gone
-        state.decoding(d, prompt)  # the request's blocks go to decode's tier when it ends
-        assert (prompt.cached_tokens(d), prompt.tier_tokens(d)) == (0, len(PREFIX))
     finally:
         await state.close()
         publisher.close(linger=0)

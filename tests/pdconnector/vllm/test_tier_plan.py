@@ -259,13 +259,20 @@ def test_prefill_saves_its_prompt_once_the_kv_left_and_loads_it_for_the_next_tur
     assert stats is not None and stats.data["tokens"] == {"tier": 48, "computed": 42}
 
 
-def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None:
-    side = scheduler()
+def prefill_turn_loading_from_the_tier(side: SchedulerSide) -> FakeRequest:
+    """A 90-token prompt whose first 48 tokens a 50-token prompt prefilled before left in the tier, allocated
+    and its load staged (blocks 20-25)."""
     prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
     side.take_stats()
     turn = prefill_request("p2", 90, "tx-2")
     assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
     side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    return turn
+
+
+def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None:
+    side = scheduler()
+    turn = prefill_turn_loading_from_the_tier(side)
     side.build_meta()
     side.tier_failed(TierFailures(loads={"p2"}))  # vLLM recomputes the blocks it reported as load errors
     prefilled(side, turn, [20, 21, 22, 23, 24, 25])
@@ -275,11 +282,7 @@ def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None
 
 def test_a_prefill_that_failed_its_tier_load_and_ended_in_that_step_counts_its_tokens_as_computed() -> None:
     side = scheduler()
-    prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
-    side.take_stats()
-    turn = prefill_request("p2", 90, "tx-2")
-    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
-    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    turn = prefill_turn_loading_from_the_tier(side)
     side.build_meta()
     # the fail policy: vLLM ends the request on its load errors, then hands over the step's worker reports
     turn.status = "FINISHED_ERROR"
@@ -291,10 +294,7 @@ def test_a_prefill_that_failed_its_tier_load_and_ended_in_that_step_counts_its_t
 
 def test_a_prefills_external_tokens_all_came_from_its_tier() -> None:
     side = scheduler()
-    prefilled(side, prefill_request("p1", 50, "tx-1"), [7, 8, 9, 10])
-    turn = prefill_request("p2", 90, "tx-2")
-    assert side.get_num_new_matched_tokens(turn, 0) == (48, False)
-    side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24, 25)], 48)
+    prefill_turn_loading_from_the_tier(side)
     assert side.external_tokens("p2") == {TokenSource.TIER: 48}
 
 
