@@ -107,8 +107,9 @@ class CacheState:
 
     def decoding(self, decode: Backend, prompt: PromptBlocks | None) -> None:
         """``decode`` started answering this prompt. A decode with a KV tier saves the request's blocks there
-        when it ends, so its tier index learns the prompt's: the tier's events name only what it newly wrote,
-        so after a lost batch or an index reset the router would not know the conversations it still holds."""
+        when it ends normally, so its tier index learns the prompt's now (optimistically: events remove what
+        the tier evicts): the tier's events name only what it newly wrote, so after a lost batch or an index
+        reset the router would not know the conversations it still holds."""
         if prompt is not None:
             self._learn_tier(decode, prompt)
 

@@ -387,10 +387,10 @@ class SchedulerSide:
                 self._received[request_id] = incoming
                 self._resuming[request_id] = now
                 continue
-            # vLLM computes the prompt itself (recompute) or ends the request unserved (fail)
-            recomputed = TokenSource.COMPUTED if self.config.recompute_on_failure else None
-            self._prompt_tokens.moved(request_id, (TokenSource.TIER, TokenSource.REMOTE), recomputed)
-            if not self.config.recompute_on_failure:
+            if self.config.recompute_on_failure:  # else vLLM ends the request unserved: it counts nothing
+                fell_back = (TokenSource.TIER, TokenSource.REMOTE)
+                self._prompt_tokens.moved(request_id, fell_back, TokenSource.COMPUTED)
+            else:
                 held.add(request_id)
                 self._stage(ReleaseBlocks(request_id))
         return held
@@ -437,7 +437,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._resuming.pop(request_id, None)
         self._prefill_gpu_hits.pop(request_id, None)
-        self._prompt_tokens.finished(request_id)
+        self._prompt_tokens.finished(request_id, served=request.status in self.finished_statuses)
         params = self._params(request)
         incoming = self._incoming.get(request_id)
         if incoming is not None and incoming.failed:

@@ -36,7 +36,7 @@ from tests.pdconnector.vllm.engine_device import ENGINE_DEVICE, device_engine_ar
 from tests.ports import free_port
 
 LOOPBACK = "127.0.0.1"
-# Engines run from here, so a connector module under tests/ (a fault test's) imports whatever pytest's cwd.
+# Engines run from here, so a connector module under tests/ (a fault test's) imports whatever pytest's cwd is.
 REPO = Path(__file__).resolve().parents[3]
 # First start on a loaded 2-core machine can take minutes (testing-here.md saw up to 5).
 DEFAULT_STARTUP_TIMEOUT_S = 420.0

@@ -12,9 +12,9 @@ needs every block decode frees:
   victim's prefill leg.
 
 Corruption detector: every completion the clients receive equals the decode engine's own co-located output
-(token ids and top-5 logprobs), the victim gets its error at its deadline (+ 1 s) although its blocks stay
-held until the late bytes can no longer land (the fence holds blocks, not clients), afterwards both engines
-serve P/D traffic with co-located outputs, and neither holds a block.
+(token ids and top-5 logprobs), the victim gets its error at its deadline (well before the late bytes)
+although its blocks stay held until the late bytes can no longer land (the fence holds blocks, not clients),
+afterwards both engines serve P/D traffic with co-located outputs, and neither holds a block.
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ from tests.pdconnector.vllm.pd_engines import (
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = 3.0  # decode's transfer timeout
-WRITE_DELAY_S = 7.0  # how much later than posted the late WRITE's bytes arrive
+WRITE_DELAY_S = 9.0  # how much later than posted the late WRITE's bytes arrive (within the 10 s lease)
 FREEZE_S = DEADLINE_S + 3.0  # how long the frozen prefill stays stopped
 # The victim's client hears its error at decode's deadline, not when the fence lets its blocks go
 # (no sooner than the late bytes land, WRITE_DELAY_S after prefill posted them): the bound lies midway,
-# 2 s clear of each, as decode's deadline starts when its worker took the registration and the error
+# 3 s clear of each, as decode's deadline starts when its worker took the registration and the error
 # leaves on an engine step that the fillers slow (4.45 s after asking on a loaded 2-core CI machine,
 # 3.0-3.2 s here).
 VICTIM_ANSWER_S = (DEADLINE_S + WRITE_DELAY_S) / 2

@@ -1,5 +1,5 @@
-"""Each request's prompt tokens by source: planned at allocation, moved by what failed, counted once when
-settled."""
+"""Each served request's prompt tokens by source: planned at allocation, moved by what failed, counted once
+after it finished."""
 
 from pdconnector.vllm.prompt_tokens import PromptTokens
 from pdconnector.vllm.stats import TokenSource
@@ -11,7 +11,7 @@ def test_a_finished_request_is_counted_once_with_its_plan() -> None:
     tokens = PromptTokens()
     tokens.plan("r", {GPU: 16, TIER: 32, REMOTE: 20})
     assert tokens.take() == {}  # still running
-    tokens.finished("r")
+    tokens.finished("r", served=True)
     assert tokens.take() == {"r": {GPU: 16, TIER: 32, REMOTE: 20}}
     assert tokens.take() == {}
 
@@ -27,14 +27,15 @@ def test_a_request_planned_again_after_preemption_counts_its_last_plan_only() ->
     tokens = PromptTokens()
     tokens.plan("r", {TIER: 48, COMPUTED: 16})
     tokens.plan("r", {GPU: 16, TIER: 32, COMPUTED: 16})
-    tokens.finished("r")
+    tokens.finished("r", served=True)
     assert tokens.take() == {"r": {GPU: 16, TIER: 32, COMPUTED: 16}}
 
 
 def test_a_failure_reported_after_the_request_finished_still_moves_its_tokens() -> None:
     tokens = PromptTokens()
     tokens.plan("r", {TIER: 48, COMPUTED: 42})
-    tokens.finished("r")  # vLLM frees a step's finished requests before the step's worker reports reach us
+    # vLLM frees a step's finished requests before the step's worker reports reach the connector
+    tokens.finished("r", served=True)
     tokens.moved("r", (TIER,), COMPUTED)
     assert tokens.take() == {"r": {COMPUTED: 90}}
 
@@ -42,13 +43,13 @@ def test_a_failure_reported_after_the_request_finished_still_moves_its_tokens() 
 def test_a_request_that_was_not_served_counts_nothing() -> None:
     tokens = PromptTokens()
     tokens.plan("r", {GPU: 16, REMOTE: 34})
-    tokens.moved("r", (TIER, REMOTE), None)
-    tokens.finished("r")
+    tokens.finished("r", served=False)  # aborted, or failed
     assert tokens.take() == {}
+    assert tokens.external("r") == {}
 
 
 def test_a_move_for_a_request_never_planned_is_ignored() -> None:
     tokens = PromptTokens()
     tokens.moved("gone", (TIER,), REMOTE)
-    tokens.finished("gone")
+    tokens.finished("gone", served=True)
     assert tokens.take() == {}

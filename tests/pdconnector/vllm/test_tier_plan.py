@@ -20,7 +20,7 @@ from pdconnector.vllm.tier_plan import TierPlan
 from pdconnector.worker.commands import AbandonTransfer, ExpectPush, PrefillDone, ReadBlocks
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from tests.pdconnector.vllm.test_scheduler_side import FINISHED, PREFILL, FakeRequest, blocks, config
+from tests.pdconnector.vllm.test_scheduler_side import ABORTED, FINISHED, PREFILL, FakeRequest, blocks, config
 
 BLOCK = 16
 
@@ -149,13 +149,26 @@ def test_a_tier_load_that_failed_on_a_rank_counts_its_tokens_and_blocks_as_recei
 
 
 def test_a_failed_receive_counts_its_tokens_as_recomputed_or_not_at_all() -> None:
-    for policy, counted in (("recompute", {"gpu": 16, "computed": 34}), ("fail", {})):
+    for policy, status, counted in (
+        ("recompute", FINISHED, {"gpu": 16, "computed": 34}),  # vLLM computed the prompt, then served it
+        ("fail", "finished_error", {}),
+    ):
         side = scheduler(failure_policy=policy)
         turn = turn_after_history(side)
         side.update_connector_output({"d2"}, {"d2"})  # the transfer failed
+        turn.status = status
         side.request_finished(turn, [[1, 20, 21, 22]])
         stats = side.take_stats()
         assert stats is not None and stats.data["tokens"] == counted, policy
+
+
+def test_a_request_aborted_while_receiving_counts_nothing() -> None:
+    side = scheduler()
+    turn = turn_after_history(side)
+    turn.status = ABORTED
+    assert side.request_finished(turn, [[1, 20, 21, 22]]) == (True, None)  # held until no write can land
+    stats = side.take_stats()
+    assert stats is not None and stats.data["tokens"] == {}
 
 
 def test_a_request_the_tier_holds_entirely_takes_nothing_from_prefill_and_releases_its_copy() -> None:
@@ -215,9 +228,8 @@ def test_a_save_that_failed_on_a_rank_is_never_read() -> None:
     history = request("d1", 48, "tx-1")
     history.num_computed_tokens = 48
     received_and_finished(side, history, [7, 8, 9])
-    side.tier_failed(
-        TierFailures(saves={"d1"})
-    )  # one rank's copy failed; the others' finished_sending follows
+    # one rank's copy failed; the others' finished_sending follows
+    side.tier_failed(TierFailures(saves={"d1"}))
     side.finished_sending({"d1"})
     turn = request("d2", 80, "tx-2")
     side.update_state_after_alloc(turn, [blocks(20, 21, 22, 23, 24)], 80)
@@ -280,16 +292,15 @@ def test_a_prefill_tier_load_that_failed_counts_its_tokens_as_computed() -> None
     assert stats is not None and stats.data["tokens"] == {"computed": 90}
 
 
-def test_a_prefill_that_failed_its_tier_load_and_ended_in_that_step_counts_its_tokens_as_computed() -> None:
+def test_a_prefill_the_fail_policy_ended_on_its_failed_tier_load_counts_nothing() -> None:
     side = scheduler()
     turn = prefill_turn_loading_from_the_tier(side)
     side.build_meta()
-    # the fail policy: vLLM ends the request on its load errors, then hands over the step's worker reports
-    turn.status = "FINISHED_ERROR"
+    # vLLM ends the request on its load errors, then hands over the step's worker reports
+    turn.status = "finished_error"
     side.request_finished(turn, [[20, 21, 22, 23, 24, 25]])
     side.tier_failed(TierFailures(loads={"p2"}))
-    stats = side.take_stats()
-    assert stats is not None and stats.data["tokens"] == {"computed": 90}
+    assert side.take_stats() is None  # nothing to count
 
 
 def test_a_prefills_external_tokens_all_came_from_its_tier() -> None:

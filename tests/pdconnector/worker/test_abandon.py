@@ -15,7 +15,7 @@ PROMPT_TOKENS = 40
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
 @pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
-def test_an_abandoned_transfer_frees_every_prefill_rank_within_a_second(
+def test_an_abandoned_transfer_frees_every_prefill_rank_on_the_notice_not_at_the_lease(
     p_tp: int, d_tp: int, pull: bool
 ) -> None:
     limits = {"registration_lease_s": LEASE_S, "prefill_lease_s": LEASE_S}

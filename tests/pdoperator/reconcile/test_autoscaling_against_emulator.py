@@ -170,8 +170,9 @@ def settle(env: Env, quiet: float = rounds(3), timeout: float = 30.0) -> None:
     while True:
         since = env.mark()
         threading.Event().wait(quiet)
-        if not env.writes_since(since) or time.monotonic() > deadline:
+        if not (writes := env.writes_since(since)):
             return
+        assert time.monotonic() < deadline, f"the operator kept writing for {timeout} s: {writes[-3:]}"
 
 
 def autoscaler_writes(writes: list[str]) -> list[str]:

@@ -8,7 +8,7 @@ engine reads a prompt's KV again at every decode step, so a byte landing late in
 answer.
 
 Whatever happens: no wrong answer (every 200 equals the co-located engine's), no hung request (each answered
-within twice the transfer timeout + 5 s + the longest freeze), no block left held
+within twice (the transfer timeout + 5 s + the longest freeze)), no block left held
 once the faults stop, and the engines serve afterwards.
 """
 
