@@ -402,7 +402,7 @@ class SchedulerSide:
         for request_id, tokens in self._prompt_tokens.take().items():
             self._stats.record_tokens(tokens)
             if self.config.log_timeline:
-                counts = " ".join(f"{source.value}={count}" for source, count in tokens.items() if count)
+                counts = " ".join(f"{s.value}={tokens[s]}" for s in TokenSource if tokens.get(s))
                 log.info("request %s prompt tokens: %s", request_id, counts)
         return self._stats.take()
 

@@ -230,42 +230,33 @@ def pd_pair(
     (:data:`CONNECTOR_PATHS`); ``prefill_extra``, ``decode_extra``: for one of them only; ``module``: the
     connector's module for both (:func:`connector_config`)."""
     prefill_sc, decode_sc, prefill_http, decode_http = reserve_ports(4)
-    prefill_id, decode_id = f"{name}-prefill", f"{name}-decode"
-    prefill = launch_server(
-        prefill_id,
-        model_dir,
-        log_dir,
-        kv_transfer_config=connector_config(
-            prefill_id,
-            "kv_producer",
-            prefill_sc,
+    prefill_id = f"{name}-prefill"
+
+    def launch(
+        engine_id: str, kv_role: str, ports: tuple[int, int], role_extra: dict[str, Any] | None, **kwargs: Any
+    ) -> VllmServer:
+        side_channel_port, http_port = ports
+        config = connector_config(
+            engine_id,
+            kv_role,
+            side_channel_port,
             timeout_s=timeout_s,
             policy=policy,
-            extra={**(extra or {}), **(prefill_extra or {})},
+            extra={**(extra or {}), **(role_extra or {})},
             module=module,
-        ),
-        env=ENGINE_ENV,
-        port=prefill_http,
-    )
-    decode = launch_server(
-        decode_id,
-        model_dir,
-        log_dir,
-        kv_transfer_config=connector_config(
-            decode_id,
-            "kv_consumer",
-            decode_sc,
-            timeout_s=timeout_s,
-            policy=policy,
-            extra={**(extra or {}), **(decode_extra or {})},
-            module=module,
-        ),
-        env=ENGINE_ENV,
-        port=decode_http,
-        extra_args=(
-            *decode_args,
-            *(("--enable-prefix-caching",) if decode_prefix_caching else ()),
-        ),  # the last of the two flags wins
+        )
+        return launch_server(
+            engine_id, model_dir, log_dir, kv_transfer_config=config, env=ENGINE_ENV, port=http_port, **kwargs
+        )
+
+    prefill = launch(prefill_id, "kv_producer", (prefill_sc, prefill_http), prefill_extra)
+    decode = launch(
+        f"{name}-decode",
+        "kv_consumer",
+        (decode_sc, decode_http),
+        decode_extra,
+        # the last of the two prefix-caching flags wins
+        extra_args=(*decode_args, *(("--enable-prefix-caching",) if decode_prefix_caching else ())),
     )
     with running_servers(prefill, decode):
         warm_up(prefill, decode)

@@ -4,8 +4,11 @@ first and from prefill only after the tier's run."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
+import pytest
 from pdconnector.protocol.params import (
     RECEIVED_KEY,
     TRANSFER_ID_KEY,
@@ -130,6 +133,18 @@ def test_tokens_are_counted_by_source_when_the_request_finishes() -> None:
     stats = side.take_stats()
     assert isinstance(stats, PDTransferStats)
     assert stats.data["tokens"] == {"gpu": 16, "tier": 16, "remote": 18}
+
+
+def test_with_log_timeline_each_finished_request_logs_its_prompt_tokens_by_source(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    side = scheduler()
+    side.config = dataclasses.replace(side.config, log_timeline=True)
+    turn = turn_after_history(side)
+    finished_after_receiving(side, turn, [1, 20, 21, 22])
+    with caplog.at_level(logging.INFO, logger="pdconnector.vllm.scheduler"):
+        side.take_stats()
+    assert "request d2 prompt tokens: gpu=16 tier=16 remote=18" in caplog.messages
 
 
 def test_vllm_is_told_which_external_tokens_come_from_the_tier_and_which_from_prefill() -> None:
