@@ -259,7 +259,7 @@ class SchedulerSide:
             command = self._decode_command(
                 request_id, transfer, local, cached, num_external_tokens, waited=waited
             )
-            command, tokens = self._with_tier(request, transfer, command, cached=cached)
+            command, tokens = self._with_tier(request, transfer, command, cached=cached, waited=waited)
             self._prompt_tokens.plan(request_id, tokens)
             self._stats.record_stages({Stage.ADMISSION.value: waited})
         except (TransferParamsError, ValueError) as error:
@@ -296,7 +296,13 @@ class SchedulerSide:
         )
 
     def _with_tier(
-        self, request: Any, transfer: TransferRequest, full: ExpectPush | ReadBlocks, *, cached: int
+        self,
+        request: Any,
+        transfer: TransferRequest,
+        full: ExpectPush | ReadBlocks,
+        *,
+        cached: int,
+        waited: float,
     ) -> tuple[Command, dict[TokenSource, int]]:
         """The decode command for a request, and its prompt tokens by source: ``full`` (every block from
         prefill), or, where the tier holds the leading run of the blocks to fill, a load of that run followed
@@ -315,7 +321,7 @@ class SchedulerSide:
                 (split.remote_blocks,),
                 split.cached_blocks,
                 num_tokens - from_tier,
-                waited=waited_s(request),
+                waited=waited,
             )
         else:
             assert transfer.remote is not None
